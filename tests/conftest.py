@@ -1,0 +1,53 @@
+"""Shared fixtures. One real vLLM engine serves every engine test (start-up costs ~25 s)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from wim_service.assets.default_model import default_model_dir
+from wim_service.engine.config import EngineConfig
+from wim_service.wim.tokenizer import HFTokenizer
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# fp32: exact-equality tests need it (bf16 results shift with batch shape).
+TEST_ENGINE = EngineConfig(
+    dtype="float32",
+    max_model_len=4096,
+    kv_cache_gib=1.0,
+    max_sessions=12,
+    max_num_seqs=128,
+    admission_timeout_s=300,
+)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> HFTokenizer:
+    return HFTokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def report() -> str:
+    return (EXAMPLES / "harbor_report.txt").read_text()
+
+
+@pytest.fixture(scope="session")
+def short_report(report: str) -> str:
+    """The first three sections (~420 tokens): small enough for the reference backend."""
+    return report.split("Section 4.")[0].strip()
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator:
+    from wim_service.engine.vllm_engine import VLLMBackend
+
+    backend = VLLMBackend.start(TEST_ENGINE)
+    yield backend
+    backend.shutdown()

@@ -1,0 +1,212 @@
+"""`wim`: run WiM on a document from the command line, benchmark it, prepare offline assets.
+
+wim run --context examples/harbor_report.txt --query "What is the night gate code?"
+wim run --context doc.txt --query "..." --json --relevance classifier
+wim bench                      # the side-by-side benchmark of docs/benchmarks.md
+wim setup                      # convert the default model, write the punkt data
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from wim_service.engine.config import EngineConfig
+from wim_service.wim.events import WiMEvent
+from wim_service.wim.options import RelevanceMode, WiMOptions
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model", help="local Hugging Face model folder (default: offline SmolLM2-135M-Instruct)"
+    )
+    group.add_argument("--dtype", default=defaults.dtype, help="model dtype (%(default)s)")
+    group.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    group.add_argument(
+        "--kv-cache-gib", type=float, default=defaults.kv_cache_gib, help="KV cache size"
+    )
+    group.add_argument("--block-size", type=int, default=defaults.block_size)
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        block_size=args.block_size,
+        **overrides,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wim", description="Writing-in-the-Margins long-document question answering."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="answer a query about a document")
+    run.add_argument("--context", required=True, type=Path, help="the document (UTF-8 text)")
+    run.add_argument("--query", required=True, help="the question")
+    run.add_argument("--json", action="store_true", help="print one JSON object, no progress")
+    run.add_argument(
+        "--relevance",
+        choices=[m.value for m in RelevanceMode],
+        default=RelevanceMode.FIRST_TOKEN.value,
+        help="how margins are judged (%(default)s)",
+    )
+    run.add_argument("--segment-tokens", type=int, default=WiMOptions().segment_tokens)
+    run.add_argument(
+        "--options", type=Path, help="JSON file with further WiMOptions (prompts, limits)"
+    )
+    run.add_argument(
+        "--backend",
+        choices=["vllm", "reference"],
+        default="vllm",
+        help="vllm engine, or the plain-transformers reference backend",
+    )
+    add_engine_arguments(run)
+
+    bench = commands.add_parser("bench", help="benchmark ratios, measured side by side")
+    from wim_service.bench import add_bench_arguments
+
+    add_bench_arguments(bench)
+    add_engine_arguments(bench)
+
+    commands.add_parser("setup", help="prepare the offline default model and punkt data")
+    return parser
+
+
+def _options(args: argparse.Namespace) -> WiMOptions:
+    extra = json.loads(args.options.read_text()) if args.options else {}
+    extra.setdefault("relevance", args.relevance)
+    extra.setdefault("segment_tokens", args.segment_tokens)
+    return WiMOptions.model_validate(extra)
+
+
+def start_backend(args: argparse.Namespace) -> Any:
+    if getattr(args, "backend", "vllm") == "reference":
+        from wim_service.assets.default_model import default_model_dir
+        from wim_service.engine.hf_backend import HFBackend
+
+        config = engine_config(args)
+        return HFBackend(
+            config.model or default_model_dir(),
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            block_size=config.block_size,
+        )
+    from wim_service.engine.vllm_engine import VLLMBackend
+
+    return VLLMBackend.start(engine_config(args))
+
+
+async def _collect(events: AsyncIterator[WiMEvent]) -> dict[str, Any]:
+    result: dict[str, Any] = {"margins": []}
+    async for event in events:
+        if event.type == "margin":
+            result["margins"].append(
+                {"segment": event.segment, "text": event.text, "relevant": event.relevant}
+            )
+        elif event.type == "done":
+            result.update(
+                answer=event.answer,
+                usage=event.usage.model_dump(),
+                timings=event.timings.model_dump(),
+            )
+        elif event.type == "error":
+            result["error"] = {"code": event.code, "message": event.message}
+    result["margins"].sort(key=lambda m: m["segment"])
+    return result
+
+
+async def _show(events: AsyncIterator[WiMEvent]) -> int:
+    """Progress bar per segment, margins as they are written, then the streamed answer."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    console = Console(stderr=True)
+    out = Console()
+    progress = Progress(
+        TextColumn("reading"), BarColumn(), MofNCompleteColumn(), console=console, transient=True
+    )
+    task = None
+    status = 0
+    with progress:
+        async for event in events:
+            if event.type == "segment":
+                if task is None:
+                    task = progress.add_task("segments", total=event.segments)
+                progress.update(task, completed=event.segment + 1)
+            elif event.type == "margin":
+                mark = "[green]kept[/]" if event.relevant else "[dim]dropped[/]"
+                text = event.text or "(no relevant fact)"
+                progress.console.print(f"[bold]margin {event.segment + 1}[/] {mark}: {text}")
+            elif event.type == "answer":
+                if task is not None:
+                    progress.stop()
+                    progress.remove_task(task)
+                    task = None
+                    out.print("[bold]answer:[/] ", end="")
+                out.print(event.text, end="", markup=False, highlight=False)
+            elif event.type == "done":
+                out.print()
+                u = event.usage
+                console.print(
+                    f"[dim]{u.segments} segments, {u.context_tokens} context tokens, "
+                    f"{u.prompt_tokens_computed} prompt tokens computed "
+                    f"({u.prompt_tokens_cached} from cache), {event.timings.total_s:.1f} s[/]"
+                )
+            elif event.type == "error":
+                console.print(f"[red]error ({event.code}):[/] {event.message}")
+                status = 1
+    return status
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from wim_service.wim.orchestrator import run_wim
+
+    document = args.context.read_text(encoding="utf-8")
+    options = _options(args)
+    backend = start_backend(args)
+    try:
+        events = run_wim(backend, backend.tokenizer, document, args.query, options)
+        if args.json:
+            result = await _collect(events)
+            print(json.dumps(result, indent=2))
+            return 1 if "error" in result else 0
+        return await _show(events)
+    finally:
+        if hasattr(backend, "shutdown"):
+            backend.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "setup":
+        from wim_service.assets.default_model import default_model_dir
+        from wim_service.assets.punkt import punkt_data_dir
+
+        print(f"default model: {default_model_dir()}")
+        print(f"punkt data:    {punkt_data_dir()}")
+        return 0
+    if args.command == "run":
+        try:
+            return asyncio.run(_run(args))
+        except (OSError, ValueError) as exc:
+            print(f"wim: {exc}", file=sys.stderr)
+            return 2
+    from wim_service.bench import run_bench
+
+    return asyncio.run(run_bench(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Admission control: a document session may start only if its worst-case KV fits.
+
+A parked WiM context holds its KV blocks and a sequence slot and can never be preempted, so an
+engine that admits more documents than its KV holds deadlocks (vLLM cannot evict what parked
+sessions pin). Each session therefore reserves its worst-case blocks up front; a session that
+does not fit waits, in arrival order, for up to `timeout_s`, then is refused as overloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from wim_service.wim.errors import ErrorCode, WiMError
+
+
+@dataclass(frozen=True)
+class AdmissionLoad:
+    sessions: int
+    reserved_blocks: int
+    capacity_blocks: int
+    waiting: int
+
+
+class KVAdmission:
+    def __init__(self, capacity_blocks: int, max_sessions: int, timeout_s: float) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.max_sessions = max_sessions
+        self.timeout_s = timeout_s
+        self.sessions = 0
+        self.reserved_blocks = 0
+        self._waiters: deque[asyncio.Event] = deque()
+
+    def load(self) -> AdmissionLoad:
+        return AdmissionLoad(
+            self.sessions, self.reserved_blocks, self.capacity_blocks, len(self._waiters)
+        )
+
+    def _fits(self, blocks: int) -> bool:
+        return (
+            self.sessions < self.max_sessions
+            and self.reserved_blocks + blocks <= self.capacity_blocks
+        )
+
+    async def acquire(self, blocks: int) -> None:
+        if blocks > self.capacity_blocks:
+            raise WiMError(
+                ErrorCode.TOO_LONG,
+                f"the job needs up to {blocks} KV blocks but this engine holds "
+                f"{self.capacity_blocks}; send a shorter document",
+            )
+        if self._waiters or not self._fits(blocks):
+            await self._wait_turn(blocks)
+        self.sessions += 1
+        self.reserved_blocks += blocks
+
+    async def _wait_turn(self, blocks: int) -> None:
+        """Queue in arrival order until this request is first in line and fits."""
+        deadline = time.monotonic() + self.timeout_s
+        turn = asyncio.Event()
+        self._waiters.append(turn)
+        try:
+            while not (self._waiters[0] is turn and self._fits(blocks)):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WiMError(
+                        ErrorCode.OVERLOADED,
+                        f"no KV capacity for this document now ({self.sessions} sessions hold "
+                        f"{self.reserved_blocks}/{self.capacity_blocks} blocks); retry later",
+                        retry_after_s=max(1.0, self.timeout_s / 2),
+                    )
+                turn.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(turn.wait(), remaining)
+        finally:
+            self._waiters.remove(turn)
+            # The next in line may fit now (or may have been blocked only by this one).
+            self._wake()
+
+    def release(self, blocks: int) -> None:
+        self.sessions -= 1
+        self.reserved_blocks -= blocks
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiters:
+            self._waiters[0].set()

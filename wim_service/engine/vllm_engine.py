@@ -1,0 +1,386 @@
+"""WiM contexts on one vLLM `AsyncLLM` (V1 engine, vLLM 0.32).
+
+The mechanism (measured on vLLM 0.32, see docs/architecture.md):
+
+* A context is one *streaming-input session* (`AsyncLLM.generate` fed by an async generator of
+  `StreamingInput`). Each push is sampled with `max_tokens=1`; vLLM discards that token when the
+  next input arrives, so the session's KV holds exactly the pushed tokens. While parked between
+  pushes the session holds its blocks: they cannot be evicted or preempted.
+* A branch (margin, final answer of a document session) is an ordinary request whose prompt is
+  `context[:n] + suffix`, carrying the context's server-generated `cache_salt`: prefix caching
+  maps every full KV block of `context[:n]` onto the session's physical blocks.
+* `conclude` pushes the final prompt into the session itself: the answer reads the whole
+  context with zero recompute.
+* Closing a context ends the session, then purges its salt's cache entries
+  (`WiMScheduler.wim_purge_salt`), so no later request can hit the document's KV.
+* Lengths are checked before every push: a session that outgrows `max_model_len` would kill the
+  whole engine (vLLM #42489), not just the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import itertools
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from wim_service.engine.admission import AdmissionLoad, KVAdmission
+from wim_service.engine.config import EngineConfig
+from wim_service.engine.scheduler import SALT_PREFIX
+from wim_service.wim.backend import (
+    EngineLimits,
+    GenerationChunk,
+    GenerationParams,
+    PromptCost,
+    RequestKind,
+)
+from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.tokenizer import HFTokenizer
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+# Lower runs first. Answers and margins jump ahead of context pushes, so a parked session's
+# margins never wait behind another document's prefill (and cannot deadlock behind it).
+PRIORITY = {
+    RequestKind.ANSWER: 0,
+    RequestKind.CLASSIFIER: 0,
+    RequestKind.MARGIN: 1,
+    RequestKind.CONTEXT: 2,
+}
+# How long a closing context waits for its last push before aborting it outright.
+CLOSE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class KVStats:
+    free_blocks: int
+    total_blocks: int
+    cached_blocks: int
+    parked_sessions: int
+
+
+def _cpu_list() -> str:
+    cores = sorted(os.sched_getaffinity(0))
+    return ",".join(str(c) for c in cores)
+
+
+def configure_process_env(config: EngineConfig) -> None:
+    """Environment vLLM reads at engine start (it must be set before the engine spawns)."""
+    bind = _cpu_list() if config.cpu_threads_bind == "all" else config.cpu_threads_bind
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM's own usage-stats reporting would try the network.
+    os.environ["VLLM_NO_USAGE_STATS"] = "1"
+    os.environ["DO_NOT_TRACK"] = "1"
+
+
+class VLLMBackend:
+    """Implements `wim.backend.Backend` over one `AsyncLLM` shared by many jobs."""
+
+    def __init__(self, engine: AsyncLLM, config: EngineConfig, tokenizer: HFTokenizer) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = tokenizer
+        cache = engine.vllm_config.cache_config
+        self.limits = EngineLimits(
+            max_model_len=engine.model_config.max_model_len,
+            block_size=cache.block_size,
+            concurrent_branches=True,
+        )
+        # vLLM's block 0 is a null block that never holds KV.
+        capacity = (cache.num_gpu_blocks or 0) - 1
+        self.admission = KVAdmission(capacity, config.max_sessions, config.admission_timeout_s)
+        self._ids = itertools.count()
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> VLLMBackend:
+        """Build the engine (spawns the engine-core process: call under `__main__` guards)."""
+        from wim_service.assets.default_model import default_model_dir
+        from wim_service.assets.paths import force_offline
+
+        force_offline()
+        configure_process_env(config)
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        model = config.model or str(default_model_dir())
+        args = AsyncEngineArgs(
+            model=model,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            scheduling_policy="priority",
+            scheduler_cls="wim_service.engine.scheduler.WiMScheduler",
+            logits_processors=["wim_service.engine.first_token:FirstTokenChoice"],
+            kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30),
+            enforce_eager=config.enforce_eager,
+            seed=config.seed,
+            disable_log_stats=False,
+        )
+        engine = AsyncLLM.from_engine_args(args)
+        return cls(engine, config, HFTokenizer(model))
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        # AsyncLLM.__del__ shuts down again; at interpreter exit that raises from half-torn
+        # module globals, so drop the engine while the interpreter is whole.
+        del self.engine
+        gc.collect()
+
+    @property
+    def healthy(self) -> bool:
+        return not self.engine.errored
+
+    def next_request_id(self, salt: str, kind: str) -> str:
+        return f"{salt}-{kind}-{next(self._ids)}"
+
+    async def open_context(self, *, reserve_blocks: int) -> VLLMContext:
+        if not self.healthy:
+            raise WiMError(ErrorCode.ENGINE_ERROR, "the engine is not running")
+        await self.admission.acquire(reserve_blocks)
+        return VLLMContext(self, reserve_blocks)
+
+    def load(self) -> AdmissionLoad:
+        return self.admission.load()
+
+    async def kv_stats(self) -> KVStats:
+        stats = await self.engine.engine_core.call_utility_async("wim_kv_stats")
+        return KVStats(
+            free_blocks=stats["free_blocks"],
+            total_blocks=stats["total_blocks"],
+            cached_blocks=stats["cached_blocks"],
+            parked_sessions=stats["parked_sessions"],
+        )
+
+    async def purge(self, salt: str) -> dict[str, int]:
+        return await self.engine.engine_core.call_utility_async("wim_purge_salt", salt)
+
+    def sampling_params(self, params: GenerationParams) -> SamplingParams:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from wim_service.engine.first_token import FIRST_TOKEN_IDS_KEY
+
+        extra: dict[str, Any] | None = None
+        if params.first_token_ids:
+            extra = {FIRST_TOKEN_IDS_KEY: sorted(params.first_token_ids)}
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=params.max_tokens,
+            stop_token_ids=sorted(params.stop_token_ids),
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+            extra_args=extra,
+        )
+
+
+class VLLMContext:
+    """One WiM context: a streaming-input session plus same-salt branch requests."""
+
+    def __init__(self, backend: VLLMBackend, reserved_blocks: int) -> None:
+        self.backend = backend
+        self.engine = backend.engine
+        self.salt = SALT_PREFIX + secrets.token_hex(16)
+        self._reserved_blocks = reserved_blocks
+        self._ids: list[int] = []
+        self._inputs: asyncio.Queue[Any] = asyncio.Queue()
+        self._outputs: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self._spine: asyncio.Task[None] | None = None
+        self._concluded = False
+        self._closed = False
+
+    @property
+    def context_tokens(self) -> int:
+        return len(self._ids)
+
+    # -- the session (spine) ------------------------------------------------------------
+
+    def _check_room(self, total: int, what: str) -> None:
+        limit = self.backend.limits.max_model_len
+        if total > limit:
+            raise WiMError(
+                ErrorCode.TOO_LONG,
+                f"{what} would need {total} tokens; the model's context window is {limit}",
+            )
+
+    async def _input_stream(self) -> AsyncIterator[Any]:
+        while (item := await self._inputs.get()) is not None:
+            yield item
+
+    async def _run_spine(self) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=1,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+        )
+        try:
+            async for output in self.engine.generate(
+                self._input_stream(),
+                params,
+                self.backend.next_request_id(self.salt, "ctx"),
+                priority=PRIORITY[RequestKind.CONTEXT],
+            ):
+                self._outputs.put_nowait(output)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # delivered to whoever awaits the session next
+            self._outputs.put_nowait(exc)
+        finally:
+            self._outputs.put_nowait(None)
+
+    async def _push(self, token_ids: list[int], params: SamplingParams | None) -> None:
+        from vllm.engine.protocol import StreamingInput
+        from vllm.inputs import tokens_input
+
+        if self._closed or self._concluded:
+            raise WiMError(ErrorCode.INVALID_INPUT, "the context is closed")
+        # The first push carries the salt; vLLM keeps the first chunk's salt for the session.
+        salt = self.salt if not self._ids else None
+        self._ids.extend(token_ids)
+        self._inputs.put_nowait(StreamingInput(tokens_input(token_ids, cache_salt=salt), params))
+        if self._spine is None:
+            self._spine = asyncio.create_task(self._run_spine())
+
+    async def _next_output(self) -> RequestOutput:
+        item = await self._outputs.get()
+        if item is None:
+            raise WiMError(ErrorCode.ENGINE_ERROR, "the engine ended the context unexpectedly")
+        if isinstance(item, BaseException):
+            raise WiMError(ErrorCode.ENGINE_ERROR, f"engine error: {item}") from item
+        return item
+
+    async def extend(self, token_ids: list[int]) -> PromptCost:
+        # +1: the session samples one token per push before the next push replaces it.
+        self._check_room(len(self._ids) + len(token_ids) + 1, "the document")
+        await self._push(token_ids, None)
+        while True:
+            output = await self._next_output()
+            if output.outputs and output.outputs[0].finish_reason is not None:
+                # The session's own KV is never shared with a cache hit: all pushed tokens
+                # are computed (a resumed push reports the earlier chunks as "cached").
+                return PromptCost(submitted=len(token_ids), cached=0)
+
+    async def conclude(
+        self, suffix_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[GenerationChunk]:
+        self._check_room(len(self._ids) + len(suffix_ids) + params.max_tokens, "the final prompt")
+        await self._push(suffix_ids, self.backend.sampling_params(params))
+        self._concluded = True
+        first, done = True, False
+        try:
+            while True:
+                output = await self._next_output()
+                completion = output.outputs[0]
+                done = completion.finish_reason is not None
+                yield GenerationChunk(
+                    token_ids=list(completion.token_ids),
+                    finished=done,
+                    cost=PromptCost(len(suffix_ids), 0) if first else None,
+                    finish_reason=completion.finish_reason,
+                )
+                first = False
+                if done:
+                    return
+        finally:
+            # Stopped early (stop string, cancellation): abort the session now instead of
+            # letting it decode to max_tokens first.
+            await self.close(abort=not done)
+
+    # -- branches ------------------------------------------------------------------------
+
+    async def _request(
+        self, prompt_ids: list[int], params: GenerationParams, kind: str
+    ) -> AsyncIterator[GenerationChunk]:
+        from vllm.inputs import tokens_input
+
+        if self._closed:
+            raise WiMError(ErrorCode.INVALID_INPUT, "the context is closed")
+        self._check_room(len(prompt_ids) + params.max_tokens, f"a {params.kind.value} request")
+        stream = self.engine.generate(
+            tokens_input(prompt_ids, cache_salt=self.salt),
+            self.backend.sampling_params(params),
+            self.backend.next_request_id(self.salt, kind),
+            priority=PRIORITY[params.kind],
+        )
+        first = True
+        try:
+            async for output in stream:
+                completion = output.outputs[0]
+                cost = None
+                if first:
+                    cost = PromptCost(len(prompt_ids), output.num_cached_tokens or 0)
+                    first = False
+                yield GenerationChunk(
+                    token_ids=list(completion.token_ids),
+                    finished=output.finished,
+                    cost=cost,
+                    finish_reason=completion.finish_reason,
+                )
+        finally:
+            await stream.aclose()
+
+    def branch(
+        self, prefix_tokens: int, suffix_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[GenerationChunk]:
+        if prefix_tokens > len(self._ids):
+            raise ValueError("a branch cannot start past the context's end")
+        return self._request(self._ids[:prefix_tokens] + suffix_ids, params, "branch")
+
+    def generate(
+        self, prompt_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[GenerationChunk]:
+        return self._request(prompt_ids, params, "gen")
+
+    # -- end of life ---------------------------------------------------------------------
+
+    async def close(self, *, abort: bool = False) -> None:
+        """End the session (frees its KV), purge its cache entries, release its reservation.
+
+        Normally the input stream is closed and vLLM ends the session after its current push;
+        `abort` (or a push that does not finish in time) aborts the request outright.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._spine is not None and not self._spine.done():
+                self._inputs.put_nowait(None)
+                if not abort:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(self._spine), CLOSE_TIMEOUT_S)
+                if not self._spine.done():
+                    self._spine.cancel()  # generate() aborts the request on cancellation
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._spine
+            if self.backend.healthy:
+                await self._purge()
+        finally:
+            self.backend.admission.release(self._reserved_blocks)
+
+    async def _purge(self) -> None:
+        # Branches of this salt may still be finishing their abort in the engine core; their
+        # blocks show up as busy for a step or two.
+        for _ in range(50):
+            result = await self.backend.purge(self.salt)
+            if not result["busy"]:
+                return
+            await asyncio.sleep(0.02)
+        logger.warning("context %s: %s blocks still busy after purge", self.salt[:12], result)

@@ -1,0 +1,98 @@
+"""What the algorithm needs from an engine: a pinned context that can branch and conclude.
+
+A *context session* holds the document's KV for the life of a job or document session.
+`extend` appends tokens to it; `branch` generates from a prefix of it without changing it (a
+margin); `conclude` appends a final suffix and generates (the answer, after which the session
+takes no more calls); `generate` runs a stand-alone prompt under the session's isolation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+
+class RequestKind(StrEnum):
+    """Why a request exists; engines use it for priorities (margins and answers first)."""
+
+    CONTEXT = "context"
+    MARGIN = "margin"
+    CLASSIFIER = "classifier"
+    ANSWER = "answer"
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    kind: RequestKind
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    # If set, the first generated token is restricted to these ids (greedy among them).
+    first_token_ids: frozenset[int] | None = None
+
+
+@dataclass(frozen=True)
+class PromptCost:
+    """How many prompt tokens a request submitted and how many the cache already held."""
+
+    submitted: int
+    cached: int
+
+    @property
+    def computed(self) -> int:
+        return self.submitted - self.cached
+
+
+@dataclass
+class GenerationChunk:
+    """New tokens of a generation. `cost` is set on the first chunk."""
+
+    token_ids: list[int]
+    finished: bool
+    cost: PromptCost | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_model_len: int
+    block_size: int
+    # False for engines that can only work on the context's current end (the reference
+    # backend): the orchestrator then runs each margin before the next segment.
+    concurrent_branches: bool
+
+
+class ContextSession(Protocol):
+    @property
+    def context_tokens(self) -> int: ...
+
+    async def extend(self, token_ids: list[int]) -> PromptCost: ...
+
+    def branch(
+        self, prefix_tokens: int, suffix_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[GenerationChunk]: ...
+
+    def conclude(
+        self, suffix_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[GenerationChunk]: ...
+
+    def generate(
+        self, prompt_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[GenerationChunk]: ...
+
+    async def close(self) -> None:
+        """End the session: free its KV and purge it from any cache (idempotent)."""
+        ...
+
+
+class Backend(Protocol):
+    limits: EngineLimits
+
+    async def open_context(self, *, reserve_blocks: int) -> ContextSession:
+        """Start an empty session; its first `extend` carries the prompt prefix and segment 0.
+
+        `reserve_blocks` is the session's worst-case KV footprint; an engine may wait for room
+        or raise `WiMError(OVERLOADED)`, and raises `WiMError(TOO_LONG)` if it can never fit.
+        """
+        ...

@@ -1,0 +1,23 @@
+"""Errors a job can end with. Each carries a stable `code`; the serving layer maps codes to HTTP."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    INVALID_INPUT = "invalid_input"  # malformed request: empty document, bad options
+    TOO_LONG = "too_long"  # the job cannot fit the model's context window
+    OVERLOADED = "overloaded"  # no KV capacity now; retry later
+    CANCELLED = "cancelled"  # the caller went away
+    ENGINE_ERROR = "engine_error"  # the engine failed; the job's work is lost
+
+
+class WiMError(Exception):
+    """A job-ending error with a client-presentable message."""
+
+    def __init__(self, code: ErrorCode, message: str, *, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s

@@ -1,0 +1,81 @@
+"""The typed event stream of a job: what the CLI prints and the service streams as SSE."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+
+class Usage(BaseModel):
+    """Token accounting of one job (prompt tokens are summed over every engine request)."""
+
+    context_tokens: int = 0  # prompt tokens before the query: template prefix + document
+    segments: int = 0
+    prompt_tokens_submitted: int = 0
+    prompt_tokens_computed: int = 0  # submitted minus those served from the KV/prefix cache
+    prompt_tokens_cached: int = 0
+    # Tokens that must be computed at least once: prefix + document, each margin (and
+    # classifier) instruction, the final prompt.
+    minimal_prompt_tokens: int = 0
+    margin_tokens: int = 0  # generated margin (and classifier) tokens
+    answer_tokens: int = 0
+
+    @property
+    def excess_computed_tokens(self) -> int:
+        return self.prompt_tokens_computed - self.minimal_prompt_tokens
+
+
+class Timings(BaseModel):
+    """Seconds from the job's start (queue wait excluded from the other marks)."""
+
+    queue_s: float = 0.0  # waiting for KV admission
+    prefill_s: float = 0.0  # until the last segment's KV was computed
+    margins_s: float = 0.0  # until the last margin was decided
+    answer_ttft_s: float = 0.0  # until the first answer token
+    total_s: float = 0.0
+
+
+class SegmentEvent(BaseModel):
+    type: Literal["segment"] = "segment"
+    segment: int  # 0-based
+    segments: int
+    tokens: int
+    context_tokens: int  # document tokens prefilled so far
+    char_start: int
+    char_end: int
+
+
+class MarginEvent(BaseModel):
+    type: Literal["margin"] = "margin"
+    segment: int
+    text: str
+    relevant: bool
+    char_start: int
+    char_end: int
+    elapsed_s: float  # from the margin's submission to its decision
+
+
+class AnswerEvent(BaseModel):
+    type: Literal["answer"] = "answer"
+    text: str  # a delta: concatenate to get the answer
+
+
+class DoneEvent(BaseModel):
+    type: Literal["done"] = "done"
+    answer: str
+    usage: Usage
+    timings: Timings
+
+
+class ErrorEvent(BaseModel):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+    retry_after_s: float | None = None  # set with code "overloaded"
+
+
+WiMEvent = Annotated[
+    SegmentEvent | MarginEvent | AnswerEvent | DoneEvent | ErrorEvent,
+    Field(discriminator="type"),
+]

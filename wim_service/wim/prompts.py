@@ -1,0 +1,146 @@
+"""Turn templates + user text into token ids, rendering the model's chat template once per shape.
+
+Templates are filled with *sentinels* in place of user text, rendered through the model's chat
+template, then split at the sentinels: template pieces are tokenized with special tokens
+recognised, user pieces with special-token strings kept literal. User text therefore never
+passes through `str.format`, Jinja or the special-token parser.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+from wim_service.wim.options import PLACEHOLDER, PromptTemplates, RelevanceMode
+from wim_service.wim.tokenizer import Tokenizer
+
+# Private-use code points: never produced by a tokenizer's text, so a clean split marker.
+_SENTINEL = "\ue000{}\ue001"
+_SENTINEL_RE = re.compile("\ue000(\\w+)\ue001")
+
+
+def fill(template: str, values: Mapping[str, str]) -> str:
+    """Replace `{name}` placeholders in one pass; inserted values are never scanned again."""
+    return PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), template)
+
+
+def _sentinel(name: str) -> str:
+    return _SENTINEL.format(name)
+
+
+@dataclass(frozen=True)
+class MarginNote:
+    """A margin as the final prompt shows it."""
+
+    segment: int  # 0-based; shown 1-based
+    text: str
+
+
+class PromptBuilder:
+    """Token ids of every prompt shape a job needs, for one tokenizer and one set of templates."""
+
+    def __init__(self, tokenizer: Tokenizer, templates: PromptTemplates) -> None:
+        self.tokenizer = tokenizer
+        self.templates = templates
+
+    def _chat(self, user_turn: str) -> str:
+        return self.tokenizer.render_chat(
+            [
+                {"role": "system", "content": self.templates.system},
+                {"role": "user", "content": user_turn},
+            ]
+        )
+
+    def _tokenize(self, rendered: str, values: Mapping[str, str]) -> list[int]:
+        """Tokenize rendered text: template pieces as templates, sentinels as their user text."""
+        ids: list[int] = []
+        for index, piece in enumerate(_SENTINEL_RE.split(rendered)):
+            if index % 2:
+                ids.extend(self.tokenizer.encode_user_text(values[piece]).ids)
+            elif piece:
+                ids.extend(self.tokenizer.encode_template_text(piece))
+        return ids
+
+    def _document_turn(
+        self, instruction: str, values: Mapping[str, str]
+    ) -> tuple[list[int], list[int]]:
+        """(ids before the document, ids after it) of the document turn ending in `instruction`."""
+        user_turn = fill(
+            self.templates.document,
+            {"document": _sentinel("document"), "instruction": instruction},
+        )
+        before, marker, after = self._chat(user_turn).partition(_sentinel("document"))
+        if not marker or _sentinel("document") in after:
+            raise ValueError("the document template must place {document} exactly once")
+        return self.tokenizer.encode_template_text(before), self._tokenize(after, values)
+
+    @cached_property
+    def context_prefix(self) -> list[int]:
+        """Everything before the document's first token: shared by every request of a job."""
+        return self._document_turn("", {})[0]
+
+    def margin_suffix(self, query: str, relevance: RelevanceMode) -> list[int]:
+        """What follows `document[:end]` in the margin request of a segment ending at `end`."""
+        template = (
+            self.templates.margin_first_token
+            if relevance is RelevanceMode.FIRST_TOKEN
+            else self.templates.margin
+        )
+        instruction = fill(template, {"query": _sentinel("query")})
+        return self._checked_suffix(instruction, {"query": query})
+
+    def final_suffix(self, query: str, margins: list[MarginNote]) -> list[int]:
+        """What follows the whole document in the final-answer request."""
+        values: dict[str, str] = {"query": query}
+        entries = []
+        for n, note in enumerate(margins):
+            values[f"m{n}"] = note.text
+            entries.append(
+                fill(
+                    self.templates.margin_entry,
+                    {"segment": str(note.segment + 1), "text": _sentinel(f"m{n}")},
+                )
+            )
+        listing = "\n".join(entries) if entries else self.templates.no_margins
+        instruction = fill(self.templates.final, {"margins": listing, "query": _sentinel("query")})
+        return self._checked_suffix(instruction, values)
+
+    def plain_prompt(self, document_ids: list[int], query: str) -> list[int]:
+        """Plain long-context inference: the whole document, then the final step without notes."""
+        return self.context_prefix + document_ids + self.final_suffix(query, [])
+
+    def classifier_prompt(self, query: str, margin: str) -> list[int]:
+        """The stand-alone judging turn of relevance mode `classifier`."""
+        user_turn = fill(
+            self.templates.classifier,
+            {"query": _sentinel("query"), "margin": _sentinel("margin")},
+        )
+        return self._tokenize(self._chat(user_turn), {"query": query, "margin": margin})
+
+    def _checked_suffix(self, instruction: str, values: Mapping[str, str]) -> list[int]:
+        before, after = self._document_turn(instruction, values)
+        # The KV of a job is shared across margin and final requests only if every request
+        # starts with exactly the same tokens; a chat template that varies them breaks WiM.
+        if before != self.context_prefix:
+            raise ValueError("the chat template renders a different prefix for different steps")
+        return after
+
+    def margin_entry_overhead(self) -> int:
+        """Tokens a margin entry adds around its text in the final prompt (upper estimate)."""
+        entry = fill(self.templates.margin_entry, {"segment": "9999", "text": ""})
+        return len(self.tokenizer.encode_user_text(entry + "\n").ids) + 2
+
+    def relevance_token_ids(self) -> tuple[frozenset[int], frozenset[int]]:
+        """First-token ids that mean YES and NO (with and without a leading space)."""
+
+        def first_tokens(word: str) -> frozenset[int]:
+            return frozenset(
+                self.tokenizer.encode_user_text(variant).ids[0] for variant in (word, " " + word)
+            )
+
+        yes, no = first_tokens(self.templates.yes), first_tokens(self.templates.no)
+        if yes & no:
+            raise ValueError("the YES and NO words start with the same token")
+        return yes, no
