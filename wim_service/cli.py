@@ -80,6 +80,14 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     add_engine_arguments(bench)
 
+    evaluate = commands.add_parser(
+        "eval", help="answer-quality evaluation: plain long context vs RAG vs WiM"
+    )
+    from wim_service.eval.cli import add_eval_arguments
+
+    add_eval_arguments(evaluate)
+    add_engine_arguments(evaluate)
+
     commands.add_parser("setup", help="prepare the offline default model and punkt data")
     return parser
 
@@ -203,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"wim: {exc}", file=sys.stderr)
             return 2
+    if args.command == "eval":
+        from wim_service.eval.cli import run_eval
+
+        return asyncio.run(run_eval(args))
     from wim_service.bench import run_bench
 
     return asyncio.run(run_bench(args))

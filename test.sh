@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up (first run only), lint, then run the whole test suite on the real default model.
+# Extra arguments go to pytest, e.g. ./test.sh -k segmentation
+set -euo pipefail
+cd "$(dirname "$0")"
+scripts/bootstrap.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+status=0
+.venv/bin/python -m pytest -p no:cacheprovider "$@" || status=$?
+if [ "$status" -eq 5 ]; then
+  echo "test.sh: pytest collected no tests; that is a failure" >&2
+  exit 1
+fi
+exit "$status"

@@ -1,0 +1,1 @@
+"""Answer-quality evaluation: generated long-context tasks, methods side by side, reports."""
