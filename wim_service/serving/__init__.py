@@ -1,0 +1,1 @@
+"""The serving layer: Ray Serve deployments and the HTTP API (owns Ray and HTTP)."""

@@ -1,0 +1,102 @@
+"""The service's Prometheus metrics (DESIGN §5 names). vLLM's own `vllm:*` metrics are
+re-exported beside them from every engine replica, with a `replica` label."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds buckets spanning a sub-second margin to a multi-minute document on CPU.
+_SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
+
+
+class WiMMetrics:
+    """One registry per router: every metric the service exports about WiM work."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "wim_requests", "WiM HTTP requests by outcome.", ["status"], registry=r
+        )
+        self.sessions_active = Gauge(
+            "wim_sessions_active",
+            "Document sessions holding KV, per replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.resident_kv_tokens = Gauge(
+            "wim_session_resident_kv_tokens",
+            "Context tokens pinned in KV by document sessions, per replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.binding = Counter(
+            "wim_session_binding",
+            "Session-to-replica binding decisions.",
+            ["result"],  # hit | new | repin | rejected
+            registry=r,
+        )
+        self.segment_prefill_seconds = Histogram(
+            "wim_segment_prefill_seconds",
+            "Time to prefill one segment.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.margin_seconds = Histogram(
+            "wim_margin_seconds",
+            "Time from a margin's submission to its decision.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.query_ttft_seconds = Histogram(
+            "wim_query_ttft_seconds",
+            "Time from a query's arrival to its first answer token.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "wim_request_seconds", "Whole request time.", buckets=_SECONDS, registry=r
+        )
+        self.margins = Counter(
+            "wim_margins", "Margins written, by relevance.", ["relevant"], registry=r
+        )
+        self.failover = Counter(
+            "wim_session_failover",
+            "Sessions moved off a failed replica.",
+            ["reason"],
+            registry=r,
+        )
+        self.reprefill_tokens = Counter(
+            "wim_reprefill_tokens",
+            "Context tokens prefilled again after a failover.",
+            registry=r,
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "wim_prefix_cache_hit_tokens",
+            "Prompt tokens served from the KV/prefix cache.",
+            registry=r,
+        )
+        self.replica_draining = Gauge(
+            "wim_replica_draining",
+            "1 while a replica takes no new sessions.",
+            ["replica"],
+            registry=r,
+        )
+
+
+# Family names as Prometheus exposes them (counters gain `_total`).
+METRIC_NAMES = (
+    "wim_requests_total",
+    "wim_sessions_active",
+    "wim_session_resident_kv_tokens",
+    "wim_session_binding_total",
+    "wim_segment_prefill_seconds",
+    "wim_margin_seconds",
+    "wim_query_ttft_seconds",
+    "wim_request_seconds",
+    "wim_margins_total",
+    "wim_session_failover_total",
+    "wim_reprefill_tokens_total",
+    "wim_prefix_cache_hit_tokens_total",
+    "wim_replica_draining",
+)
