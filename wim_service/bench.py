@@ -86,16 +86,10 @@ async def plain_call(
     backend: Any, document: str, query: str, options: WiMOptions, tokens: int
 ) -> float:
     """One plain long-context request (document + query), forced to `tokens` answer tokens."""
-    from vllm import SamplingParams
-    from vllm.inputs import tokens_input
-
     builder = PromptBuilder(backend.tokenizer, options.prompts)
     ids = builder.plain_prompt(backend.tokenizer.encode_user_text(document).ids, query)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
-    started = time.perf_counter()
-    async for _ in backend.engine.generate(tokens_input(ids), params, f"plain-{time.time_ns()}"):
-        pass
-    return time.perf_counter() - started
+    completion = await backend.complete(ids, max_tokens=tokens, exact_tokens=True)
+    return completion.seconds
 
 
 def _line(label: str, value: str) -> None:

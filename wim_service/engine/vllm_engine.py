@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -70,19 +71,33 @@ class KVStats:
     parked_sessions: int
 
 
-def _cpu_list() -> str:
+def threads_bind(setting: str, rank: int = 0) -> str:
+    """vLLM's `VLLM_CPU_OMP_THREADS_BIND` value for an EngineConfig.cpu_threads_bind setting."""
     cores = sorted(os.sched_getaffinity(0))
-    return ",".join(str(c) for c in cores)
+    if setting == "all":
+        return ",".join(str(c) for c in cores)
+    if setting == "rank":
+        return str(cores[rank % len(cores)])
+    return setting
 
 
-def configure_process_env(config: EngineConfig) -> None:
+def configure_process_env(config: EngineConfig, rank: int = 0) -> None:
     """Environment vLLM reads at engine start (it must be set before the engine spawns)."""
-    bind = _cpu_list() if config.cpu_threads_bind == "all" else config.cpu_threads_bind
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind(config.cpu_threads_bind, rank)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # vLLM's own usage-stats reporting would try the network.
     os.environ["VLLM_NO_USAGE_STATS"] = "1"
     os.environ["DO_NOT_TRACK"] = "1"
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One ordinary (salt-free) request's output and what it cost."""
+
+    text: str
+    token_ids: list[int]
+    cost: PromptCost
+    seconds: float
 
 
 class VLLMBackend:
@@ -104,13 +119,16 @@ class VLLMBackend:
         self._ids = itertools.count()
 
     @classmethod
-    def start(cls, config: EngineConfig) -> VLLMBackend:
-        """Build the engine (spawns the engine-core process: call under `__main__` guards)."""
+    def start(cls, config: EngineConfig, *, rank: int = 0) -> VLLMBackend:
+        """Build the engine (spawns the engine-core process: call under `__main__` guards).
+
+        `rank` is this engine's index among the engines of one machine (thread binding).
+        """
         from wim_service.assets.default_model import default_model_dir
         from wim_service.assets.paths import force_offline
 
         force_offline()
-        configure_process_env(config)
+        configure_process_env(config, rank)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -185,6 +203,49 @@ class VLLMBackend:
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
             extra_args=extra,
+        )
+
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        stop_token_ids: frozenset[int] = frozenset(),
+        exact_tokens: bool = False,
+    ) -> Completion:
+        """One ordinary greedy request outside any WiM context (plain long context, RAG).
+
+        It carries no cache salt, so it may hit prefix blocks of other ordinary requests (the
+        shared system prompt); `cost` says how many. `exact_tokens` forces `max_tokens` tokens,
+        for timing comparisons at a fixed answer length.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import tokens_input
+
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            min_tokens=max_tokens if exact_tokens else 0,
+            ignore_eos=exact_tokens,
+            stop_token_ids=sorted(self.tokenizer.eos_token_ids | stop_token_ids),
+            detokenize=False,
+        )
+        started = time.perf_counter()
+        final = None
+        async for output in self.engine.generate(
+            tokens_input(prompt_ids),
+            params,
+            self.next_request_id("plain", "complete"),
+            priority=PRIORITY[RequestKind.ANSWER],
+        ):
+            final = output
+        assert final is not None and final.finished
+        token_ids = list(final.outputs[0].token_ids)
+        return Completion(
+            text=self.tokenizer.decode(token_ids).strip(),
+            token_ids=token_ids,
+            cost=PromptCost(len(prompt_ids), final.num_cached_tokens or 0),
+            seconds=time.perf_counter() - started,
         )
 
 

@@ -1,13 +1,157 @@
-"""`wim eval` (placeholder until the evaluation harness lands)."""
+"""`wim eval`: plain long context vs RAG vs WiM on generated long-context tasks.
+
+wim eval                       # smoke size: one task per kind at 1024 tokens, every method
+wim eval --full                # 3 tasks per kind at 1k, 2k, 4k tokens and the largest that fits
+wim eval --full --model DIR --max-model-len 65536 --lengths 16384 32384 64000
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from wim_service.eval.methods import METHODS, MethodSettings
+from wim_service.eval.report import write_report
+from wim_service.eval.runner import RunRecord, evaluate
+from wim_service.eval.tasks import TaskKind, generate_tasks
+from wim_service.wim.options import WiMOptions
+
+FULL_LENGTHS = [1024, 2048, 4096]
+FULL_SAMPLES = 3
+SMOKE_LENGTHS = [1024]
+# Prompt tokens around the document (system prompt, tags, final instruction, query).
+PROMPT_RESERVE = 256
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--smoke", action="store_true", help="a small evaluation")
+    size = parser.add_argument_group("size")
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help=f"full size: {FULL_SAMPLES} tasks per kind at {FULL_LENGTHS} tokens and the "
+        "largest length the window holds (default: smoke size, 1 task per kind at 1024)",
+    )
+    size.add_argument("--lengths", type=int, nargs="+", help="document lengths in model tokens")
+    size.add_argument("--samples", type=int, help="tasks per kind and length")
+    size.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=[k.value for k in TaskKind],
+        default=[k.value for k in TaskKind],
+    )
+    size.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    size.add_argument("--seed", type=int, default=0, help="task generator seed (%(default)s)")
+    knobs = parser.add_argument_group("methods")
+    knobs.add_argument(
+        "--segment-tokens", type=int, help="WiM segment size (default: WiMOptions' default)"
+    )
+    knobs.add_argument(
+        "--options", type=Path, help="JSON file with WiMOptions (prompts, limits) for every method"
+    )
+    knobs.add_argument("--rag-chunk-tokens", type=int, default=MethodSettings.rag_chunk_tokens)
+    knobs.add_argument("--rag-top-k", type=int, default=MethodSettings.rag_top_k)
+    parser.add_argument(
+        "--out", type=Path, default=Path("eval_results"), help="output folder (%(default)s)"
+    )
+
+
+def largest_length(max_model_len: int, options: WiMOptions) -> int:
+    """The longest document (a multiple of 256 tokens) whose worst-case WiM job fits the window:
+    document, prompts, one margin per segment (segments may run 25% short) and the answer."""
+    per_margin = options.margin_max_tokens + 16
+    length = max_model_len
+    while length > 256:
+        segments = math.ceil(length / (0.75 * options.segment_tokens)) + 1
+        need = length + PROMPT_RESERVE + segments * per_margin + options.answer_max_tokens
+        if need <= max_model_len:
+            return length
+        length -= 256
+    raise SystemExit(f"wim eval: a {max_model_len}-token window leaves no room for a document")
+
+
+def _options(args: argparse.Namespace) -> WiMOptions:
+    extra = json.loads(args.options.read_text()) if args.options else {}
+    if args.segment_tokens is not None:
+        extra["segment_tokens"] = args.segment_tokens
+    return WiMOptions.model_validate(extra)
+
+
+def _lengths(args: argparse.Namespace, max_model_len: int, options: WiMOptions) -> list[int]:
+    longest = largest_length(max_model_len, options)
+    if args.lengths:
+        too_long = [n for n in args.lengths if n > longest]
+        if too_long:
+            raise SystemExit(
+                f"wim eval: lengths {too_long} do not fit a {max_model_len}-token window with "
+                f"WiM's margins; the longest that fits is {longest}"
+            )
+        return sorted(args.lengths)
+    if args.full:
+        return [n for n in FULL_LENGTHS if n < longest] + [longest]
+    return [min(n, longest) for n in SMOKE_LENGTHS]
+
+
+def _show(total: int) -> Any:
+    done = 0
+
+    def show(record: RunRecord) -> None:
+        nonlocal done
+        done += 1
+        answer = record.error or record.answer.replace("\n", " ")
+        print(
+            f"[{done:>4}/{total}] {record.task_id:<20} {record.method:<16} "
+            f"score {record.score:.2f}  {record.wall_s:6.1f} s  {answer[:70]}",
+            flush=True,
+        )
+
+    return show
 
 
 async def run_eval(args: argparse.Namespace) -> int:
-    raise SystemExit("wim eval: not implemented yet")
+    from wim_service.cli import engine_config
+    from wim_service.engine.vllm_engine import VLLMBackend
+
+    options = _options(args)
+    config = engine_config(args)
+    lengths = _lengths(args, config.max_model_len, options)
+    samples = args.samples or (FULL_SAMPLES if args.full else 1)
+    settings = MethodSettings(options, args.rag_chunk_tokens, args.rag_top_k)
+    backend = VLLMBackend.start(config)
+    try:
+        tasks = generate_tasks(
+            backend.tokenizer,
+            kinds=[TaskKind(k) for k in args.kinds],
+            lengths=lengths,
+            samples=samples,
+            seed=args.seed,
+        )
+        print(
+            f"wim eval: {len(tasks)} tasks x {len(args.methods)} methods, lengths {lengths}",
+            flush=True,
+        )
+        records = await evaluate(
+            backend, tasks, args.methods, settings, _show(len(tasks) * len(args.methods))
+        )
+    finally:
+        backend.shutdown()
+    model = Path(config.model).name if config.model else "SmolLM2-135M-Instruct (default)"
+    run_config = {
+        "command": "wim " + " ".join(sys.argv[1:]),
+        "model": model,
+        "engine": config.model_dump(),
+        "lengths": lengths,
+        "samples": samples,
+        "seed": args.seed,
+        "methods": args.methods,
+        "wim_options": options.model_dump(mode="json"),
+        "rag": {"chunk_tokens": settings.rag_chunk_tokens, "top_k": settings.rag_top_k},
+    }
+    paths = write_report(records, args.out, run_config, title=f"wim eval: {model}, {config.dtype}")
+    print(paths["markdown"].read_text())
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
