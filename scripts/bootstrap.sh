@@ -36,5 +36,15 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
+# Optional system tools, only as root and only when asked (WIM_INSTALL_SYSTEM_TOOLS=1):
+# promtool (Debian package prometheus) for tests/test_deploy_observability.py, which skips
+# its promtool checks without it.
+if [ "${WIM_INSTALL_SYSTEM_TOOLS:-0}" = 1 ] && [ "$(id -u)" = 0 ] \
+  && ! command -v promtool >/dev/null 2>&1; then
+  echo "bootstrap: installing promtool (Debian package prometheus)" >&2
+  apt-get update -q >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >&2
+fi
+
 # Offline assets: the default model folder and the punkt data (cached by content hash).
 .venv/bin/wim setup >&2
