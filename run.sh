@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Set up (first run only) and run WiM on the sample document with the offline default model.
-# Extra arguments go to `wim run`, e.g. ./run.sh --json --relevance classifier
+# Set up (first run only) and start the WiM service on local Ray with the offline default model:
+# http://127.0.0.1:8000 (POST /wim, POST /documents, GET /docs). Ctrl-C stops it.
+# Extra arguments go to `wim serve`, e.g. ./run.sh --config my_serve_config.yaml
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/bootstrap.sh
-exec .venv/bin/wim run --context examples/harbor_report.txt \
-  --query "What is the access code for the night gate?" --segment-tokens 192 "$@"
+exec .venv/bin/wim serve "$@"

@@ -330,11 +330,8 @@ def check_serve_config(config: dict[str, Any]) -> None:
     assert options["WiMRouter"]["ray_actor_options"]["num_cpus"] == 0
     scaling = options["EngineReplica"]["autoscaling_config"]
     assert {"min_replicas", "max_replicas", "target_ongoing_requests"} <= set(scaling)
-    # A draining engine must outlive the router's drain wait.
-    assert (
-        options["EngineReplica"]["graceful_shutdown_timeout_s"]
-        > app["args"]["router"]["drain_timeout_s"]
-    )
+    # A replica leaving on scale-down lets a whole running job finish (minutes on CPU).
+    assert options["EngineReplica"]["graceful_shutdown_timeout_s"] >= 120
     EngineConfig.model_validate(app["args"]["engine"])
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -88,8 +89,42 @@ def _parser() -> argparse.ArgumentParser:
     add_eval_arguments(evaluate)
     add_engine_arguments(evaluate)
 
+    serve = commands.add_parser(
+        "serve",
+        help="run the HTTP service on local Ray (Ray Serve's `serve run` with our environment)",
+    )
+    serve.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_SERVE_CONFIG,
+        help="Ray Serve config file (default: %(default)s)",
+    )
+
     commands.add_parser("setup", help="prepare the offline default model and punkt data")
     return parser
+
+
+DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve_config.yaml"
+
+
+def _serve(config: Path) -> int:
+    """Replace this process with `serve run CONFIG`, so the config's deployments apply."""
+    from wim_service.assets.default_model import default_model_dir
+    from wim_service.assets.punkt import punkt_data_dir
+
+    # Prepare the offline assets once here rather than in every replica at once.
+    default_model_dir()
+    punkt_data_dir()
+    env = {
+        **os.environ,
+        # Ray starts workers at nice 15 and the engines would inherit it.
+        "RAY_worker_niceness": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    serve = Path(sys.executable).with_name("serve")
+    os.execve(serve, [str(serve), "run", str(config)], env)
+    return 0  # not reached
 
 
 def _options(args: argparse.Namespace) -> WiMOptions:
@@ -211,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"wim: {exc}", file=sys.stderr)
             return 2
+    if args.command == "serve":
+        return _serve(args.config)
     if args.command == "eval":
         from wim_service.eval.cli import run_eval
 

@@ -25,7 +25,8 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=256)
     max_num_seqs: int = Field(128, ge=4)
     enable_prefix_caching: bool = True
-    # Thread binding for the CPU worker ("auto", "nobind" or a core list like "0-1").
+    # Thread binding for the CPU worker: "all" (every core this process may use), "rank" (one
+    # core per engine replica, by its rank on the node), or vLLM's own "auto"/"nobind"/"0-1".
     cpu_threads_bind: str = "all"
     enforce_eager: bool = True
     seed: int = 0

@@ -3,7 +3,10 @@ re-exported beside them from every engine replica, with a `replica` label."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+# `*_created` timestamp series only double the exposition; nothing reads them.
+disable_created_metrics()
 
 # Seconds buckets spanning a sub-second margin to a multi-minute document on CPU.
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)

@@ -9,6 +9,7 @@ class ErrorCode(StrEnum):
     INVALID_INPUT = "invalid_input"  # malformed request: empty document, bad options
     TOO_LONG = "too_long"  # the job cannot fit the model's context window
     OVERLOADED = "overloaded"  # no KV capacity now; retry later
+    NOT_FOUND = "not_found"  # no such document session (unknown, expired or deleted)
     CANCELLED = "cancelled"  # the caller went away
     ENGINE_ERROR = "engine_error"  # the engine failed; the job's work is lost
 

@@ -456,20 +456,24 @@ def _check_query(query: str) -> None:
         raise WiMError(ErrorCode.INVALID_INPUT, "the query is empty")
 
 
-def _reserve_blocks(
-    plan: DocumentPlan, options: WiMOptions, limits: EngineLimits, query_tokens: int
+def reserve_blocks(
+    context_tokens: int,
+    num_segments: int,
+    options: WiMOptions,
+    limits: EngineLimits,
+    query_tokens: int = QUERY_RESERVE_TOKENS,
 ) -> int:
     """Worst-case KV blocks of a job: its context with the final prompt and answer, plus every
     margin in flight at once (each holds its partial block, instruction and margin tokens)."""
     block = limits.block_size
     per_margin = options.margin_max_tokens + 2 * query_tokens + 64
-    final = plan.context_tokens + len(plan.segments) * per_margin + options.answer_max_tokens
+    final = context_tokens + num_segments * per_margin + options.answer_max_tokens
     branch = block + query_tokens + 128 + options.margin_max_tokens
     return min(
-        math.ceil(final / block) + len(plan.segments) * math.ceil(branch / block),
+        math.ceil(final / block) + num_segments * math.ceil(branch / block),
         # Never more than the window itself plus one branch each: the cap keeps a long
         # document admissible on an engine that can hold it.
-        math.ceil(limits.max_model_len / block) * 2 + len(plan.segments),
+        math.ceil(limits.max_model_len / block) * 2 + num_segments,
     )
 
 
@@ -480,7 +484,9 @@ async def _open(
     options: WiMOptions,
     query_tokens: int,
 ) -> WiMSession:
-    reserve = _reserve_blocks(plan, options, backend.limits, query_tokens)
+    reserve = reserve_blocks(
+        plan.context_tokens, len(plan.segments), options, backend.limits, query_tokens
+    )
     context = await backend.open_context(reserve_blocks=reserve)
     return WiMSession(backend, builder, plan, options, context)
 

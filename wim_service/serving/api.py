@@ -1,0 +1,64 @@
+"""The HTTP API's request and response bodies."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from wim_service.wim.events import Timings, Usage
+from wim_service.wim.options import WiMOptions
+
+
+class WiMRequest(BaseModel):
+    """`POST /wim`: a one-shot job (`context`) or a query on a document session (`document_id`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    context: str | None = Field(None, description="The document, for a one-shot job.")
+    document_id: str | None = Field(None, description="A document session from POST /documents.")
+    query: str = Field(..., min_length=1)
+    options: WiMOptions = Field(default_factory=WiMOptions)
+    stream: bool = Field(False, description="Answer as text/event-stream.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> WiMRequest:
+        if (self.context is None) == (self.document_id is None):
+            raise ValueError("give exactly one of `context` and `document_id`")
+        return self
+
+
+class MarginOut(BaseModel):
+    segment: int
+    text: str
+    relevant: bool
+
+
+class WiMResponse(BaseModel):
+    answer: str
+    margins: list[MarginOut]
+    usage: Usage
+    timings: Timings
+    session_id: str
+    replica: str
+
+
+class DocumentRequest(BaseModel):
+    """`POST /documents`: read a document once, ask many queries."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    context: str = Field(..., min_length=1)
+    ttl_s: float | None = Field(None, gt=0, description="Idle lifetime (default: server's).")
+    options: WiMOptions = Field(default_factory=WiMOptions)
+
+
+class DocumentResponse(BaseModel):
+    document_id: str
+    context_tokens: int
+    segments: int
+    expires_at: float  # unix seconds
+    replica: str
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str

@@ -1,0 +1,47 @@
+"""`build_app`: assemble the WiM service from a validated config.
+
+Used by `serve run deploy/serve_config.yaml` / `serve deploy` (as `import_path`
+`wim_service.serving.app:build_app`, with the config's `args`) and by tests and `wim serve`.
+Deployment-level settings (replicas, autoscaling, CPUs) come from the serve config's
+`deployments:` section; the defaults here suit one small machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+
+from wim_service.serving.config import ServiceConfig
+from wim_service.serving.replica import EngineReplica
+from wim_service.serving.router import ENGINE_DEPLOYMENT, WiMRouter
+
+EngineReplicaDeployment = serve.deployment(
+    EngineReplica,
+    name=ENGINE_DEPLOYMENT,
+    ray_actor_options={"num_cpus": 1},
+    # Admission control lives in the engine (KV reservations); this only bounds concurrency.
+    max_ongoing_requests=64,
+    # A leaving replica lets its running jobs finish before it stops (scale-down drain).
+    graceful_shutdown_timeout_s=300,
+    health_check_period_s=10,
+    request_router_config=RequestRouterConfig(
+        request_router_class="wim_service.serving.pinning:PinnedReplicaRouter"
+    ),
+)
+
+
+def build_app(
+    args: dict[str, Any] | None = None, *, engine_options: dict[str, Any] | None = None
+) -> Application:
+    """The WiM application: a `WiMRouter` ingress over `EngineReplica` deployments.
+
+    `engine_options` overrides EngineReplica deployment settings (e.g. `num_replicas`) for
+    Python callers; serve configs use their `deployments:` section instead.
+    """
+    config = ServiceConfig.model_validate(args or {})
+    deployment = EngineReplicaDeployment.options(**(engine_options or {}))
+    engine = deployment.bind(config.engine.model_dump())
+    return WiMRouter.bind(engine, config.model_dump())

@@ -1,0 +1,89 @@
+"""Which engine replica holds which session, and where a new session goes.
+
+A session stays on the replica it was bound to for its whole life: adding replicas never
+moves it (unlike a hash ring, whose ring changes with the replica set). A new session goes to
+the replica with the most free KV among those that can hold its worst case (bounded load); a
+replica that is draining or gone takes no new session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class BindResult(StrEnum):
+    HIT = "hit"  # the session's replica is alive: use it
+    NEW = "new"  # a new session was placed
+    REPIN = "repin"  # the session's replica is gone: moved elsewhere
+    REJECTED = "rejected"  # nowhere to place it now
+
+
+@dataclass
+class ReplicaLoad:
+    """What a replica last reported about itself."""
+
+    replica: str
+    capacity_blocks: int
+    reserved_blocks: int
+    sessions: int
+    documents: int = 0
+    resident_kv_tokens: int = 0
+    free_blocks: int = 0
+    healthy: bool = True
+    draining: bool = False
+
+    @property
+    def room_blocks(self) -> int:
+        return self.capacity_blocks - self.reserved_blocks
+
+
+class NoCapacity(Exception):
+    """No live replica can take the session now (every one is full or draining)."""
+
+    def __init__(self, needed_blocks: int, live: int) -> None:
+        super().__init__(f"no engine replica has room for {needed_blocks} KV blocks ({live} live)")
+        self.needed_blocks = needed_blocks
+        self.live = live
+
+
+@dataclass
+class BindingTable:
+    """Session id -> replica id, plus the latest load of every live replica."""
+
+    bindings: dict[str, str] = field(default_factory=dict)
+    loads: dict[str, ReplicaLoad] = field(default_factory=dict)
+
+    def update_replicas(self, loads: list[ReplicaLoad]) -> None:
+        self.loads = {load.replica: load for load in loads}
+
+    def replica_of(self, session: str) -> str | None:
+        return self.bindings.get(session)
+
+    def is_live(self, replica: str) -> bool:
+        load = self.loads.get(replica)
+        return load is not None and load.healthy
+
+    def place(self, session: str, needed_blocks: int, *, exclude: set[str] | None = None) -> str:
+        """Bind `session` to the least-loaded live replica that can hold `needed_blocks`."""
+        candidates = [
+            load
+            for load in self.loads.values()
+            if load.healthy and not load.draining and load.replica not in (exclude or set())
+        ]
+        fitting = [load for load in candidates if load.room_blocks >= needed_blocks]
+        if not fitting:
+            raise NoCapacity(needed_blocks, len(candidates))
+        best = max(fitting, key=lambda load: (load.room_blocks, -load.sessions, load.replica))
+        self.bindings[session] = best.replica
+        # Count the reservation now: the replica reports it only on its next poll, and a burst
+        # of new sessions must not all land on the same "emptiest" replica meanwhile.
+        best.reserved_blocks += needed_blocks
+        best.sessions += 1
+        return best.replica
+
+    def unbind(self, session: str) -> None:
+        self.bindings.pop(session, None)
+
+    def sessions_on(self, replica: str) -> list[str]:
+        return [s for s, r in self.bindings.items() if r == replica]

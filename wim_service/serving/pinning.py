@@ -1,0 +1,93 @@
+"""A Ray Serve request router that sends a call to one named replica.
+
+The WiM router keeps its own binding table (session -> replica) and passes the chosen replica
+in the call's `session_id` as `replica:<unique id>`. This request router delivers the call to
+exactly that replica, or fails it at once with `ReplicaGone` if the replica has left (died or
+scaled down), so the caller can fail over instead of waiting. Calls without a target go to any
+replica.
+
+Every instance also publishes the live replica ids of its deployment (`live_replicas`), which
+the ingress running in the same process reads to know whom to poll for load.
+
+Ray Serve pickles the router class *by value* into the process that uses it, so the class must
+not close over this module's globals (they would be copies): it imports the module at call
+time to reach the one shared directory.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+TARGET_PREFIX = "replica:"
+
+_lock = threading.Lock()
+# deployment name -> live replica unique ids, as last broadcast by the Serve controller
+_live: dict[str, frozenset[str]] = {}
+
+
+class ReplicaGone(RuntimeError):
+    """The replica a call was pinned to is no longer serving."""
+
+
+def target_key(replica: str) -> str:
+    return TARGET_PREFIX + replica
+
+
+def live_replicas(deployment: str) -> frozenset[str]:
+    with _lock:
+        return _live.get(deployment, frozenset())
+
+
+def publish_replicas(deployment: str, replicas: frozenset[str]) -> None:
+    with _lock:
+        _live[deployment] = replicas
+
+
+class PinnedReplicaRouter(RequestRouter):
+    # Serve probes a replica's queue length before sending it a call and skips replicas that
+    # miss the deadline (0.1 s by default). An engine replica's event loop shares the GIL with
+    # a CPU-bound engine front end, so on a busy CPU node it misses short deadlines again and
+    # again, and a pinned call (one candidate) would never be sent.
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 30.0
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        from wim_service.serving import pinning  # the real module, not a pickled copy
+
+        pinning.publish_replicas(
+            self._deployment_id.name, frozenset(r.replica_id.unique_id for r in replicas)
+        )
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is None:
+            return [list(candidate_replicas)]
+        # Back off between retries: without it Serve's routing loop retries a busy replica in
+        # a tight loop that starves the very event loop the replica's answer needs.
+        pending_request.routing_context.should_backoff = True
+        key = pending_request.metadata.session_id
+        if not key or not key.startswith(TARGET_PREFIX):
+            shuffled = list(candidate_replicas)
+            random.shuffle(shuffled)
+            return [shuffled]
+        wanted = key[len(TARGET_PREFIX) :]
+        for replica in candidate_replicas:
+            if replica.replica_id.unique_id == wanted:
+                return [[replica]]
+        # The target left: fail this call now rather than retrying until the caller times out.
+        # Returning the candidates (not []) lets Serve's routing loop see the finished future
+        # and drop the request; with [] that loop would spin without ever yielding.
+        if not pending_request.future.done():
+            from wim_service.serving import pinning
+
+            pending_request.future.set_exception(
+                pinning.ReplicaGone(f"engine replica {wanted} is no longer serving")
+            )
+        return [list(candidate_replicas)]

@@ -1,0 +1,156 @@
+"""`EngineReplica`: one vLLM engine in a Ray Serve replica, running WiM jobs and document sessions.
+
+Thin over the engine layer: every method turns a call into `run_wim` / `WiMSession` work and
+streams the events back as plain dicts. It reports its load for the router's bounded-load
+placement, and its engine's `vllm:*` metrics for the router's `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import REGISTRY, generate_latest
+from ray import serve
+
+from wim_service.engine.config import EngineConfig
+from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.events import ErrorEvent
+from wim_service.wim.options import WiMOptions
+from wim_service.wim.orchestrator import WiMSession, open_document, run_wim
+
+logger = logging.getLogger(__name__)
+
+# A replica closes a document session on its own this long after the router's TTL would have,
+# in case the router that owned it is gone.
+ORPHAN_GRACE_S = 120.0
+
+
+@dataclass
+class _Document:
+    session: WiMSession
+    ttl_s: float
+    last_used: float
+
+    def expired(self, now: float) -> bool:
+        return now - self.last_used > self.ttl_s + ORPHAN_GRACE_S
+
+
+def _error(exc: WiMError) -> ErrorEvent:
+    return ErrorEvent(code=exc.code.value, message=exc.message, retry_after_s=exc.retry_after_s)
+
+
+class EngineReplica:
+    def __init__(self, engine: dict[str, Any]) -> None:
+        # Ray starts workers at nice 15 and the engine process inherits it; under load such an
+        # engine crawls behind everything else on the node.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        from wim_service.engine.vllm_engine import VLLMBackend
+
+        context = serve.get_replica_context()
+        self.replica = context.replica_id.unique_id
+        self.config = EngineConfig.model_validate(engine)
+        self.backend = VLLMBackend.start(self.config, rank=context.rank.local_rank)
+        self.documents: dict[str, _Document] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(10)
+            now = time.monotonic()
+            for document_id in [d for d, doc in self.documents.items() if doc.expired(now)]:
+                logger.info("closing orphaned document session %s", document_id)
+                await self.close_document(document_id)
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    async def run(self, document: str, query: str, options: dict[str, Any]) -> AsyncIterator[dict]:
+        """A one-shot job; the caller going away cancels it and frees its KV."""
+        events = run_wim(
+            self.backend, self.backend.tokenizer, document, query, WiMOptions(**options)
+        )
+        async for event in events:
+            yield event.model_dump()
+
+    async def open_document(
+        self, document_id: str, document: str, options: dict[str, Any], ttl_s: float
+    ) -> dict[str, Any]:
+        """Read a document into a pinned context; returns its size or an error event."""
+        self._ensure_reaper()
+        await self.close_document(document_id)  # a re-open (failover) replaces a stale copy
+        try:
+            session = await open_document(
+                self.backend, self.backend.tokenizer, document, WiMOptions(**options)
+            )
+        except WiMError as exc:
+            return _error(exc).model_dump()
+        self.documents[document_id] = _Document(session, ttl_s, time.monotonic())
+        return {
+            "type": "opened",
+            "context_tokens": session.plan.context_tokens,
+            "segments": len(session.plan.segments),
+        }
+
+    async def query_document(
+        self, document_id: str, query: str, options: dict[str, Any]
+    ) -> AsyncIterator[dict]:
+        document = self.documents.get(document_id)
+        if document is None:
+            yield ErrorEvent(
+                code=ErrorCode.NOT_FOUND.value,
+                message=f"document session {document_id} is not on this replica",
+            ).model_dump()
+            return
+        document.last_used = time.monotonic()
+        async for event in document.session.query(query, WiMOptions(**options)):
+            yield event.model_dump()
+        document.last_used = time.monotonic()
+
+    async def close_document(self, document_id: str) -> bool:
+        document = self.documents.pop(document_id, None)
+        if document is None:
+            return False
+        await document.session.close()
+        return True
+
+    # -- reporting -------------------------------------------------------------------------
+
+    async def load(self) -> dict[str, Any]:
+        admission = self.backend.load()
+        stats = await self.backend.kv_stats()
+        return {
+            "replica": self.replica,
+            "capacity_blocks": admission.capacity_blocks,
+            "reserved_blocks": admission.reserved_blocks,
+            "sessions": admission.sessions,
+            "documents": len(self.documents),
+            "resident_kv_tokens": sum(
+                d.session.context.context_tokens for d in self.documents.values()
+            ),
+            "free_blocks": stats.free_blocks,
+            "healthy": self.backend.healthy,
+        }
+
+    def metrics_text(self) -> str:
+        """This engine's own `vllm:*` Prometheus metrics (the router adds a replica label)."""
+        return generate_latest(REGISTRY).decode()
+
+    async def check_health(self) -> None:
+        """Serve's health check: a dead engine makes Serve replace this replica."""
+        if not self.backend.healthy:
+            raise RuntimeError("the vLLM engine of this replica is dead")
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.backend.shutdown()
