@@ -54,6 +54,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-reference", action="store_true", help="skip (c), the transformers baseline"
     )
     parser.add_argument("--json-out", type=Path, help="also write the results as JSON here")
+    parser.add_argument(
+        "--serving",
+        action="store_true",
+        help="benchmark the HTTP service instead (local Ray, REST vs in-process, sessions)",
+    )
 
 
 @dataclass

@@ -252,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         from wim_service.eval.cli import run_eval
 
         return asyncio.run(run_eval(args))
+    if args.serving:
+        from wim_service.serving.bench import run_serving_bench
+
+        return asyncio.run(run_serving_bench(args))
     from wim_service.bench import run_bench
 
     return asyncio.run(run_bench(args))
