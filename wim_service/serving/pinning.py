@@ -19,7 +19,8 @@ from __future__ import annotations
 import random
 import threading
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
+from ray.serve.request_router import PendingRequest, RunningReplica
 
 TARGET_PREFIX = "replica:"
 
@@ -46,13 +47,30 @@ def publish_replicas(deployment: str, replicas: frozenset[str]) -> None:
         _live[deployment] = replicas
 
 
-class PinnedReplicaRouter(RequestRouter):
+class PinnedReplicaRouter(ConsistentHashRouter):
+    """Serve's consistent-hash router with the hash replaced by an explicit target.
+
+    Its routing loop is the one built for affinity: the task that picked up a request keeps
+    routing *that* request until it is placed (the base loop may hand a chosen replica to
+    another queued request, which would send a pinned call elsewhere or orphan it).
+    """
+
     # Serve probes a replica's queue length before sending it a call and skips replicas that
     # miss the deadline (0.1 s by default). An engine replica's event loop shares the GIL with
     # a CPU-bound engine front end, so on a busy CPU node it misses short deadlines again and
-    # again, and a pinned call (one candidate) would never be sent.
+    # again; for calls that may go anywhere, allow it more time.
     queue_len_response_deadline_s = 1.0
     max_queue_len_response_deadline_s = 30.0
+
+    async def _select_from_candidate_replicas(
+        self, candidates: list[RunningReplica], backoff_index: int
+    ) -> RunningReplica | None:
+        # A pinned call has one candidate and nothing to choose: skip the queue-length probe
+        # (a missed probe would hold the call back) and send it; the replica itself still
+        # enforces max_ongoing_requests. (Private Serve hook; Ray is pinned to 2.60.)
+        if len(candidates) == 1:
+            return self._replicas.get(candidates[0].replica_id)
+        return await super()._select_from_candidate_replicas(candidates, backoff_index)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

@@ -286,10 +286,16 @@ class WiMRouter:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.engine.load.remote(), 10)
             replicas = live_replicas(ENGINE_DEPLOYMENT)
+        replicas = sorted(replicas)
         results = await asyncio.gather(
             *(self._load_of(r) for r in replicas), return_exceptions=True
         )
-        loads = [r for r in results if isinstance(r, ReplicaLoad)]
+        loads = []
+        for replica, result in zip(replicas, results, strict=True):
+            if isinstance(result, ReplicaLoad):
+                loads.append(result)
+            else:
+                logger.warning("engine replica %s did not report its load: %r", replica, result)
         self.table.update_replicas(loads)
         self.metrics.sessions_active.clear()
         self.metrics.resident_kv_tokens.clear()
