@@ -29,7 +29,6 @@ class ReplicaLoad:
     sessions: int
     documents: int = 0
     resident_kv_tokens: int = 0
-    free_blocks: int = 0
     healthy: bool = True
     draining: bool = False
 
@@ -54,8 +53,15 @@ class BindingTable:
     bindings: dict[str, str] = field(default_factory=dict)
     loads: dict[str, ReplicaLoad] = field(default_factory=dict)
 
-    def update_replicas(self, loads: list[ReplicaLoad]) -> None:
-        self.loads = {load.replica: load for load in loads}
+    def update_replicas(self, live: set[str] | frozenset[str], loads: list[ReplicaLoad]) -> None:
+        """Take fresh loads; a live replica that missed this poll keeps its last report (a
+        busy replica is not a gone one), a replica no longer live is dropped."""
+        fresh = {load.replica: load for load in loads}
+        self.loads = {
+            replica: fresh.get(replica) or self.loads[replica]
+            for replica in live
+            if replica in fresh or replica in self.loads
+        }
 
     def replica_of(self, session: str) -> str | None:
         return self.bindings.get(session)

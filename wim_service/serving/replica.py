@@ -126,9 +126,10 @@ class EngineReplica:
 
     # -- reporting -------------------------------------------------------------------------
 
-    async def load(self) -> dict[str, Any]:
+    def load(self) -> dict[str, Any]:
+        """What the router places sessions by. Answered from memory, never from the engine
+        core: a busy engine must still report promptly, or the router would think it gone."""
         admission = self.backend.load()
-        stats = await self.backend.kv_stats()
         return {
             "replica": self.replica,
             "capacity_blocks": admission.capacity_blocks,
@@ -138,7 +139,6 @@ class EngineReplica:
             "resident_kv_tokens": sum(
                 d.session.context.context_tokens for d in self.documents.values()
             ),
-            "free_blocks": stats.free_blocks,
             "healthy": self.backend.healthy,
         }
 

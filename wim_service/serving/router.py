@@ -296,7 +296,7 @@ class WiMRouter:
                 loads.append(result)
             else:
                 logger.warning("engine replica %s did not report its load: %r", replica, result)
-        self.table.update_replicas(loads)
+        self.table.update_replicas(set(replicas), loads)
         self.metrics.sessions_active.clear()
         self.metrics.resident_kv_tokens.clear()
         for load in loads:
@@ -360,6 +360,13 @@ class WiMRouter:
 
     def _needed_blocks(self, text: str, options: WiMOptions, query: str = "") -> int:
         tokens = self._tokens(text)
+        limit = self.config.engine.max_model_len
+        if tokens >= limit:
+            raise HTTPFailure(
+                413,
+                ErrorCode.TOO_LONG.value,
+                f"the document is {tokens} tokens; the model's context window is {limit}",
+            )
         segments = max(1, math.ceil(tokens / options.segment_tokens))
         query_tokens = self._tokens(query) if query else 256
         return reserve_blocks(tokens, segments, options, self._limits(), query_tokens)

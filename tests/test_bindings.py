@@ -1,0 +1,59 @@
+"""The binding table: sticky sessions, bounded-load placement, tolerant load updates."""
+
+from __future__ import annotations
+
+import pytest
+
+from wim_service.serving.bindings import BindingTable, NoCapacity, ReplicaLoad
+
+
+def load(replica: str, reserved: int, capacity: int = 100, **kw) -> ReplicaLoad:
+    return ReplicaLoad(replica, capacity, reserved, sessions=0, **kw)
+
+
+def test_new_sessions_go_to_the_replica_with_most_room() -> None:
+    table = BindingTable()
+    table.update_replicas({"a", "b"}, [load("a", 70), load("b", 20)])
+    assert table.place("s1", 30) == "b"  # room: a 30, b 80
+    assert table.place("s2", 30) == "b"  # room: a 30, b 50
+    # Each placement counts at once, so a burst does not pile onto the first "emptiest".
+    assert table.place("s3", 30) == "a"  # room: a 30, b 20
+    assert table.loads["b"].reserved_blocks == 80
+    assert [table.replica_of(s) for s in ("s1", "s2", "s3")] == ["b", "b", "a"]
+
+
+def test_a_replica_that_cannot_hold_the_session_is_skipped() -> None:
+    table = BindingTable()
+    table.update_replicas({"a", "b"}, [load("a", 10, capacity=40), load("b", 60)])
+    # a has the lower reservation but only 30 blocks of room; b has 40.
+    assert table.place("big", 35) == "b"
+    with pytest.raises(NoCapacity) as info:
+        table.place("huge", 80)
+    assert info.value.live == 2
+
+
+def test_adding_replicas_never_moves_a_session() -> None:
+    table = BindingTable()
+    table.update_replicas({"a"}, [load("a", 0)])
+    table.place("s", 10)
+    table.update_replicas({"a", "b", "c"}, [load("a", 90), load("b", 0), load("c", 0)])
+    assert table.replica_of("s") == "a" and table.is_live("a")
+
+
+def test_draining_or_unhealthy_replicas_take_no_new_session() -> None:
+    table = BindingTable()
+    table.update_replicas(
+        {"a", "b", "c"},
+        [load("a", 0, draining=True), load("b", 0, healthy=False), load("c", 90)],
+    )
+    assert table.place("s", 5) == "c"
+    assert not table.is_live("b")
+
+
+def test_a_missed_poll_keeps_the_last_load_and_a_gone_replica_is_dropped() -> None:
+    table = BindingTable()
+    table.update_replicas({"a", "b"}, [load("a", 5), load("b", 7)])
+    table.update_replicas({"a", "b"}, [load("a", 6)])  # b was busy: no report this time
+    assert table.loads["b"].reserved_blocks == 7 and table.is_live("b")
+    table.update_replicas({"a"}, [load("a", 6)])  # b left the deployment
+    assert not table.is_live("b") and set(table.loads) == {"a"}
