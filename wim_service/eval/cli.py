@@ -1,7 +1,7 @@
 """`wim eval`: plain long context vs RAG vs WiM on generated long-context tasks.
 
 wim eval                       # smoke size: one task per kind at 1024 tokens, every method
-wim eval --full                # 3 tasks per kind at 1k, 2k, 4k tokens and the largest that fits
+wim eval --full                # 2 tasks per kind at 1k, 2k, 4k tokens and the largest that fits
 wim eval --full --model DIR --max-model-len 65536 --lengths 16384 32384 64000
 """
 
@@ -21,7 +21,7 @@ from wim_service.eval.tasks import TaskKind, generate_tasks
 from wim_service.wim.options import WiMOptions
 
 FULL_LENGTHS = [1024, 2048, 4096]
-FULL_SAMPLES = 3
+FULL_SAMPLES = 2
 SMOKE_LENGTHS = [1024]
 # Prompt tokens around the document (system prompt, tags, final instruction, query).
 PROMPT_RESERVE = 256
@@ -101,10 +101,10 @@ def _show(total: int) -> Any:
     def show(record: RunRecord) -> None:
         nonlocal done
         done += 1
-        answer = record.error or record.answer.replace("\n", " ")
+        answer = record.result.error or record.result.answer.replace("\n", " ")
         print(
             f"[{done:>4}/{total}] {record.task_id:<20} {record.method:<16} "
-            f"score {record.score:.2f}  {record.wall_s:6.1f} s  {answer[:70]}",
+            f"score {record.score:.2f}  {record.result.wall_s:6.1f} s  {answer[:70]}",
             flush=True,
         )
 

@@ -69,10 +69,10 @@ def summarize(records: list[RunRecord]) -> list[MethodSummary]:
                 method=method,
                 by_kind={k.value: _mean(r.score for r in mine if r.kind is k) for k in kinds},
                 mean_score=_mean(r.score for r in mine),
-                prompt_tokens_computed=_mean(r.prompt_tokens_computed for r in mine),
-                generated_tokens=_mean(r.generated_tokens for r in mine),
-                wall_s=_mean(r.wall_s for r in mine),
-                errors=sum(r.error is not None for r in mine),
+                prompt_tokens_computed=_mean(r.result.prompt_tokens_computed for r in mine),
+                generated_tokens=_mean(r.result.generated_tokens for r in mine),
+                wall_s=_mean(r.result.wall_s for r in mine),
+                errors=sum(r.result.error is not None for r in mine),
             )
         )
     return summaries

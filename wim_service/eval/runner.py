@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from wim_service.eval.methods import METHODS, Margin, MethodSettings
+from wim_service.eval.methods import METHODS, MethodResult, MethodSettings
 from wim_service.eval.scoring import score
 from wim_service.eval.tasks import Task, TaskKind
 
@@ -16,23 +16,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One method on one task: the answer, its scores and its cost."""
+    """One method on one task: its result (answer, cost, margins) and the answer's scores."""
 
     task_id: str
     kind: TaskKind
     length: int
     method: str
-    answer: str
     gold: list[str]
     exact: float
     f1: float
     # The kind's own metric: F1 for aggregation, exact match for question answering.
     score: float
-    prompt_tokens_computed: int
-    generated_tokens: int
-    wall_s: float
-    margins: list[Margin] = field(default_factory=list)
-    error: str | None = None
+    result: MethodResult
 
 
 async def evaluate(
@@ -58,16 +53,11 @@ async def evaluate(
                 kind=task.kind,
                 length=task.target_tokens,
                 method=method,
-                answer=result.answer,
                 gold=list(task.gold),
                 exact=marks.exact,
                 f1=marks.f1,
                 score=marks.primary(task.kind),
-                prompt_tokens_computed=result.prompt_tokens_computed,
-                generated_tokens=result.generated_tokens,
-                wall_s=result.wall_s,
-                margins=result.margins,
-                error=result.error,
+                result=result,
             )
             records.append(record)
             if progress is not None:

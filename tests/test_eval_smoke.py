@@ -1,0 +1,79 @@
+"""End to end on the real engine: every method on two small tasks, then the three reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from wim_service.eval.cli import largest_length
+from wim_service.eval.methods import METHODS, MethodSettings
+from wim_service.eval.report import write_report
+from wim_service.eval.runner import evaluate
+from wim_service.eval.tasks import TaskKind, generate_tasks
+from wim_service.wim.options import WiMOptions
+
+pytestmark = pytest.mark.engine
+
+LENGTH = 768
+SETTINGS = MethodSettings(
+    WiMOptions(segment_tokens=256, margin_max_tokens=32, answer_max_tokens=32),
+    rag_chunk_tokens=128,
+    rag_top_k=2,
+)
+
+
+async def test_smoke_evaluation_produces_sane_reports(engine, tmp_path) -> None:
+    tasks = generate_tasks(
+        engine.tokenizer,
+        kinds=[TaskKind.NEEDLE, TaskKind.AGGREGATION],
+        lengths=[LENGTH],
+        samples=1,
+        seed=0,
+    )
+    methods = list(METHODS)
+    records = await evaluate(engine, tasks, methods, SETTINGS)
+    assert len(records) == len(tasks) * len(methods)
+    assert all(r.result.error is None for r in records)
+    for r in records:
+        assert 0.0 <= r.score <= 1.0 and r.result.answer
+        assert r.result.generated_tokens > 0 and r.result.wall_s > 0
+    by = {(r.task_id, r.method): r for r in records}
+    for task in tasks:
+        doc_tokens = len(engine.tokenizer.encode_user_text(task.document).ids)
+        plain, rag = by[task.task_id, "plain"].result, by[task.task_id, "rag"].result
+        # Plain computes the document (the shared system prompt may come from the cache);
+        # RAG computes two ~128-token chunks instead; WiM computes the document once, plus its
+        # margin instructions and margins.
+        assert doc_tokens <= plain.prompt_tokens_computed <= doc_tokens + 200
+        assert rag.prompt_tokens_computed < plain.prompt_tokens_computed - 200
+        for mode in ("first_token", "classifier", "none"):
+            wim = by[task.task_id, f"wim_{mode}"].result
+            assert wim.prompt_tokens_computed > doc_tokens
+            assert wim.generated_tokens >= len(wim.margins) + 1  # a token per margin at least
+            assert [m.segment for m in wim.margins] == list(range(len(wim.margins)))
+            assert len(wim.margins) >= 2  # 768 tokens in ~256-token segments
+        # Keep-all marks every non-empty margin relevant.
+        assert all(m.relevant for m in by[task.task_id, "wim_none"].result.margins if m.text)
+
+    paths = write_report(records, tmp_path, {"test": True}, title="smoke")
+    table = paths["markdown"].read_text()
+    for method in methods:
+        assert f"| {method} |" in table
+    data = json.loads(paths["json"].read_text())
+    assert data["config"] == {"test": True}
+    assert len(data["records"]) == len(records)
+    summary = {s["method"]: s for s in data["summary"]}
+    assert set(summary) == set(methods)
+    assert all(0 <= s["mean_score"] <= 1 and s["errors"] == 0 for s in summary.values())
+    assert summary["rag"]["prompt_tokens_computed"] < summary["plain"]["prompt_tokens_computed"]
+    assert set(data["by_length"]) == {"needle", "aggregation"}
+    png = paths["png"].read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_largest_length_leaves_room_for_margins_and_answer() -> None:
+    options = WiMOptions()
+    longest = largest_length(8192, options)
+    assert 6000 <= longest < 8192 and longest % 256 == 0
+    assert largest_length(4096, options) < 4096 - options.answer_max_tokens
