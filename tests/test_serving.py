@@ -23,7 +23,9 @@ QUERY = "What is the access code for the night gate?"
 ENGINE = {
     "dtype": "bfloat16",
     "max_model_len": 4096,
-    "kv_cache_gib": 0.25,
+    # Room for two of the test's document sessions per replica: after scale-down the survivor
+    # must take the leaving replica's session too.
+    "kv_cache_gib": 0.5,
     "block_size": 32,
     "max_num_seqs": 32,
     # Two engines on two cores: one core each.
@@ -35,31 +37,58 @@ ROUTER = {"session_ttl_s": 600, "load_poll_interval_s": 1.0, "replica_wait_s": 2
 OPTIONS = {"segment_tokens": 192, "margin_max_tokens": 16, "answer_max_tokens": 16}
 
 
+def deploy(replicas: int) -> None:
+    """Deploy the app as `serve deploy` would: from a config, so that changing only
+    `num_replicas` later is a lightweight update (the router, with its sessions, stays)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": PORT},
+        "applications": [
+            {
+                "name": "wim",
+                "route_prefix": "/",
+                "import_path": "wim_service.serving.app:build_app",
+                "args": {"engine": ENGINE, "router": ROUTER},
+                "deployments": [{"name": "EngineReplica", "num_replicas": replicas}],
+            }
+        ],
+    }
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+
+
 @pytest.fixture(scope="module")
 def service() -> Iterator[httpx.Client]:
     os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
     import ray
     from ray import serve
 
-    from wim_service.serving.app import build_app
-
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    app = build_app({"engine": ENGINE, "router": ROUTER}, engine_options={"num_replicas": 2})
-    serve.run(app, name="wim", route_prefix="/", blocking=False)
+    deploy(2)
     client = httpx.Client(base_url=BASE, timeout=600)
     deadline = time.monotonic() + 600
+    ready = None
     while time.monotonic() < deadline:
-        ready = client.get("/readyz")
-        if ready.status_code == 200 and len(ready.json()["replicas"]) == 2:
+        ready = client.get("/readyz") if _listening() else None
+        if ready is not None and ready.status_code == 200 and len(ready.json()["replicas"]) == 2:
             break
         time.sleep(2)
     else:
-        pytest.fail(f"the service did not become ready: {ready.text}")
+        pytest.fail(f"the service did not become ready: {ready and ready.text}")
     yield client
     client.close()
     serve.shutdown()
     ray.shutdown()
+
+
+def _listening() -> bool:
+    try:
+        httpx.get(f"{BASE}/healthz", timeout=5)
+    except httpx.TransportError:
+        return False
+    return True
 
 
 def metric(client: httpx.Client, name: str, **labels: str) -> float:
@@ -207,12 +236,10 @@ def test_client_disconnect_cancels_the_job(service: httpx.Client, report: str) -
 
 def _replica_actor(replica: str):
     import ray
-    from ray.util.state import list_actors
+    from ray.serve._private.common import DeploymentID, ReplicaID
 
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-        if actor.name and actor.name.endswith(replica) and "EngineReplica" in actor.name:
-            return ray.get_actor(actor.name, namespace="serve")
-    raise AssertionError(f"no actor for replica {replica}")
+    replica_id = ReplicaID(replica, DeploymentID("EngineReplica", "wim"))
+    return ray.get_actor(replica_id.to_full_id_str(), namespace="serve")
 
 
 def test_killing_the_pinned_replica_mid_request_still_answers(
@@ -249,20 +276,16 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     # The session now lives on the new replica and is served from its pinned KV there.
     again = service.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
     assert again.status_code == 200 and again.json()["replica"] == body["replica"]
+    assert service.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
 def test_scale_down_drains_and_keeps_sessions(service: httpx.Client, report: str) -> None:
     """Scale to one replica: running work finishes, sessions of the leaving replica move."""
-    from ray import serve
-
-    from wim_service.serving.app import build_app
-
     # Wait for the replacement of the replica killed above: two replicas again.
     deadline = time.monotonic() + 600
     while len(service.get("/readyz").json()["replicas"]) < 2 and time.monotonic() < deadline:
         time.sleep(2)
     documents = [open_document(service, report) for _ in range(2)]
-    app = build_app({"engine": ENGINE, "router": ROUTER}, engine_options={"num_replicas": 1})
     results: list[httpx.Response] = []
 
     async def ask_all() -> None:
@@ -276,7 +299,7 @@ def test_scale_down_drains_and_keeps_sessions(service: httpx.Client, report: str
     thread = threading.Thread(target=lambda: asyncio.run(ask_all()))
     thread.start()
     time.sleep(0.5)
-    serve.run(app, name="wim", route_prefix="/", blocking=False)
+    deploy(1)
     thread.join(600)
     assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
     while len(service.get("/readyz").json()["replicas"]) > 1 and time.monotonic() < deadline:
