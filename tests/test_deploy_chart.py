@@ -371,12 +371,16 @@ def test_chart_and_local_config_describe_the_same_application() -> None:
 @pytest.mark.parametrize("source", ["chart", "local"])
 def test_the_app_builds_with_the_configs_arguments(source: str) -> None:
     """build_app accepts both configs' args and names the deployments they configure."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve._private.build_app import build_app as build
 
     from wim_service.serving.app import build_app
 
     config = serve_config(rayservice(render())) if source == "chart" else local_config()
     app = the_app(config)
-    built = build(build_app(app["args"]), name=app["name"])
+    # Through Serve's own builder call, as `serve run`/`serve deploy` make it.
+    built = build(
+        call_user_app_builder_with_args_if_necessary(build_app, app["args"]), name=app["name"]
+    )
     assert {d.name for d in built.deployments} == DEPLOYMENTS
     assert built.ingress_deployment_name == "WiMRouter"

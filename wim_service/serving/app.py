@@ -33,15 +33,17 @@ EngineReplicaDeployment = serve.deployment(
 )
 
 
-def build_app(
-    args: dict[str, Any] | None = None, *, engine_options: dict[str, Any] | None = None
-) -> Application:
-    """The WiM application: a `WiMRouter` ingress over `EngineReplica` deployments.
+def build_app(args: dict[str, Any]) -> Application:
+    """The WiM application from a serve config's `args` (Serve calls this with one dict)."""
+    return assemble(ServiceConfig.model_validate(args or {}))
+
+
+def assemble(config: ServiceConfig, *, engine_options: dict[str, Any] | None = None) -> Application:
+    """A `WiMRouter` ingress over `EngineReplica` deployments.
 
     `engine_options` overrides EngineReplica deployment settings (e.g. `num_replicas`) for
     Python callers; serve configs use their `deployments:` section instead.
     """
-    config = ServiceConfig.model_validate(args or {})
     deployment = EngineReplicaDeployment.options(**(engine_options or {}))
     engine = deployment.bind(config.engine.model_dump())
     return WiMRouter.bind(engine, config.model_dump())

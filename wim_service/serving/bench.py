@@ -33,10 +33,14 @@ def _line(label: str, value: str) -> None:
 def _start(engine: dict[str, Any], replicas: int) -> httpx.Client:
     from ray import serve
 
-    from wim_service.serving.app import build_app
+    from wim_service.serving.app import assemble
+    from wim_service.serving.config import ServiceConfig
 
     serve.run(
-        build_app({"engine": engine}, engine_options={"num_replicas": replicas}),
+        assemble(
+            ServiceConfig.model_validate({"engine": engine}),
+            engine_options={"num_replicas": replicas},
+        ),
         name="wim",
         route_prefix="/",
         blocking=False,
