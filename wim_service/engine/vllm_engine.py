@@ -212,12 +212,14 @@ class VLLMBackend:
         max_tokens: int,
         stop_token_ids: frozenset[int] = frozenset(),
         exact_tokens: bool = False,
+        cache_salt: str | None = None,
     ) -> Completion:
         """One ordinary greedy request outside any WiM context (plain long context, RAG).
 
         It carries no cache salt, so it may hit prefix blocks of other ordinary requests (the
-        shared system prompt); `cost` says how many. `exact_tokens` forces `max_tokens` tokens,
-        for timing comparisons at a fixed answer length.
+        shared system prompt); `cost` says how many. A fresh `cache_salt` rules such hits out.
+        `exact_tokens` forces `max_tokens` tokens, for timing comparisons at a fixed answer
+        length.
         """
         from vllm import SamplingParams
         from vllm.inputs import tokens_input
@@ -233,7 +235,7 @@ class VLLMBackend:
         started = time.perf_counter()
         final = None
         async for output in self.engine.generate(
-            tokens_input(prompt_ids),
+            tokens_input(prompt_ids, cache_salt=cache_salt),
             params,
             self.next_request_id("plain", "complete"),
             priority=PRIORITY[RequestKind.ANSWER],
