@@ -188,7 +188,8 @@ async def run_bench(args: argparse.Namespace) -> int:
         flush=True,
     )
 
-    backend = VLLMBackend.start(engine_config(args))
+    # Jobs wait for KV room instead of being refused: (c) submits all documents at once.
+    backend = VLLMBackend.start(engine_config(args, admission_timeout_s=3600.0))
     try:
         await timed_job(backend, document, QUERIES[0], options)  # warm-up
         print("(a) prompt tokens computed beyond the minimum", flush=True)
@@ -225,7 +226,9 @@ async def run_bench(args: argparse.Namespace) -> int:
     finally:
         backend.shutdown()
 
-    backend = VLLMBackend.start(engine_config(args, enable_prefix_caching=False))
+    backend = VLLMBackend.start(
+        engine_config(args, enable_prefix_caching=False, admission_timeout_s=3600.0)
+    )
     try:
         uncached = await bench_tokens(backend, document, options)
         results["a_no_prefix_caching"] = uncached
