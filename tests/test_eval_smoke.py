@@ -6,12 +6,14 @@ import json
 
 import pytest
 
+from wim_service.bench import plain_call
 from wim_service.eval.cli import largest_length
 from wim_service.eval.methods import METHODS, MethodSettings
 from wim_service.eval.report import write_report
 from wim_service.eval.runner import evaluate
 from wim_service.eval.tasks import TaskKind, generate_tasks
-from wim_service.wim.options import WiMOptions
+from wim_service.wim.options import PromptTemplates, WiMOptions
+from wim_service.wim.prompts import PromptBuilder
 
 pytestmark = pytest.mark.engine
 
@@ -77,3 +79,24 @@ def test_largest_length_leaves_room_for_margins_and_answer() -> None:
     longest = largest_length(8192, options)
     assert 6000 <= longest < 8192 and longest % 256 == 0
     assert largest_length(4096, options) < 4096 - options.answer_max_tokens
+
+
+async def test_complete_reports_tokens_and_cache_hits(engine) -> None:
+    """The ordinary request behind plain, RAG and `wim bench`'s plain call."""
+    builder = PromptBuilder(engine.tokenizer, PromptTemplates())
+    document = "The lighthouse keeper paints the door green every spring. " * 8
+    prompt = builder.plain_prompt(
+        engine.tokenizer.encode_user_text(document).ids, "What colour is the door?"
+    )
+    forced = await engine.complete(prompt, max_tokens=12, exact_tokens=True)
+    assert len(forced.token_ids) == 12 and forced.seconds > 0
+    free = await engine.complete(prompt, max_tokens=40)
+    assert "green" in free.text.lower()
+    assert free.token_ids[-1] in engine.tokenizer.eos_token_ids or len(free.token_ids) == 40
+    # The same prompt again: every full KV block of it comes from the prefix cache.
+    block = engine.limits.block_size
+    assert free.cost.submitted == len(prompt)
+    assert free.cost.cached == len(prompt) // block * block or free.cost.cached == (
+        (len(prompt) - 1) // block * block
+    )
+    assert await plain_call(engine, document, "What colour is the door?", WiMOptions(), 4) > 0

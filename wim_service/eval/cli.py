@@ -11,8 +11,8 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from wim_service.eval.methods import METHODS, MethodSettings
 from wim_service.eval.report import write_report
@@ -95,7 +95,8 @@ def _lengths(args: argparse.Namespace, max_model_len: int, options: WiMOptions) 
     return [min(n, longest) for n in SMOKE_LENGTHS]
 
 
-def _show(total: int) -> Any:
+def _show(total: int) -> Callable[[RunRecord], None]:
+    """Print one line per finished run: a long evaluation shows its progress as it goes."""
     done = 0
 
     def show(record: RunRecord) -> None:
