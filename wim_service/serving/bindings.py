@@ -90,6 +90,3 @@ class BindingTable:
 
     def unbind(self, session: str) -> None:
         self.bindings.pop(session, None)
-
-    def sessions_on(self, replica: str) -> list[str]:
-        return [s for s, r in self.bindings.items() if r == replica]

@@ -367,15 +367,19 @@ class WiMSession:
     ) -> list[MarginNote]:
         """Margins of every segment for a new query over the already-read document."""
         suffix = self.builder.margin_suffix(query, options.relevance)
+        if not self.backend.limits.concurrent_branches:
+            # One at a time: creating every task up front would start them all at once.
+            notes = [
+                await self._margin(segment, query, suffix, options, ledger, emit)
+                for segment in self.plan.segments
+            ]
+            return [note for note in notes if note is not None]
         tasks = [
             asyncio.create_task(self._margin(segment, query, suffix, options, ledger, emit))
             for segment in self.plan.segments
         ]
         try:
-            if self.backend.limits.concurrent_branches:
-                notes = await asyncio.gather(*tasks)
-            else:
-                notes = [await task for task in tasks]
+            notes = await asyncio.gather(*tasks)
         finally:
             for task in tasks:
                 task.cancel()
