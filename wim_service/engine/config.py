@@ -1,39 +1,82 @@
-"""Engine settings, validated once at the edge (CLI, serve config, tests)."""
+"""Engine settings, validated once at the edge (CLI, serve config, tests).
+
+`EngineConfig` is also the single source of the engine's command-line flags: `add_cli_args`
+derives each flag's type, default and help from the field, `from_cli_args` reads them back
+(the shape of vLLM's `EngineArgs.add_cli_args` / `from_cli_args`).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import argparse
+from collections.abc import Callable
+from types import NoneType, UnionType
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 
 class EngineConfig(BaseModel):
+    """One vLLM engine and its admission control."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # A local Hugging Face model folder; None means the offline default (SmolLM2-135M-Instruct).
-    model: str | None = None
-    dtype: Literal["bfloat16", "float32", "float16", "auto"] = "bfloat16"
-    max_model_len: int = Field(8192, ge=256)
-    # KV cache size. On CPU this is the whole KV pool; set it explicitly so that several
-    # engines can share a machine (vLLM would otherwise take 92% of RAM).
-    kv_cache_gib: float = Field(1.0, gt=0)
-    # CPU kernels need a multiple of 32. Small blocks let more segment ends fall on a block
-    # boundary (a margin recomputes context tokens past its last full block).
-    block_size: int = Field(32, ge=16)
-    # Tokens per engine step; a large budget lets one step carry a whole segment's prefill
-    # together with the margins' decodes.
-    max_num_batched_tokens: int = Field(2048, ge=256)
-    max_num_seqs: int = Field(128, ge=4)
-    enable_prefix_caching: bool = True
-    # Thread binding for the CPU worker: "all" (every core this process may use), "rank" (one
-    # core per engine replica, by its rank on the node), or vLLM's own "auto"/"nobind"/"0-1".
-    cpu_threads_bind: str = "all"
-    enforce_eager: bool = True
-    seed: int = 0
-    # Admission control: how many documents may hold KV at once, and how long a new job may
-    # wait for room before it is refused with OVERLOADED.
-    max_sessions: int = Field(16, ge=1)
-    admission_timeout_s: float = Field(30.0, ge=0)
+    model: str | None = Field(
+        None,
+        description="local Hugging Face model folder (default: the offline SmolLM2-135M-Instruct)",
+    )
+    dtype: Literal["bfloat16", "float32", "float16", "auto"] = Field(
+        "bfloat16", description="model dtype"
+    )
+    max_model_len: int = Field(
+        8192, ge=256, description="context window in tokens (document, margins and answer)"
+    )
+    kv_cache_gib: float = Field(
+        1.0,
+        gt=0,
+        description="KV cache size in GiB. On CPU this is the whole KV pool; set it explicitly "
+        "so that several engines can share a machine (vLLM would otherwise take 92% of RAM)",
+    )
+    block_size: int = Field(
+        32,
+        ge=16,
+        description="KV block size in tokens; CPU kernels need a multiple of 32. Small blocks "
+        "let more segment ends fall on a block boundary (a margin recomputes context tokens "
+        "past its last full block)",
+    )
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=256,
+        description="tokens per engine step; a large budget lets one step carry a whole "
+        "segment's prefill together with the margins' decodes",
+    )
+    max_num_seqs: int = Field(
+        128, ge=4, description="sequences per engine step (at least 2 x max_sessions)"
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV of shared prompt prefixes across requests"
+    )
+    cpu_threads_bind: str = Field(
+        "all",
+        description='thread binding for the CPU worker: "all" (every core this process may '
+        'use), "rank" (one core per engine replica, by its rank on the node), or vLLM\'s own '
+        '"auto"/"nobind"/"0-1"',
+    )
+    enforce_eager: bool = Field(True, description="run the model eagerly, without graph capture")
+    seed: int = Field(0, description="vLLM's sampling seed")
+    max_sessions: int = Field(
+        16, ge=1, description="admission control: how many documents may hold KV at once"
+    )
+    admission_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="admission control: how long a new job may wait for KV room before it is "
+        "refused with OVERLOADED",
+    )
+
+    # Not flags: every request decodes greedily, so the seed changes nothing a user sees (and
+    # `wim eval --seed` is the task generator's).
+    CLI_EXCLUDED: ClassVar[frozenset[str]] = frozenset({"seed"})
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -45,3 +88,59 @@ class EngineConfig(BaseModel):
                 "a sequence slot, and its margins need slots too"
             )
         return self
+
+    @classmethod
+    def cli_fields(cls) -> list[str]:
+        return [name for name in cls.model_fields if name not in cls.CLI_EXCLUDED]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one `--flag` per settable field to an "engine" group of `parser`."""
+        group = parser.add_argument_group("engine", cls.__doc__)
+        for name in cls.cli_fields():
+            group.add_argument("--" + name.replace("_", "-"), **_argparse_kwargs(cls, name))
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+        """The config from `add_cli_args` flags; `overrides` win over what the user passed."""
+        given = {name: getattr(args, name) for name in cls.cli_fields() if hasattr(args, name)}
+        return cls(**{**given, **overrides})
+
+
+def _argparse_kwargs(model: type[BaseModel], name: str) -> dict[str, Any]:
+    field = model.model_fields[name]
+    description = (field.description or "").replace("%", "%%")  # argparse formats help
+    kinds = set(get_args(field.annotation)) if _is_union(field.annotation) else {field.annotation}
+    kinds.discard(NoneType)
+    (kind,) = kinds  # one type per flag (optional fields: that type or None)
+    if field.default is not None:
+        description += " (default: %(default)s)"
+    kwargs: dict[str, Any] = {"default": field.default, "help": description}
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction  # --flag / --no-flag
+        return kwargs
+    if get_origin(kind) is Literal:
+        kwargs["choices"] = list(get_args(kind))
+    kwargs["type"] = _checked(name, field)
+    return kwargs
+
+
+def _is_union(annotation: Any) -> bool:
+    return get_origin(annotation) in (Union, UnionType)
+
+
+def _checked(name: str, field: FieldInfo) -> Callable[[str], Any]:
+    """Parse one flag's value with the field's own type and bounds: `--max-model-len 10` is an
+    argparse error naming the flag, not a traceback."""
+    checked = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    adapter: TypeAdapter[Any] = TypeAdapter(checked)
+
+    def parse(text: str) -> Any:
+        try:
+            return adapter.validate_strings(text)
+        except ValidationError as exc:
+            raise argparse.ArgumentTypeError(exc.errors()[0]["msg"]) from exc
+
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
