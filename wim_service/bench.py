@@ -173,8 +173,7 @@ async def bench_vs_plain(
 
 
 async def run_bench(args: argparse.Namespace) -> int:
-    from wim_service.assets.default_model import default_model_dir
-    from wim_service.cli import engine_config
+    from wim_service.engine.config import EngineConfig
     from wim_service.engine.hf_backend import HFBackend
     from wim_service.engine.vllm_engine import VLLMBackend
 
@@ -189,7 +188,7 @@ async def run_bench(args: argparse.Namespace) -> int:
     )
 
     # Jobs wait for KV room instead of being refused: (c) submits all documents at once.
-    backend = VLLMBackend.start(engine_config(args, admission_timeout_s=3600.0))
+    backend = VLLMBackend.start(EngineConfig.from_cli_args(args, admission_timeout_s=3600.0))
     try:
         await timed_job(backend, document, QUERIES[0], options)  # warm-up
         print("(a) prompt tokens computed beyond the minimum", flush=True)
@@ -227,7 +226,7 @@ async def run_bench(args: argparse.Namespace) -> int:
         backend.shutdown()
 
     backend = VLLMBackend.start(
-        engine_config(args, enable_prefix_caching=False, admission_timeout_s=3600.0)
+        EngineConfig.from_cli_args(args, enable_prefix_caching=False, admission_timeout_s=3600.0)
     )
     try:
         uncached = await bench_tokens(backend, document, options)
@@ -241,13 +240,7 @@ async def run_bench(args: argparse.Namespace) -> int:
 
     if not args.skip_reference:
         print("(c) documents per second vs the transformers reference backend", flush=True)
-        config = engine_config(args)
-        reference = HFBackend(
-            config.model or default_model_dir(),
-            dtype=config.dtype,
-            max_model_len=config.max_model_len,
-            block_size=config.block_size,
-        )
+        reference = HFBackend.from_config(EngineConfig.from_cli_args(args))
         ref = {
             "1": await docs_per_second(reference, document, options, 1),
             str(args.concurrency): await docs_per_second(

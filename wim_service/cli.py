@@ -22,31 +22,6 @@ from wim_service.wim.events import WiMEvent
 from wim_service.wim.options import RelevanceMode, WiMOptions
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineConfig()
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model", help="local Hugging Face model folder (default: offline SmolLM2-135M-Instruct)"
-    )
-    group.add_argument("--dtype", default=defaults.dtype, help="model dtype (%(default)s)")
-    group.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
-    group.add_argument(
-        "--kv-cache-gib", type=float, default=defaults.kv_cache_gib, help="KV cache size"
-    )
-    group.add_argument("--block-size", type=int, default=defaults.block_size)
-
-
-def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib,
-        block_size=args.block_size,
-        **overrides,
-    )
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wim", description="Writing-in-the-Margins long-document question answering."
@@ -73,13 +48,13 @@ def _parser() -> argparse.ArgumentParser:
         default="vllm",
         help="vllm engine, or the plain-transformers reference backend",
     )
-    add_engine_arguments(run)
+    EngineConfig.add_cli_args(run)
 
     bench = commands.add_parser("bench", help="benchmark ratios, measured side by side")
     from wim_service.bench import add_bench_arguments
 
     add_bench_arguments(bench)
-    add_engine_arguments(bench)
+    EngineConfig.add_cli_args(bench)
 
     evaluate = commands.add_parser(
         "eval", help="answer-quality evaluation: plain long context vs RAG vs WiM"
@@ -87,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     from wim_service.eval.cli import add_eval_arguments
 
     add_eval_arguments(evaluate)
-    add_engine_arguments(evaluate)
+    EngineConfig.add_cli_args(evaluate)
 
     serve = commands.add_parser(
         "serve",
@@ -135,20 +110,14 @@ def _options(args: argparse.Namespace) -> WiMOptions:
 
 
 def start_backend(args: argparse.Namespace) -> Any:
+    config = EngineConfig.from_cli_args(args)
     if getattr(args, "backend", "vllm") == "reference":
-        from wim_service.assets.default_model import default_model_dir
         from wim_service.engine.hf_backend import HFBackend
 
-        config = engine_config(args)
-        return HFBackend(
-            config.model or default_model_dir(),
-            dtype=config.dtype,
-            max_model_len=config.max_model_len,
-            block_size=config.block_size,
-        )
+        return HFBackend.from_config(config)
     from wim_service.engine.vllm_engine import VLLMBackend
 
-    return VLLMBackend.start(engine_config(args))
+    return VLLMBackend.start(config)
 
 
 async def _collect(events: AsyncIterator[WiMEvent]) -> dict[str, Any]:

@@ -12,11 +12,14 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wim_service.wim.backend import EngineLimits, GenerationChunk, GenerationParams, PromptCost
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.tokenizer import HFTokenizer
+
+if TYPE_CHECKING:
+    from wim_service.engine.config import EngineConfig
 
 
 class HFBackend:
@@ -41,6 +44,18 @@ class HFBackend:
         # Same block size as the engine it is compared with: segmentation is then identical.
         self.limits = EngineLimits(max_model_len, block_size, concurrent_branches=False)
         self._lock = threading.Lock()  # one forward pass at a time across contexts
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> HFBackend:
+        """The reference for an engine with `config`: same model, dtype, window and blocks."""
+        from wim_service.assets.default_model import default_model_dir
+
+        return cls(
+            config.model or default_model_dir(),
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            block_size=config.block_size,
+        )
 
     async def open_context(self, *, reserve_blocks: int) -> HFContext:
         return HFContext(self)

@@ -113,11 +113,11 @@ def _show(total: int) -> Callable[[RunRecord], None]:
 
 
 async def run_eval(args: argparse.Namespace) -> int:
-    from wim_service.cli import engine_config
+    from wim_service.engine.config import EngineConfig
     from wim_service.engine.vllm_engine import VLLMBackend
 
     options = _options(args)
-    config = engine_config(args)
+    config = EngineConfig.from_cli_args(args)
     lengths = _lengths(args, config.max_model_len, options)
     samples = args.samples or (FULL_SAMPLES if args.full else 1)
     settings = MethodSettings(options, args.rag_chunk_tokens, args.rag_top_k)

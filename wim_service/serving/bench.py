@@ -67,14 +67,14 @@ async def run_serving_bench(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from wim_service.cli import engine_config
+    from wim_service.engine.config import EngineConfig
     from wim_service.engine.vllm_engine import VLLMBackend
 
     document = "\n\n".join([args.context.read_text(encoding="utf-8")] * args.repeat)
     options = WiMOptions(segment_tokens=args.segment_tokens)
     wire_options = options.model_dump(include={"segment_tokens"})
     # Two engines share the machine in (f) and (g): keep each one's KV small.
-    config = engine_config(args).model_copy(update={"kv_cache_gib": min(args.kv_cache_gib, 0.5)})
+    config = EngineConfig.from_cli_args(args, kv_cache_gib=min(args.kv_cache_gib, 0.5))
     engine = config.model_dump()
     results: dict[str, Any] = {}
     print(
