@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from wim_service.bench import plain_call
+from wim_service.benchmarks.engine import plain_call
 from wim_service.eval.cli import largest_length
 from wim_service.eval.methods import METHODS, MethodSettings
 from wim_service.eval.report import write_report

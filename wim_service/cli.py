@@ -22,6 +22,30 @@ from wim_service.wim.events import WiMEvent
 from wim_service.wim.options import RelevanceMode, WiMOptions
 
 
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from wim_service.benchmarks.common import DEFAULT_DOCUMENT
+
+    parser.add_argument(
+        "--context",
+        type=Path,
+        default=DEFAULT_DOCUMENT,
+        help="document to read (default: the sample report, repeated --repeat times)",
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="copies of the document to join")
+    parser.add_argument("--segment-tokens", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, default=8, help="documents at once for (c)")
+    parser.add_argument("--rounds", type=int, default=3, help="repetitions for (b) and (d)")
+    parser.add_argument(
+        "--skip-reference", action="store_true", help="skip (c), the transformers baseline"
+    )
+    parser.add_argument("--json-out", type=Path, help="also write the results as JSON here")
+    parser.add_argument(
+        "--serving",
+        action="store_true",
+        help="benchmark the HTTP service instead (local Ray, REST vs in-process, sessions)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wim", description="Writing-in-the-Margins long-document question answering."
@@ -51,8 +75,6 @@ def _parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(run)
 
     bench = commands.add_parser("bench", help="benchmark ratios, measured side by side")
-    from wim_service.bench import add_bench_arguments
-
     add_bench_arguments(bench)
     EngineConfig.add_cli_args(bench)
 
@@ -221,13 +243,25 @@ def main(argv: list[str] | None = None) -> int:
         from wim_service.eval.cli import run_eval
 
         return asyncio.run(run_eval(args))
+    from wim_service.benchmarks.common import BenchSettings
+
+    settings = BenchSettings(
+        context=args.context,
+        repeat=args.repeat,
+        segment_tokens=args.segment_tokens,
+        concurrency=args.concurrency,
+        rounds=args.rounds,
+        skip_reference=args.skip_reference,
+        json_out=args.json_out,
+        engine=EngineConfig.from_cli_args(args),
+    )
     if args.serving:
-        from wim_service.serving.bench import run_serving_bench
+        from wim_service.benchmarks.service import run_serving_bench
 
-        return asyncio.run(run_serving_bench(args))
-    from wim_service.bench import run_bench
+        return asyncio.run(run_serving_bench(settings))
+    from wim_service.benchmarks.engine import run_bench
 
-    return asyncio.run(run_bench(args))
+    return asyncio.run(run_bench(settings))
 
 
 if __name__ == "__main__":

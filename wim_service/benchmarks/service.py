@@ -11,8 +11,6 @@ Everything runs on this machine: local Ray, loopback HTTP, bounded rounds.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -20,14 +18,9 @@ from typing import Any
 
 import httpx
 
-from wim_service.bench import QUERIES, timed_job
-from wim_service.wim.options import WiMOptions
+from wim_service.benchmarks.common import QUERIES, BenchSettings, line, timed_job
 
 PORT = 8799
-
-
-def _line(label: str, value: str) -> None:
-    print(f"  {label:<58} {value}", flush=True)
 
 
 def _start(engine: dict[str, Any], replicas: int) -> httpx.Client:
@@ -62,26 +55,23 @@ def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[float,
     return time.perf_counter() - started, response.json()
 
 
-async def run_serving_bench(args: argparse.Namespace) -> int:
+async def run_serving_bench(settings: BenchSettings) -> int:
     os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
     import ray
     from ray import serve
 
-    from wim_service.engine.config import EngineConfig
     from wim_service.engine.vllm_engine import VLLMBackend
 
-    document = "\n\n".join([args.context.read_text(encoding="utf-8")] * args.repeat)
-    options = WiMOptions(segment_tokens=args.segment_tokens)
+    document = settings.document()
+    options = settings.options()
     wire_options = options.model_dump(include={"segment_tokens"})
     # Two engines share the machine in (f) and (g): keep each one's KV small.
-    config = EngineConfig.from_cli_args(args, kv_cache_gib=min(args.kv_cache_gib, 0.5))
+    config = settings.engine.model_copy(
+        update={"kv_cache_gib": min(settings.engine.kv_cache_gib, 0.5)}
+    )
     engine = config.model_dump()
     results: dict[str, Any] = {}
-    print(
-        f"wim bench --serving: {args.context.name} x{args.repeat}, segments of "
-        f"~{args.segment_tokens} tokens, dtype {args.dtype}",
-        flush=True,
-    )
+    settings.header("wim bench --serving")
 
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
@@ -95,7 +85,7 @@ async def run_serving_bench(args: argparse.Namespace) -> int:
                 client, "/wim", {"context": document, "query": QUERIES[0], "options": wire_options}
             )
             rest_s, local_s = [], []
-            for r in range(args.rounds):
+            for r in range(settings.rounds):
                 query = QUERIES[r % len(QUERIES)]
                 local_s.append((await timed_job(local, document, query, options)).seconds)
                 body = {"context": document, "query": query, "options": wire_options}
@@ -108,7 +98,7 @@ async def run_serving_bench(args: argparse.Namespace) -> int:
             "local_s": statistics.median(local_s),
             "ratio": ratio,
         }
-        _line(
+        line(
             "REST / in-process",
             f"{statistics.median(rest_s):.2f} s / {statistics.median(local_s):.2f} s = {ratio:.3f}",
         )
@@ -118,7 +108,7 @@ async def run_serving_bench(args: argparse.Namespace) -> int:
         client = _start({**engine, "cpu_threads_bind": "rank"}, 2)
         _, doc = _post(client, "/documents", {"context": document, "options": wire_options})
         session_s, oneshot_s, served = [], [], []
-        for r in range(args.rounds):
+        for r in range(settings.rounds):
             query = QUERIES[r % len(QUERIES)]
             seconds, answer = _post(
                 client, "/wim", {"document_id": doc["document_id"], "query": query}
@@ -137,18 +127,18 @@ async def run_serving_bench(args: argparse.Namespace) -> int:
             "ratio": statistics.median(s / o for s, o in zip(session_s, oneshot_s, strict=True)),
         }
         f = results["f_session_vs_oneshot"]
-        _line(
+        line(
             "document tokens served from the pinned KV (worst query)",
             f"{100 * f['document_tokens_served_from_pinned_kv']:.1f}%",
         )
-        _line(
+        line(
             "session query / one-shot job",
             f"{f['session_s']:.2f} s / {f['oneshot_s']:.2f} s = {f['ratio']:.3f}",
         )
 
         print("(g) sticky routing vs no affinity, multi-query sessions on 2 replicas")
         sticky, loose = [], []
-        for r in range(args.rounds):
+        for r in range(settings.rounds):
             query = QUERIES[r % len(QUERIES)]
             sticky.append(
                 _post(client, "/wim", {"document_id": doc["document_id"], "query": query})[1]
@@ -166,7 +156,7 @@ async def run_serving_bench(args: argparse.Namespace) -> int:
             **per_query,
             "replicas_used_without_affinity": sorted({a["replica"] for a in loose}),
         }
-        _line(
+        line(
             "prompt tokens computed per query: sticky / no affinity",
             f"{per_query['sticky']:.0f} / {per_query['no_affinity']:.0f} = "
             f"{per_query['sticky'] / per_query['no_affinity']:.3f}",
@@ -176,6 +166,5 @@ async def run_serving_bench(args: argparse.Namespace) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
-    if args.json_out:
-        args.json_out.write_text(json.dumps(results, indent=2))
+    settings.save(results)
     return 0

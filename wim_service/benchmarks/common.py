@@ -1,0 +1,87 @@
+"""What both benchmarks share: their settings, the sample document and queries, one timed WiM
+job on an in-process backend, and the printed result line."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wim_service.engine.config import EngineConfig
+from wim_service.wim.backend import Backend
+from wim_service.wim.events import DoneEvent, MarginEvent
+from wim_service.wim.options import WiMOptions
+from wim_service.wim.orchestrator import run_wim
+
+DEFAULT_DOCUMENT = Path(__file__).resolve().parents[2] / "examples" / "harbor_report.txt"
+QUERIES = [
+    "What is the access code for the night gate?",
+    "Who replaced Margaret Oyelaran as head of the pilot service?",
+    "How many passengers did the ferry to the islands carry?",
+    "When is the harbour office open?",
+    "How many boats are registered at the port?",
+    "What will happen to the old warehouse on the north quay?",
+    "How many apprentices trained at the port this year?",
+    "What did the auditors find?",
+]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    context: Path  # the document, joined `repeat` times
+    repeat: int
+    segment_tokens: int
+    concurrency: int  # documents at once for the engine benchmark's (c)
+    rounds: int  # repetitions of every side-by-side measurement
+    skip_reference: bool
+    json_out: Path | None
+    engine: EngineConfig
+
+    def document(self) -> str:
+        return "\n\n".join([self.context.read_text(encoding="utf-8")] * self.repeat)
+
+    def options(self) -> WiMOptions:
+        return WiMOptions(segment_tokens=self.segment_tokens)
+
+    def header(self, command: str) -> None:
+        print(
+            f"{command}: {self.context.name} x{self.repeat}, segments of ~{self.segment_tokens} "
+            f"tokens, dtype {self.engine.dtype}",
+            flush=True,
+        )
+
+    def save(self, results: dict[str, Any]) -> None:
+        if self.json_out:
+            self.json_out.write_text(json.dumps(results, indent=2))
+
+
+@dataclass
+class JobResult:
+    seconds: float
+    done: DoneEvent
+    margins: list[MarginEvent] = field(default_factory=list)
+
+
+async def timed_job(
+    backend: Backend, document: str, query: str, options: WiMOptions, *, pipelined: bool = True
+) -> JobResult:
+    started = time.perf_counter()
+    margins: list[MarginEvent] = []
+    done: DoneEvent | None = None
+    async for event in run_wim(
+        backend, backend.tokenizer, document, query, options, pipelined=pipelined
+    ):
+        if event.type == "margin":
+            margins.append(event)
+        elif event.type == "done":
+            done = event
+        elif event.type == "error":
+            raise RuntimeError(f"benchmark job failed: {event.code}: {event.message}")
+    assert done is not None
+    return JobResult(time.perf_counter() - started, done, margins)
+
+
+def line(label: str, value: str) -> None:
+    print(f"  {label:<58} {value}", flush=True)
