@@ -7,10 +7,10 @@ import json
 import pytest
 
 from wim_service.benchmarks.engine import plain_call
-from wim_service.eval.cli import largest_length
 from wim_service.eval.methods import METHODS, MethodSettings
 from wim_service.eval.report import write_report
 from wim_service.eval.runner import evaluate
+from wim_service.eval.sizing import largest_length
 from wim_service.eval.tasks import TaskKind, generate_tasks
 from wim_service.wim.options import PromptTemplates, WiMOptions
 from wim_service.wim.prompts import PromptBuilder

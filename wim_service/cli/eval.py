@@ -8,26 +8,29 @@ wim eval --full --model DIR --max-model-len 65536 --lengths 16384 32384 64000
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from wim_service.engine.config import EngineConfig
 from wim_service.eval.methods import METHODS, MethodSettings
 from wim_service.eval.report import write_report
 from wim_service.eval.runner import RunRecord, evaluate
+from wim_service.eval.sizing import largest_length
 from wim_service.eval.tasks import TaskKind, generate_tasks
 from wim_service.wim.options import WiMOptions
 
 FULL_LENGTHS = [1024, 2048, 4096]
 FULL_SAMPLES = 2
 SMOKE_LENGTHS = [1024]
-# Prompt tokens around the document (system prompt, tags, final instruction, query).
-PROMPT_RESERVE = 256
 
 
-def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="answer-quality evaluation: plain long context vs RAG vs WiM"
+    )
     size = parser.add_argument_group("size")
     size.add_argument(
         "--full",
@@ -57,20 +60,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("eval_results"), help="output folder (%(default)s)"
     )
+    EngineConfig.add_cli_args(parser)
+    parser.set_defaults(main=main)
 
 
-def largest_length(max_model_len: int, options: WiMOptions) -> int:
-    """The longest document (a multiple of 256 tokens) whose worst-case WiM job fits the window:
-    document, prompts, one margin per segment (segments may run 25% short) and the answer."""
-    per_margin = options.margin_max_tokens + 16
-    length = max_model_len
-    while length > 256:
-        segments = math.ceil(length / (0.75 * options.segment_tokens)) + 1
-        need = length + PROMPT_RESERVE + segments * per_margin + options.answer_max_tokens
-        if need <= max_model_len:
-            return length
-        length -= 256
-    raise SystemExit(f"wim eval: a {max_model_len}-token window leaves no room for a document")
+def main(args: argparse.Namespace) -> int:
+    return asyncio.run(_run(args))
 
 
 def _options(args: argparse.Namespace) -> WiMOptions:
@@ -112,8 +107,7 @@ def _show(total: int) -> Callable[[RunRecord], None]:
     return show
 
 
-async def run_eval(args: argparse.Namespace) -> int:
-    from wim_service.engine.config import EngineConfig
+async def _run(args: argparse.Namespace) -> int:
     from wim_service.engine.vllm_engine import VLLMBackend
 
     options = _options(args)

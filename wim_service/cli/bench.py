@@ -1,0 +1,56 @@
+"""`wim bench`: the engine benchmark, or with `--serving` the service benchmark
+(docs/benchmarks.md); both in `wim_service.benchmarks`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from wim_service.benchmarks.common import DEFAULT_DOCUMENT, BenchSettings
+from wim_service.engine.config import EngineConfig
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("bench", help="benchmark ratios, measured side by side")
+    parser.add_argument(
+        "--context",
+        type=Path,
+        default=DEFAULT_DOCUMENT,
+        help="document to read (default: the sample report, repeated --repeat times)",
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="copies of the document to join")
+    parser.add_argument("--segment-tokens", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, default=8, help="documents at once for (c)")
+    parser.add_argument("--rounds", type=int, default=3, help="repetitions for (b) and (d)")
+    parser.add_argument(
+        "--skip-reference", action="store_true", help="skip (c), the transformers baseline"
+    )
+    parser.add_argument("--json-out", type=Path, help="also write the results as JSON here")
+    parser.add_argument(
+        "--serving",
+        action="store_true",
+        help="benchmark the HTTP service instead (local Ray, REST vs in-process, sessions)",
+    )
+    EngineConfig.add_cli_args(parser)
+    parser.set_defaults(main=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = BenchSettings(
+        context=args.context,
+        repeat=args.repeat,
+        segment_tokens=args.segment_tokens,
+        concurrency=args.concurrency,
+        rounds=args.rounds,
+        skip_reference=args.skip_reference,
+        json_out=args.json_out,
+        engine=EngineConfig.from_cli_args(args),
+    )
+    if args.serving:
+        from wim_service.benchmarks.service import run_serving_bench
+
+        return asyncio.run(run_serving_bench(settings))
+    from wim_service.benchmarks.engine import run_bench
+
+    return asyncio.run(run_bench(settings))
