@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -17,16 +19,26 @@ from wim_service.wim.backend import (
 )
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.options import RelevanceMode, WiMOptions
-from wim_service.wim.orchestrator import run_wim
+from wim_service.wim.orchestrator import open_document, run_wim
 
 Script = Callable[[GenerationParams, int], str]
 
 
+def _open_gate() -> asyncio.Event:
+    gate = asyncio.Event()
+    gate.set()
+    return gate
+
+
 @dataclass
 class FakeContext:
+    """Logs every push and request to `backend.log`: the log's order is the job's timeline."""
+
     backend: FakeBackend
     ids: list[int] = field(default_factory=list)
     closed: bool = False
+    reserved_blocks: int = 0
+    extra_reserved: list[int] = field(default_factory=list)  # reserve_more calls
 
     @property
     def context_tokens(self) -> int:
@@ -49,6 +61,7 @@ class FakeContext:
         try:
             for i, token in enumerate(ids):
                 await asyncio.sleep(0.001)
+                await self.backend.gate.wait()
                 sent += 1
                 yield GenerationChunk(
                     [token], i == len(ids) - 1, PromptCost(prompt, prefix) if i == 0 else None
@@ -67,8 +80,19 @@ class FakeContext:
     def generate(self, prompt_ids: list[int], params: GenerationParams):
         return self._stream(params, 0, len(prompt_ids))
 
+    @contextlib.asynccontextmanager
+    async def reserve_more(self, blocks: int) -> AsyncIterator[None]:
+        self.backend.reserved_blocks += blocks
+        self.extra_reserved.append(blocks)
+        try:
+            yield
+        finally:
+            self.backend.reserved_blocks -= blocks
+
     async def close(self) -> None:
-        self.closed = True
+        if not self.closed:
+            self.closed = True
+            self.backend.reserved_blocks -= self.reserved_blocks
 
 
 @dataclass
@@ -79,6 +103,9 @@ class FakeBackend:
     fail_on: RequestKind | None = None
     log: list[tuple] = field(default_factory=list)
     contexts: list[FakeContext] = field(default_factory=list)
+    # Generations emit tokens only while the gate is open (a closed gate stalls them).
+    gate: asyncio.Event = field(default_factory=_open_gate)
+    reserved_blocks: int = 0  # what open contexts hold, like an engine's admission control
 
     @property
     def limits(self) -> EngineLimits:
@@ -86,8 +113,46 @@ class FakeBackend:
 
     async def open_context(self, *, reserve_blocks: int) -> FakeContext:
         assert reserve_blocks > 0
-        self.contexts.append(FakeContext(self))
+        self.reserved_blocks += reserve_blocks
+        self.contexts.append(FakeContext(self, reserved_blocks=reserve_blocks))
         return self.contexts[-1]
+
+
+@dataclass(frozen=True)
+class Span:
+    """When something ran, as positions in the backend's log."""
+
+    start: int
+    end: int
+    context_tokens: int  # pushes: the context's length after it; requests: the prefix read
+    sent: int = 0
+    total: int = 0
+
+    def overlaps(self, other: Span) -> bool:
+        return self.start < other.end and other.start < self.end
+
+
+def pushes(log: list[tuple]) -> list[Span]:
+    starts = [i for i, e in enumerate(log) if e[0] == "extend-start"]
+    dones = [(i, e[1]) for i, e in enumerate(log) if e[0] == "extend-done"]
+    return [Span(s, d, n) for s, (d, n) in zip(starts, dones, strict=False)]
+
+
+def requests(log: list[tuple], kind: RequestKind) -> list[Span]:
+    """Spans of the requests of one kind, in start order (a request never ended has end -1)."""
+    spans = []
+    for i, entry in enumerate(log):
+        if entry[:2] == ("start", kind.value):
+            end = next(
+                (j for j in range(i + 1, len(log)) if log[j][:3] == ("end", *entry[1:])), None
+            )
+            sent, total = log[end][3:] if end is not None else (0, 0)
+            spans.append(Span(i, -1 if end is None else end, entry[2], sent, total))
+    return spans
+
+
+def max_in_flight(spans: list[Span]) -> int:
+    return max(sum(s.start <= t < s.end for s in spans) for t in {s.start for s in spans})
 
 
 DOC = " ".join(f"Sentence {i} is about the harbour and its boats." for i in range(60))
@@ -137,9 +202,11 @@ async def test_stop_string_ends_a_margin_early(tokenizer) -> None:
     backend = FakeBackend(tokenizer, script)
     events = await collect(backend, opts=options(relevance=RelevanceMode.NONE))
     margins = [e for e in events if e.type == "margin"]
+    assert len(margins) == events[-1].usage.segments > 1
     assert all(m.text == "Fact one." and m.relevant for m in margins)
-    ends = [e for e in backend.log if e[0] == "end" and e[1] == "margin"]
-    assert all(sent < total for _, _, _, sent, total in ends)
+    spans = requests(backend.log, RequestKind.MARGIN)
+    assert len(spans) == len(margins)
+    assert all(0 < span.sent < span.total for span in spans)
 
 
 async def test_classifier_mode_asks_a_separate_turn(tokenizer) -> None:
@@ -158,19 +225,23 @@ async def test_classifier_mode_asks_a_separate_turn(tokenizer) -> None:
     assert events[-1].usage.margin_tokens > 0
 
 
-async def test_pipelined_submits_margin_i_with_segment_i_plus_1(tokenizer) -> None:
-    backend = FakeBackend(tokenizer, lambda p, prefix: "NO")
-    await collect(backend)
-    log = backend.log
-    first_margin = log.index(("start", "margin", next(e[2] for e in log if e[0] == "start")))
-    second_extend_done = [i for i, e in enumerate(log) if e[0] == "extend-done"][1]
-    assert first_margin < second_extend_done
-
-    sequential = FakeBackend(tokenizer, lambda p, prefix: "NO")
-    await collect(sequential, pipelined=False)
-    order = [e[0] for e in sequential.log if e[0] in ("extend-start", "end")]
-    # extend, margin, extend, margin, ...: each margin ends before the next segment starts.
-    assert order[:4] == ["extend-start", "end", "extend-start", "end"]
+@pytest.mark.parametrize("pipelined", [True, False])
+async def test_margin_i_is_in_flight_while_segment_i_plus_1_is_pushed(
+    tokenizer, pipelined: bool
+) -> None:
+    backend = FakeBackend(tokenizer, lambda p, prefix: "YES a fact about boats.")
+    await collect(backend, pipelined=pipelined)
+    segments, margins = pushes(backend.log), requests(backend.log, RequestKind.MARGIN)
+    assert len(segments) == len(margins) >= 3
+    by_context = {m.context_tokens: m for m in margins}
+    for this, following in itertools.pairwise(segments):
+        margin = by_context[this.context_tokens]  # the margin of `this` segment
+        assert margin.start > this.end  # submitted once its segment is in
+        if pipelined:
+            assert margin.overlaps(following)
+        else:
+            # One after another: each margin ends before the next segment is pushed.
+            assert margin.end < following.start
 
 
 async def test_engine_failure_becomes_an_error_event_and_closes(tokenizer) -> None:
@@ -181,15 +252,54 @@ async def test_engine_failure_becomes_an_error_event_and_closes(tokenizer) -> No
     assert backend.contexts[0].closed
 
 
-async def test_consumer_leaving_cancels_and_closes(tokenizer) -> None:
-    backend = FakeBackend(tokenizer, lambda p, prefix: "YES " + "word " * 30)
-    stream = run_wim(backend, tokenizer, DOC, "q?", options())
+async def test_consumer_leaving_stops_the_job_and_leaves_nothing_behind(tokenizer) -> None:
+    def script(params: GenerationParams, prefix: int) -> str:
+        return "YES " + "word " * 30 if params.kind is RequestKind.MARGIN else "Salt Lane."
+
+    full = FakeBackend(tokenizer, script)
+    full_events = await collect(full)
+    assert full_events[-1].type == "done"
+
+    backend = FakeBackend(tokenizer, script)
+    backend.gate.clear()  # margins stall after submission: they are in flight at the cancel
+    events = []
+    stream = run_wim(backend, tokenizer, DOC, "Where is the gate?", options())
     async for event in stream:
+        events.append(event)
         if event.type == "segment" and event.segment == 1:
             break
-    await stream.aclose()
-    await asyncio.sleep(0.05)
-    assert backend.contexts[0].closed
+    await stream.aclose()  # returns once the job task has finished its clean-up
+    # Stopped early: fewer segments pushed than the document has, no answer requested.
+    assert len(pushes(backend.log)) < len(pushes(full.log))
+    assert requests(backend.log, RequestKind.ANSWER) == []
+    assert len(events) < len(full_events)
+    # The margins in flight were aborted, not left running.
+    margins = requests(backend.log, RequestKind.MARGIN)
+    assert margins and all(m.end > m.start and m.sent < m.total for m in margins)
+    # Nothing left behind: the context is closed and its reservation released.
+    assert backend.contexts[0].closed and backend.reserved_blocks == 0
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+async def test_document_session_margins_one_at_a_time_without_concurrent_branches(
+    tokenizer, concurrent: bool
+) -> None:
+    backend = FakeBackend(
+        tokenizer, lambda p, prefix: "YES a fact about boats.", concurrent=concurrent
+    )
+    session = await open_document(backend, tokenizer, DOC, options())
+    try:
+        events = [e async for e in session.query("Where is the gate?")]
+    finally:
+        await session.close()
+    assert events[-1].type == "done", events[-1]
+    margins = requests(backend.log, RequestKind.MARGIN)
+    assert len(margins) == events[-1].usage.segments > 1
+    assert all(m.end > m.start for m in margins)
+    # A backend without concurrent branches never has two margins in flight; one with them
+    # gets every margin at once.
+    assert max_in_flight(margins) == (len(margins) if concurrent else 1)
+    assert backend.reserved_blocks == 0
 
 
 @pytest.mark.parametrize(
