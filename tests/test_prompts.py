@@ -25,24 +25,28 @@ def test_fill_is_single_pass() -> None:
 @pytest.mark.parametrize("text", HOSTILE)
 def test_user_text_is_carried_verbatim(tokenizer, text: str) -> None:
     builder = PromptBuilder(tokenizer, PromptTemplates())
-    document = tokenizer.encode_user_text(text)
     plain = tokenizer.encode_user_text(text).ids
-    # Special-token strings in user text are never special tokens.
+    # Verbatim: the ids are the text itself, and special-token strings in user text are never
+    # special tokens.
+    assert tokenizer.decode(plain) == text
     specials = set(tokenizer.encode_template_text("<|im_start|><|im_end|>"))
-    assert not specials & set(plain)
+    assert len(specials) == 2 and not specials & set(plain)
     margin = builder.margin_suffix(text, RelevanceMode.FIRST_TOKEN)
     final = builder.final_suffix(text, [MarginNote(0, text), MarginNote(3, text)])
     classifier = builder.classifier_prompt(text, text)
-    for ids in (margin, final, classifier):
-        assert _contains(ids, plain)
-    assert document.ids == plain
+    for ids, copies in ((margin, 1), (final, 3), (classifier, 2)):
+        # Each place the user text goes holds exactly its plain tokens, unexpanded.
+        assert _count(ids, plain) == copies
+        assert tokenizer.decode(ids).count(text) == copies
+        # The prompt's own turn markers are still special tokens.
+        assert specials <= set(ids)
     # The final prompt labels margins with 1-based segment numbers.
     assert "[segment 4]" in tokenizer.decode(final)
 
 
-def _contains(haystack: list[int], needle: list[int]) -> bool:
+def _count(haystack: list[int], needle: list[int]) -> int:
     n = len(needle)
-    return any(haystack[i : i + n] == needle for i in range(len(haystack) - n + 1))
+    return sum(haystack[i : i + n] == needle for i in range(len(haystack) - n + 1))
 
 
 def test_every_step_shares_the_context_prefix(tokenizer) -> None:
