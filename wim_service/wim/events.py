@@ -49,8 +49,17 @@ class SegmentEvent(BaseModel):
 class MarginEvent(BaseModel):
     type: Literal["margin"] = "margin"
     segment: int
-    text: str
-    relevant: bool
+    text: str  # as the model wrote it (a first-token margin without its YES)
+    relevant: bool  # the relevance mode's verdict (and the margin is not empty)
+    # The segment's own sentences support the margin (reported whatever the grounding mode).
+    grounded: bool = False
+    # The margin goes on to the final prompt (relevant, grounded unless grounding is off, and
+    # enough overlap with the query); the window may still leave it out (DoneEvent).
+    kept: bool = False
+    # The supporting sentence(s) and their character span in the document, when grounded.
+    evidence: str = ""
+    evidence_start: int | None = None
+    evidence_end: int | None = None
     char_start: int
     char_end: int
     elapsed_s: float  # from the margin's submission to its decision
@@ -64,6 +73,9 @@ class AnswerEvent(BaseModel):
 class DoneEvent(BaseModel):
     type: Literal["done"] = "done"
     answer: str
+    # Segments whose notes the final prompt holds, and kept notes the window had no room for.
+    notes: list[int] = Field(default_factory=list)
+    notes_dropped: list[int] = Field(default_factory=list)
     usage: Usage
     timings: Timings
 

@@ -21,6 +21,17 @@ class RelevanceMode(StrEnum):
     NONE = "none"
 
 
+class GroundingMode(StrEnum):
+    """What happens to a margin that its own segment does not support (`wim.grounding`)."""
+
+    # A supported margin is replaced by the document sentence(s) that support it; others drop.
+    SNAP = "snap"
+    # A supported margin is kept in its own words; others drop.
+    CHECK = "check"
+    # Nothing is dropped for lack of support (the check still runs and is reported).
+    OFF = "off"
+
+
 def _placeholders(template: str) -> set[str]:
     return set(PLACEHOLDER.findall(template))
 
@@ -108,6 +119,19 @@ class WiMOptions(BaseModel):
     )
     margin_max_tokens: int = Field(48, ge=1, le=1024)
     answer_max_tokens: int = Field(64, ge=1, le=4096)
+    grounding: GroundingMode = GroundingMode.SNAP
+    grounding_min_coverage: float = Field(
+        0.8, ge=0.0, le=1.0, description="Share of a margin's content words its evidence holds."
+    )
+    grounding_max_sentences: int = Field(
+        2, ge=1, le=8, description="Most consecutive sentences one margin's evidence may span."
+    )
+    note_min_query_overlap: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of the query's content words a note must contain to be kept.",
+    )
     # Stop strings end a generation as soon as the decoded text contains one (not included).
     margin_stop: list[str] = Field(default_factory=lambda: ["\n\n"])
     answer_stop: list[str] = Field(default_factory=list)

@@ -36,6 +36,7 @@ class MarginNote:
 
     segment: int  # 0-based; shown 1-based
     text: str
+    rank: float = 0.0  # higher is more relevant: kept first when the window is short
 
 
 class PromptBuilder:
@@ -106,6 +107,24 @@ class PromptBuilder:
         listing = "\n".join(entries) if entries else self.templates.no_margins
         instruction = fill(self.templates.final, {"margins": listing, "query": _sentinel("query")})
         return self._checked_suffix(instruction, values)
+
+    def final_suffix_within(
+        self, query: str, notes: list[MarginNote], budget_tokens: int
+    ) -> tuple[list[int], list[MarginNote]]:
+        """The final suffix with as many notes as `budget_tokens` holds, and the notes it holds.
+
+        Notes are admitted most relevant first (then earlier first), each only if the suffix
+        still fits, and shown in document order. With no room for any note the suffix is the
+        plain prompt's, even if that alone exceeds the budget: the window check is the caller's.
+        """
+        chosen: list[MarginNote] = []
+        suffix = self.final_suffix(query, [])
+        for note in sorted(notes, key=lambda n: (-n.rank, n.segment)):
+            trial = sorted([*chosen, note], key=lambda n: n.segment)
+            ids = self.final_suffix(query, trial)
+            if len(ids) <= budget_tokens:
+                chosen, suffix = trial, ids
+        return suffix, chosen
 
     def plain_prompt(self, document_ids: list[int], query: str) -> list[int]:
         """Plain long-context inference: the whole document, then the final step without notes."""

@@ -1,0 +1,232 @@
+"""Grounded margins: the check itself, snapping, the final step's note budget, do no harm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.test_orchestrator import FakeBackend, FakeContext
+from wim_service.wim.backend import EngineLimits, GenerationParams, RequestKind
+from wim_service.wim.grounding import Claim, SegmentText, query_overlap
+from wim_service.wim.options import GroundingMode, PromptTemplates, RelevanceMode, WiMOptions
+from wim_service.wim.orchestrator import run_wim
+from wim_service.wim.prompts import MarginNote, PromptBuilder
+from wim_service.wim.segmentation import Segment
+
+# -- the check ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def harbor(report: str) -> SegmentText:
+    return SegmentText(report, Segment(0, 0, 0, 0, len(report)))
+
+
+@pytest.mark.parametrize(
+    ("margin", "grounded"),
+    [
+        ("The access code for the night gate is 4417.", True),
+        ("The new code is 4417", True),  # a paraphrase: fewer words, same value
+        ("The port employs 1240 people.", True),  # "1,240" in the text: one number
+        ("Tomas Reyes took over the pilot service from Margaret Oyelaran.", True),
+        ("Forty-two apprentices trained, and a simulator for pilots was added.", True),
+        # The issue's README failure: an invented code, attributed to the asked-for gate.
+        ("The access code for the night gate is 123456.", False),
+        ("The access code for the night gate is 4471.", False),  # a near miss is another value
+        ("Margaret Oyelaran retired after 31 years.", False),  # "thirty-one": not the number
+        ("Tomas Reyez leads the pilot service.", False),  # names match exactly
+        ("The new code is kept in the lighthouse stairs.", False),  # the issue's invented fact
+        ("The document does not state the access code.", False),  # a denial
+        ("NO", False),
+        ("", False),
+    ],
+)
+def test_margins_are_checked_against_the_segment(harbor, margin: str, grounded: bool) -> None:
+    verdict = harbor.ground(margin, min_coverage=0.8, max_sentences=2)
+    assert verdict.grounded is grounded
+    if grounded:
+        evidence = verdict.evidence
+        # The evidence is the document's own sentence(s), located by character span.
+        assert harbor.document[evidence.char_start : evidence.char_end] == evidence.text
+        assert evidence.text[0].isupper() and evidence.text.endswith(".")
+        assert evidence.coverage >= 0.8
+
+
+def test_evidence_is_the_supporting_sentence(harbor) -> None:
+    verdict = harbor.ground("The night gate code is 4417.", min_coverage=0.8, max_sentences=2)
+    assert verdict.evidence.text.startswith("The access code for the night gate keypad")
+    assert "4417" in verdict.evidence.text
+    # One sentence suffices here: the shortest supporting window wins.
+    assert verdict.evidence.text.count(". ") == 0
+
+
+def test_one_sentence_windows_cannot_join_two_sentences(harbor) -> None:
+    margin = "Forty-two apprentices trained at the port, and a simulator for pilots was added."
+    assert harbor.ground(margin, min_coverage=0.8, max_sentences=2).grounded
+    assert not harbor.ground(margin, min_coverage=0.8, max_sentences=1).grounded
+
+
+def test_claims_keep_numbers_and_names_and_drop_task_words() -> None:
+    claim = Claim.parse("YES. The document states that Tomas Reyes paid 1,240 crowns.")
+    assert claim.words == ("tomas", "reyes", "paid", "1240", "crowns")
+    assert claim.numbers == {"1240"}
+    assert claim.names == {"tomas", "reyes"}
+
+
+def test_query_overlap_ranks_the_asked_for_fact_first() -> None:
+    query = "What is the access code for the east pottery?"
+    right = query_overlap(query, "The access code for the east pottery is 8515.")
+    distractor = query_overlap(query, "The access code for the west ropewalk is 9523.")
+    assert right == 1.0 and 0 < distractor < right
+
+
+# -- the final step's notes budget ---------------------------------------------------------------
+
+
+def test_final_suffix_within_admits_the_most_relevant_notes_first(tokenizer) -> None:
+    builder = PromptBuilder(tokenizer, PromptTemplates())
+    notes = [
+        MarginNote(i, f"Fact number {i} is a long sentence about boats.", i % 3) for i in range(6)
+    ]
+    full = builder.final_suffix("q?", notes)
+    suffix, shown = builder.final_suffix_within("q?", notes, len(full))
+    assert (suffix, shown) == (full, notes)
+    plain = builder.final_suffix("q?", [])
+    assert builder.final_suffix_within("q?", notes, len(plain)) == (plain, [])
+    # Room for about two notes: the rank-2 ones (segments 2 and 5), shown in document order.
+    two = builder.final_suffix("q?", [notes[2], notes[5]])
+    suffix, shown = builder.final_suffix_within("q?", notes, len(two))
+    assert [n.segment for n in shown] == [2, 5] and suffix == two
+
+
+# -- the loop, on a scripted engine ------------------------------------------------------------
+
+GATES = 24
+# Long sentences: a snapped note is then longer than the margin it replaces.
+DOC = "\n\n".join(
+    f"Gate {i} stands by the harbour wall. The code for gate {i}, which opens the way between "
+    f"the old stone quay, the fish market and the ferry berth, is {1000 + 7 * i}."
+    for i in range(GATES)
+)
+
+
+@dataclass
+class RecordingContext(FakeContext):
+    finals: list[list[int]] = field(default_factory=list)
+
+    def conclude(self, suffix_ids: list[int], params: GenerationParams):
+        self.finals.append(suffix_ids)
+        return super().conclude(suffix_ids, params)
+
+
+@dataclass
+class RecordingBackend(FakeBackend):
+    window: int = 4096
+
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.window, 32, self.concurrent)
+
+    async def open_context(self, *, reserve_blocks: int) -> RecordingContext:
+        self.contexts.append(RecordingContext(self))
+        return self.contexts[-1]
+
+
+def last_gate_margin(backend: RecordingBackend, prefix: int, lie: bool) -> str:
+    """A margin that restates the segment's last code (or a code nowhere in the document)."""
+    read = backend.tokenizer.decode(backend.contexts[-1].ids[:prefix])
+    gate = read.rsplit("The code for gate ", 1)[1].split(",")[0]
+    return f"Gate {gate} has code {99999 if lie else 1000 + 7 * int(gate)}."
+
+
+def scripted(tokenizer, lie_on: set[int]) -> RecordingBackend:
+    calls: list[int] = []
+
+    def script(params: GenerationParams, prefix: int) -> str:
+        if params.kind is RequestKind.ANSWER:
+            return "Done."
+        calls.append(prefix)
+        return last_gate_margin(backend, prefix, len(calls) - 1 in lie_on)
+
+    backend = RecordingBackend(tokenizer, script, concurrent=False)
+    return backend
+
+
+def wim_options(**kw) -> WiMOptions:
+    return WiMOptions(
+        relevance=RelevanceMode.NONE,
+        segment_tokens=96,
+        margin_max_tokens=12,
+        answer_max_tokens=16,
+        **kw,
+    )
+
+
+async def run(backend, query: str, options: WiMOptions) -> list:
+    return [e async for e in run_wim(backend, backend.tokenizer, DOC, query, options)]
+
+
+@pytest.mark.parametrize("mode", list(GroundingMode))
+async def test_ungrounded_margins_never_reach_the_final_prompt(tokenizer, mode) -> None:
+    backend = scripted(tokenizer, lie_on={1, 3})
+    events = await run(backend, "What is the code for gate 5?", wim_options(grounding=mode))
+    margins = sorted((e for e in events if e.type == "margin"), key=lambda e: e.segment)
+    done = events[-1]
+    assert done.type == "done" and len(margins) >= 6
+    assert [m.segment for m in margins if not m.grounded] == [1, 3]
+    final = tokenizer.decode(backend.contexts[0].finals[0])
+    for m in margins:
+        if m.grounded:
+            assert DOC[m.evidence_start : m.evidence_end] == m.evidence
+            assert m.evidence.startswith("The code for gate")
+        else:
+            assert m.evidence == "" and m.evidence_start is None
+        assert m.kept is (m.grounded or mode is GroundingMode.OFF)
+    assert "99999" in final if mode is GroundingMode.OFF else "99999" not in final
+    # Snapping shows the document's words; the other modes the margin's own.
+    assert ("The code for gate" in final) is (mode is GroundingMode.SNAP)
+    assert ("has code" in final) is (mode is not GroundingMode.SNAP)
+    assert done.notes == [m.segment for m in margins if m.kept] and done.notes_dropped == []
+
+
+async def test_no_surviving_margin_gives_exactly_the_plain_prompt(tokenizer) -> None:
+    backend = scripted(tokenizer, lie_on=set(range(100)))
+    query = "What is the code for gate 5?"
+    options = wim_options()
+    events = await run(backend, query, options)
+    assert not any(e.kept for e in events if e.type == "margin")
+    context = backend.contexts[0]
+    builder = PromptBuilder(tokenizer, options.prompts)
+    plain = builder.plain_prompt(tokenizer.encode_user_text(DOC).ids, query)
+    assert context.ids + context.finals[0] == plain
+    assert events[-1].notes == [] and events[-1].notes_dropped == []
+
+
+async def test_notes_get_what_the_window_leaves_most_relevant_first(tokenizer) -> None:
+    """Snapped evidence can be longer than the margin it replaces: the window caps the notes."""
+    query = "What is the code for gate 5?"
+    options = wim_options(grounding_max_sentences=2)
+    roomy = scripted(tokenizer, lie_on=set())
+    everything = await run(roomy, query, options)
+    kept = [e.segment for e in everything if e.type == "margin" and e.kept]
+    assert everything[-1].notes == sorted(kept) and len(kept) >= 6
+    context_tokens = everything[-1].usage.context_tokens
+    full_suffix = len(roomy.contexts[0].finals[0])
+    # A window with room for the document, the answer and about half of the notes, which the
+    # worst-case check (margins at margin_max_tokens) still admits.
+    builder = PromptBuilder(tokenizer, options.prompts)
+    per_margin = builder.margin_entry_overhead() + options.margin_max_tokens
+    worst = len(builder.final_suffix(query, [])) + everything[-1].usage.segments * per_margin
+    room = max(worst, full_suffix // 2)
+    assert room < full_suffix - 40
+    tight = scripted(tokenizer, lie_on=set())
+    tight.window = context_tokens + options.answer_max_tokens + room
+    events = await run(tight, query, options)
+    done = events[-1]
+    assert done.type == "done", done
+    assert done.notes and done.notes_dropped
+    assert sorted(done.notes + done.notes_dropped) == sorted(kept)
+    final = tight.contexts[0].finals[0]
+    assert context_tokens + len(final) + options.answer_max_tokens <= tight.window
+    # The note that names gate 5 (its code is 1035) is the most relevant: it is kept.
+    assert "1035" in tokenizer.decode(final)
