@@ -10,6 +10,7 @@ from wim_service.benchmarks.engine import plain_call
 from wim_service.eval.methods import METHODS, MethodSettings
 from wim_service.eval.report import write_report
 from wim_service.eval.runner import evaluate
+from wim_service.eval.scoring import hallucinated_values
 from wim_service.eval.sizing import largest_length
 from wim_service.eval.tasks import TaskKind, generate_tasks
 from wim_service.wim.options import PromptTemplates, WiMOptions
@@ -28,7 +29,7 @@ SETTINGS = MethodSettings(
 async def test_smoke_evaluation_produces_sane_reports(engine, tmp_path) -> None:
     tasks = generate_tasks(
         engine.tokenizer,
-        kinds=[TaskKind.NEEDLE, TaskKind.AGGREGATION],
+        kinds=[TaskKind.NEEDLE, TaskKind.BABI],
         lengths=[LENGTH],
         samples=1,
         seed=0,
@@ -55,21 +56,32 @@ async def test_smoke_evaluation_produces_sane_reports(engine, tmp_path) -> None:
             assert wim.generated_tokens >= len(wim.margins) + 1  # a token per margin at least
             assert [m.segment for m in wim.margins] == list(range(len(wim.margins)))
             assert len(wim.margins) >= 2  # 768 tokens in ~256-token segments
-        # Keep-all marks every non-empty margin relevant.
+        # Keep-all marks every non-empty margin relevant; grounding keeps only grounded ones,
+        # and a kept note's evidence is the document's own text.
         assert all(m.relevant for m in by[task.task_id, "wim_none"].result.margins if m.text)
+        for m in by[task.task_id, "wim_none"].result.margins:
+            assert m.kept == (m.relevant and m.grounded)
+            assert m.evidence in task.document if m.grounded else m.evidence == ""
+        assert all(m.kept == m.relevant for m in by[task.task_id, "wim_ungrounded"].result.margins)
 
     paths = write_report(records, tmp_path, {"test": True}, title="smoke")
     table = paths["markdown"].read_text()
     for method in methods:
         assert f"| {method} |" in table
+    assert "Paired difference from plain" in table and "invented" in table
     data = json.loads(paths["json"].read_text())
     assert data["config"] == {"test": True}
     assert len(data["records"]) == len(records)
     summary = {s["method"]: s for s in data["summary"]}
     assert set(summary) == set(methods)
-    assert all(0 <= s["mean_score"] <= 1 and s["errors"] == 0 for s in summary.values())
+    assert all(0 <= s["mean_score"]["mean"] <= 1 and s["errors"] == 0 for s in summary.values())
     assert summary["rag"]["prompt_tokens_computed"] < summary["plain"]["prompt_tokens_computed"]
-    assert set(data["by_length"]) == {"needle", "aggregation"}
+    assert set(data["by_length"]) == {"needle", "babi"}
+    assert {p["method"] for p in data["paired"]} == set(methods) - {"plain"}
+    tasks_by_id = {t.task_id: t for t in tasks}
+    for r in data["records"]:
+        answer = r["result"]["answer"]
+        assert r["hallucinated"] == hallucinated_values(answer, tasks_by_id[r["task_id"]])
     png = paths["png"].read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 

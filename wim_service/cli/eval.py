@@ -1,7 +1,7 @@
 """`wim eval`: plain long context vs RAG vs WiM on generated long-context tasks.
 
 wim eval                       # smoke size: one task per kind at 1024 tokens, every method
-wim eval --full                # 2 tasks per kind at 1k, 2k, 4k tokens and the largest that fits
+wim eval --full                # 36 tasks per kind: 4 per length at 1k, 2k, 4k tokens, 3 seeds
 wim eval --full --model DIR --max-model-len 65536 --lengths 16384 32384 64000
 """
 
@@ -22,8 +22,10 @@ from wim_service.eval.sizing import largest_length
 from wim_service.eval.tasks import TaskKind, generate_tasks
 from wim_service.wim.options import WiMOptions
 
+# The default model's practical lengths: at 6.6k tokens every method degenerates on it.
 FULL_LENGTHS = [1024, 2048, 4096]
-FULL_SAMPLES = 2
+FULL_SAMPLES = 4
+FULL_SEEDS = [0, 1, 2]
 SMOKE_LENGTHS = [1024]
 
 
@@ -35,8 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     size.add_argument(
         "--full",
         action="store_true",
-        help=f"full size: {FULL_SAMPLES} tasks per kind at {FULL_LENGTHS} tokens and the "
-        "largest length the window holds (default: smoke size, 1 task per kind at 1024)",
+        help=f"full size: {FULL_SAMPLES} tasks per kind and length at {FULL_LENGTHS} tokens, "
+        f"seeds {FULL_SEEDS} (default: smoke size, 1 task per kind at 1024, seed 0)",
     )
     size.add_argument("--lengths", type=int, nargs="+", help="document lengths in model tokens")
     size.add_argument("--samples", type=int, help="tasks per kind and length")
@@ -47,7 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=[k.value for k in TaskKind],
     )
     size.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    size.add_argument("--seed", type=int, default=0, help="task generator seed (%(default)s)")
+    size.add_argument(
+        "--seeds", type=int, nargs="+", help="task generator seeds, pooled (default: 0)"
+    )
     knobs = parser.add_argument_group("methods")
     knobs.add_argument(
         "--segment-tokens", type=int, help="WiM segment size (default: WiMOptions' default)"
@@ -86,7 +90,7 @@ def _lengths(args: argparse.Namespace, max_model_len: int, options: WiMOptions) 
             )
         return sorted(args.lengths)
     if args.full:
-        return [n for n in FULL_LENGTHS if n < longest] + [longest]
+        return [n for n in FULL_LENGTHS if n <= longest] or [longest]
     return [min(n, longest) for n in SMOKE_LENGTHS]
 
 
@@ -99,7 +103,7 @@ def _show(total: int) -> Callable[[RunRecord], None]:
         done += 1
         answer = record.result.error or record.result.answer.replace("\n", " ")
         print(
-            f"[{done:>4}/{total}] {record.task_id:<20} {record.method:<16} "
+            f"[{done:>4}/{total}] {record.task_id:<22} {record.method:<16} "
             f"score {record.score:.2f}  {record.result.wall_s:6.1f} s  {answer[:70]}",
             flush=True,
         )
@@ -114,18 +118,24 @@ async def _run(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli_args(args)
     lengths = _lengths(args, config.max_model_len, options)
     samples = args.samples or (FULL_SAMPLES if args.full else 1)
+    seeds = args.seeds or (FULL_SEEDS if args.full else [0])
     settings = MethodSettings(options, args.rag_chunk_tokens, args.rag_top_k)
     backend = VLLMBackend.start(config)
     try:
-        tasks = generate_tasks(
-            backend.tokenizer,
-            kinds=[TaskKind(k) for k in args.kinds],
-            lengths=lengths,
-            samples=samples,
-            seed=args.seed,
-        )
+        tasks = [
+            task
+            for seed in seeds
+            for task in generate_tasks(
+                backend.tokenizer,
+                kinds=[TaskKind(k) for k in args.kinds],
+                lengths=lengths,
+                samples=samples,
+                seed=seed,
+            )
+        ]
         print(
-            f"wim eval: {len(tasks)} tasks x {len(args.methods)} methods, lengths {lengths}",
+            f"wim eval: {len(tasks)} tasks x {len(args.methods)} methods, lengths {lengths}, "
+            f"seeds {seeds}",
             flush=True,
         )
         records = await evaluate(
@@ -140,7 +150,7 @@ async def _run(args: argparse.Namespace) -> int:
         "engine": config.model_dump(),
         "lengths": lengths,
         "samples": samples,
-        "seed": args.seed,
+        "seeds": seeds,
         "methods": args.methods,
         "wim_options": options.model_dump(mode="json"),
         "rag": {"chunk_tokens": settings.rag_chunk_tokens, "top_k": settings.rag_top_k},

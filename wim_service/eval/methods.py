@@ -4,7 +4,10 @@
   empty margin list, so the *only* difference from WiM is the margins).
 * `rag`: the document cut into chunks at sentence ends, the BM25 top-k chunks (in document
   order) in place of the document, then the same final step.
-* `wim_<mode>`: `run_wim` with relevance mode `first_token`, `classifier` or `none`.
+* `wim_<mode>`: `run_wim` with relevance mode `first_token`, `classifier` or `none` (and the
+  run's grounding mode, `snap` by default).
+* `wim_ungrounded`: `run_wim` with the run's relevance mode and grounding `off`: WiM as it was
+  before grounding, for comparison in the same run.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from wim_service.eval.tasks import Task
-from wim_service.wim.options import RelevanceMode, WiMOptions
+from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import run_wim
 from wim_service.wim.prompts import PromptBuilder
 from wim_service.wim.segmentation import segment_document
@@ -39,6 +42,9 @@ class Margin:
     segment: int
     text: str
     relevant: bool
+    grounded: bool
+    kept: bool
+    evidence: str
 
 
 @dataclass(frozen=True)
@@ -124,16 +130,29 @@ async def rag(backend: VLLMBackend, task: Task, settings: MethodSettings) -> Met
     )
 
 
-def wim(mode: RelevanceMode) -> MethodFn:
-    """The WiM method with relevance mode `mode`; margins are kept for the report."""
+def wim(mode: RelevanceMode | None = None, grounding: GroundingMode | None = None) -> MethodFn:
+    """WiM with relevance mode `mode` and grounding `grounding` (None: the run's options);
+    margins are kept for the report."""
 
     async def run(backend: VLLMBackend, task: Task, settings: MethodSettings) -> MethodResult:
-        options = settings.options.model_copy(update={"relevance": mode})
+        update = {"relevance": mode, "grounding": grounding}
+        options = settings.options.model_copy(
+            update={k: v for k, v in update.items() if v is not None}
+        )
         started = time.perf_counter()
         margins: list[Margin] = []
         async for event in run_wim(backend, backend.tokenizer, task.document, task.query, options):
             if event.type == "margin":
-                margins.append(Margin(event.segment, event.text, event.relevant))
+                margins.append(
+                    Margin(
+                        event.segment,
+                        event.text,
+                        event.relevant,
+                        event.grounded,
+                        event.kept,
+                        event.evidence,
+                    )
+                )
             elif event.type == "error":
                 return MethodResult("", 0, 0, time.perf_counter() - started, margins, event.message)
             elif event.type == "done":
@@ -154,4 +173,5 @@ METHODS: dict[str, MethodFn] = {
     "plain": plain,
     "rag": rag,
     **{f"wim_{mode.value}": wim(mode) for mode in RelevanceMode},
+    "wim_ungrounded": wim(grounding=GroundingMode.OFF),
 }

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from wim_service.eval.methods import METHODS, MethodResult, MethodSettings
-from wim_service.eval.scoring import score
+from wim_service.eval.scoring import hallucinated_values, score
 from wim_service.eval.tasks import Task, TaskKind
 
 if TYPE_CHECKING:
@@ -28,6 +28,8 @@ class RunRecord:
     # The kind's own metric: F1 for aggregation, exact match for question answering.
     score: float
     result: MethodResult
+    # Numbers and names in the answer that are not in the document (nor in the query).
+    hallucinated: list[str]
 
 
 async def evaluate(
@@ -58,6 +60,7 @@ async def evaluate(
                 f1=marks.f1,
                 score=marks.primary(task.kind),
                 result=result,
+                hallucinated=hallucinated_values(result.answer, task),
             )
             records.append(record)
             if progress is not None:

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from wim_service.eval.tasks import Task, TaskKind
+from wim_service.wim.grounding import Claim, vocabulary
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans(string.punctuation, " " * len(string.punctuation))
@@ -53,7 +54,9 @@ class Score:
 def score(task: Task, answer: str) -> Score:
     """Score one answer. For aggregation only the list's own words count as predictions, once
     each: "The most common words are: belto, ..." is then judged on the words it names."""
-    if task.kind is TaskKind.AGGREGATION:
+    if task.kind in (TaskKind.AGGREGATION, TaskKind.BABI):
+        # bAbI-style: the answer must name the right room and no other ("kitchen or garden"
+        # is wrong); exact match requires exactly the gold set in both kinds.
         named = list(dict.fromkeys(w for w in normalize(answer) if w in task.vocabulary))
         gold = [w.lower() for w in task.gold]
         return Score(exact=float(set(named) == set(gold)), f1=token_f1(named, gold))
@@ -61,3 +64,14 @@ def score(task: Task, answer: str) -> Score:
         exact=max(exact_match(answer, g) for g in task.gold),
         f1=max(token_f1(normalize(answer), normalize(g)) for g in task.gold),
     )
+
+
+def hallucinated_values(answer: str, task: Task) -> list[str]:
+    """Numbers and names in `answer` that neither the document nor the query contains.
+
+    Names are capitalised words that do not open a sentence (as the grounding check reads
+    them); a value the model invented is the clearest sign of an answer made up.
+    """
+    claim = Claim.parse(answer)
+    known = vocabulary(task.document) | vocabulary(task.query)
+    return sorted(v for v in claim.numbers | claim.names if v not in known and v.isalnum())

@@ -1,4 +1,4 @@
-"""Seeded, offline long-context tasks: single needle, multi-hop, and CWE-style aggregation.
+"""Seeded, offline long-context tasks: needle, multi-hop, bAbI-style, CWE-style aggregation.
 
 No data set can be downloaded here, so every document is generated: a grammar of bland filler
 sentences (no numbers, no names, none of the words the questions use) with a few facts planted
@@ -11,10 +11,11 @@ arguments give byte-identical documents on any machine.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from wim_service.wim.tokenizer import Tokenizer
@@ -25,6 +26,8 @@ class TaskKind(StrEnum):
 
     NEEDLE = "needle"
     MULTI_HOP = "multi_hop"
+    # People move between rooms, objects are picked up and dropped (BABILong's qa1-qa3).
+    BABI = "babi"
     AGGREGATION = "aggregation"
 
 
@@ -41,8 +44,10 @@ class Task:
     gold: tuple[str, ...]
     # Planted sentences that together answer the query (QA tasks; empty for aggregation).
     facts: tuple[str, ...] = ()
-    # Every distinct word of an aggregation list: answer words outside it are not counted.
+    # The words a scorer counts in an answer: every word of an aggregation list, or every room
+    # of a bAbI-style task (naming a second room is a wrong answer).
     vocabulary: frozenset[str] = frozenset()
+    seed: int = 0
 
 
 # -- generated vocabulary ---------------------------------------------------------------------
@@ -233,6 +238,128 @@ def _multi_hop(rng: random.Random, sizer: _Sizer, target: int, task_id: str) -> 
     )
 
 
+_ROOMS = ["kitchen", "garden", "hallway", "bathroom", "bedroom", "office", "cellar", "attic"]
+_THINGS = ["apple", "football", "milk", "lantern", "umbrella", "violin"]
+_MOVES = ["went to", "moved to", "travelled to", "journeyed to", "walked to", "ran to"]
+_TAKES = ["picked up", "grabbed", "took", "got"]
+_DROPS = ["dropped", "put down", "left", "discarded"]
+
+
+@dataclass
+class _World:
+    """The state a bAbI-style story has reached: who is where, who holds what."""
+
+    rng: random.Random
+    people: list[str]
+    things: list[str]
+    room_of: dict[str, str] = field(default_factory=dict)  # person -> room
+    holder: dict[str, str] = field(default_factory=dict)  # thing -> person
+    lies_in: dict[str, str] = field(default_factory=dict)  # thing -> room, when not held
+    story: list[str] = field(default_factory=list)
+    # Indexes into `story` of the sentences that make each current fact true.
+    support: dict[str, list[int]] = field(default_factory=dict)
+
+    def _say(self, subject: str, verbs: list[str], rest: str) -> int:
+        """Tell one event, in a wording the story has not used yet where one is left."""
+        told = [f"{subject} {verb} the {rest}." for verb in verbs]
+        fresh = [t for t in told if t not in self.story]
+        self.story.append(self.rng.choice(fresh or told))
+        return len(self.story) - 1
+
+    def move(self, person: str, room: str | None = None) -> None:
+        room = room or self.rng.choice([r for r in _ROOMS if r != self.room_of.get(person)])
+        self.room_of[person] = room
+        self.support[person] = [self._say(person, _MOVES, room)]
+        for thing, who in self.holder.items():
+            if who == person:  # a carried thing is where its carrier is
+                self.support[thing] = [*self.support[thing][:1], self.support[person][0]]
+
+    def take(self, person: str, thing: str) -> None:
+        said = self._say(person, _TAKES, thing)
+        self.holder[thing] = person
+        self.lies_in.pop(thing, None)
+        self.support[thing] = [said, self.support[person][0]]
+
+    def drop(self, thing: str) -> None:
+        person = self.holder.pop(thing)
+        self.lies_in[thing] = self.room_of[person]
+        said = self._say(person, _DROPS, thing)
+        self.support[thing] = [*self.support[thing], said]
+
+    def where(self, subject: str) -> str:
+        if subject in self.room_of:
+            return self.room_of[subject]
+        return self.lies_in.get(subject) or self.room_of[self.holder[subject]]
+
+    def step(self) -> None:
+        """One random event that keeps the story consistent."""
+        empty_handed = [p for p in self.people if p not in self.holder.values()]
+        person = self.rng.choice(empty_handed) if empty_handed else None
+        # A thing can be taken where it lies, or anywhere before it was first mentioned.
+        free = [
+            t
+            for t in self.things
+            if t not in self.holder
+            and self.lies_in.get(t, self.room_of.get(person)) == (self.room_of.get(person))
+        ]
+        roll = self.rng.random()
+        if person and free and roll < 0.3:
+            self.take(person, self.rng.choice(free))
+        elif self.holder and roll < 0.4:
+            self.drop(self.rng.choice(sorted(self.holder)))
+        else:
+            self.move(self.rng.choice(self.people))
+
+
+def _babi(rng: random.Random, sizer: _Sizer, target: int, task_id: str) -> Task:
+    """A story of people moving and carrying things, interleaved with filler; "Where is X?".
+
+    Half the questions ask for a person (the last of several moves counts: qa1), half for a
+    thing, whose place follows from who took it and where they went next (qa2/qa3). Events
+    are spread evenly over the document in story order.
+    """
+    world = _World(rng, _distinct(rng, 4, lambda r: _pseudo_word(r, 2).title()), [])
+    world.things = rng.sample(_THINGS, 2)
+    for person in world.people:
+        world.move(person)
+    events = 6 + target // 512
+    while len(world.story) < events:
+        world.step()
+    if rng.random() < 0.5:
+        subject = rng.choice(world.people)
+        world.move(subject)  # the person's last move is never their first
+        query = f"Where is {subject}?"
+    else:
+        subject = rng.choice(world.things)
+        if subject not in world.holder:
+            carrier = next(
+                (p for p in world.people if p not in world.holder.values()), world.people[0]
+            )
+            for thing, who in list(world.holder.items()):
+                if who == carrier:
+                    world.drop(thing)
+            if subject in world.lies_in and world.lies_in[subject] != world.room_of[carrier]:
+                world.move(carrier, world.lies_in[subject])
+            world.take(carrier, subject)
+        world.move(world.holder[subject])  # the carrier moves on after taking it
+        if rng.random() < 0.5:
+            world.drop(subject)
+        query = f"Where is the {subject}?"
+    count = len(world.story)
+    planted = [((i + rng.uniform(0.3, 0.7)) / count, s) for i, s in enumerate(world.story)]
+    document = _prose(rng, sizer, target, planted)
+    return Task(
+        task_id,
+        TaskKind.BABI,
+        target,
+        document,
+        query,
+        gold=(world.where(subject),),
+        facts=tuple(world.story[i] for i in sorted(set(world.support[subject]))),
+        vocabulary=frozenset(_ROOMS),
+    )
+
+
 COMMON_WORDS = 5
 
 
@@ -280,6 +407,7 @@ def _aggregation(rng: random.Random, sizer: _Sizer, target: int, task_id: str) -
 _GENERATORS = {
     TaskKind.NEEDLE: _needle,
     TaskKind.MULTI_HOP: _multi_hop,
+    TaskKind.BABI: _babi,
     TaskKind.AGGREGATION: _aggregation,
 }
 
@@ -292,14 +420,18 @@ def generate_tasks(
     samples: int,
     seed: int,
 ) -> list[Task]:
-    """`samples` tasks of each kind at each length (tokens of the document alone)."""
+    """`samples` tasks of each kind at each length (tokens of the document alone).
+
+    Task ids name the seed, so tasks of several seeds can be pooled and paired by id.
+    """
     sizer = _Sizer(tokenizer)
     tasks = []
     for length in lengths:
         for kind in kinds:
             for index in range(samples):
-                task_id = f"{kind.value}-{length}-{index}"
+                name = f"{kind.value}-{length}-{index}"
                 # A string seed is hashed with SHA-512: stable across processes and machines.
-                rng = random.Random(f"{seed}/{task_id}")
-                tasks.append(_GENERATORS[kind](rng, sizer, length, task_id))
+                rng = random.Random(f"{seed}/{name}")
+                task = _GENERATORS[kind](rng, sizer, length, f"{name}-s{seed}")
+                tasks.append(dataclasses.replace(task, seed=seed))
     return tasks
