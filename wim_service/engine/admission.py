@@ -39,31 +39,31 @@ class KVAdmission:
             self.sessions, self.reserved_blocks, self.capacity_blocks, len(self._waiters)
         )
 
-    def _fits(self, blocks: int) -> bool:
+    def _fits(self, blocks: int, session: bool) -> bool:
         return (
-            self.sessions < self.max_sessions
-            and self.reserved_blocks + blocks <= self.capacity_blocks
-        )
+            not session or self.sessions < self.max_sessions
+        ) and self.reserved_blocks + blocks <= self.capacity_blocks
 
-    async def acquire(self, blocks: int) -> None:
+    async def acquire(self, blocks: int, *, session: bool = True) -> None:
+        """Reserve `blocks` for a new session, or (`session=False`) more for a running one."""
         if blocks > self.capacity_blocks:
             raise WiMError(
                 ErrorCode.TOO_LONG,
                 f"the job needs up to {blocks} KV blocks but this engine holds "
                 f"{self.capacity_blocks}; send a shorter document",
             )
-        if self._waiters or not self._fits(blocks):
-            await self._wait_turn(blocks)
-        self.sessions += 1
+        if self._waiters or not self._fits(blocks, session):
+            await self._wait_turn(blocks, session)
+        self.sessions += session
         self.reserved_blocks += blocks
 
-    async def _wait_turn(self, blocks: int) -> None:
+    async def _wait_turn(self, blocks: int, session: bool) -> None:
         """Queue in arrival order until this request is first in line and fits."""
         deadline = time.monotonic() + self.timeout_s
         turn = asyncio.Event()
         self._waiters.append(turn)
         try:
-            while not (self._waiters[0] is turn and self._fits(blocks)):
+            while not (self._waiters[0] is turn and self._fits(blocks, session)):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise WiMError(
@@ -80,8 +80,8 @@ class KVAdmission:
             # The next in line may fit now (or may have been blocked only by this one).
             self._wake()
 
-    def release(self, blocks: int) -> None:
-        self.sessions -= 1
+    def release(self, blocks: int, *, session: bool = True) -> None:
+        self.sessions -= session
         self.reserved_blocks -= blocks
         self._wake()
 

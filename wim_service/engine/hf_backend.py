@@ -9,6 +9,7 @@ implementation. It is the parity oracle in tests and the baseline in `wim bench`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -160,6 +161,10 @@ class HFContext:
             self.backend.decode(logits, cache, params), PromptCost(len(prompt_ids), 0)
         ):
             yield chunk
+
+    @contextlib.asynccontextmanager
+    async def reserve_more(self, blocks: int) -> AsyncIterator[None]:
+        yield  # the reference backend has no shared KV pool to reserve from
 
     async def close(self) -> None:
         self.cache = None

@@ -13,7 +13,7 @@ version is pinned and `tests/test_vllm_engine.py` exercises every one of them.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -21,6 +21,8 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request
 
 SALT_PREFIX = "wim:"
+# Peak KV use is remembered for this many recent salts (tests compare it with reservations).
+_PEAKS_KEPT = 4096
 
 
 class WiMScheduler(Scheduler):
@@ -28,6 +30,34 @@ class WiMScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         # salt -> {block id -> block hash it held under that salt}
         self._salt_blocks: dict[str, dict[int, Any]] = defaultdict(dict)
+        # salt -> most distinct KV blocks its requests held at once (after any step)
+        self._salt_peaks: OrderedDict[str, int] = OrderedDict()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)
+        self._track_peaks()
+        return output
+
+    def _track_peaks(self) -> None:
+        """Blocks held per WiM salt now (a block shared by a context and its branches counts
+        once): what a job's KV reservation must cover."""
+        held: dict[str, set[int]] = {}
+        for request in self.requests.values():
+            salt = request.cache_salt
+            if not salt or not salt.startswith(SALT_PREFIX):
+                continue
+            ids = held.setdefault(salt, set())
+            for group in self.kv_cache_manager.get_blocks(request.request_id).blocks:
+                ids.update(block.block_id for block in group if not block.is_null)
+        for salt, ids in held.items():
+            if len(ids) > self._salt_peaks.get(salt, 0):
+                self._salt_peaks[salt] = len(ids)
+                self._salt_peaks.move_to_end(salt)
+        while len(self._salt_peaks) > _PEAKS_KEPT:
+            self._salt_peaks.popitem(last=False)
+
+    def wim_peak_blocks(self, salt: str) -> int:
+        return self._salt_peaks.get(salt, 0)
 
     def _record(self, request: Request) -> None:
         salt = request.cache_salt
@@ -89,5 +119,10 @@ def _engine_wim_kv_stats(self: EngineCore) -> dict[str, int]:
     return self.scheduler.wim_kv_stats()
 
 
+def _engine_wim_peak_blocks(self: EngineCore, salt: str) -> int:
+    return self.scheduler.wim_peak_blocks(salt)
+
+
 EngineCore.wim_purge_salt = _engine_wim_purge_salt  # type: ignore[attr-defined]
 EngineCore.wim_kv_stats = _engine_wim_kv_stats  # type: ignore[attr-defined]
+EngineCore.wim_peak_blocks = _engine_wim_peak_blocks  # type: ignore[attr-defined]

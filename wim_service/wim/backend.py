@@ -9,6 +9,7 @@ takes no more calls); `generate` runs a stand-alone prompt under the session's i
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -80,6 +81,11 @@ class ContextSession(Protocol):
     def generate(
         self, prompt_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[GenerationChunk]: ...
+
+    def reserve_more(self, blocks: int) -> AbstractAsyncContextManager[None]:
+        """Hold `blocks` more KV for this session while the block is entered (a query that
+        may need more than the session reserved); may wait, or raise `WiMError(OVERLOADED)`."""
+        ...
 
     async def close(self) -> None:
         """End the session: free its KV and purge it from any cache (idempotent)."""
