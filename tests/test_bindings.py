@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from wim_service.serving.bindings import BindingTable, NoCapacity, ReplicaLoad
+from wim_service.serving.bindings import BindingTable, NoCapacity
+from wim_service.serving.contracts import ReplicaLoad
 
 
 def load(replica: str, reserved: int, capacity: int = 100, **kw) -> ReplicaLoad:
-    return ReplicaLoad(replica, capacity, reserved, sessions=0, **kw)
+    return ReplicaLoad(
+        replica=replica, capacity_blocks=capacity, reserved_blocks=reserved, sessions=0, **kw
+    )
 
 
 def test_new_sessions_go_to_the_replica_with_most_room() -> None:

@@ -16,7 +16,16 @@ from ray.serve.deployment import Application
 
 from wim_service.serving.config import ServiceConfig
 from wim_service.serving.replica import EngineReplica
-from wim_service.serving.router import ENGINE_DEPLOYMENT, WiMRouter
+from wim_service.serving.replica_client import ENGINE_DEPLOYMENT
+from wim_service.serving.router import WiMRouter
+
+# The ingress: the HTTP app is built by `WiMRouter.__serve_build_asgi_app__` in the replica.
+WiMRouterDeployment = serve.deployment(
+    serve.ingress()(WiMRouter),
+    name="WiMRouter",
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=1000,
+)
 
 EngineReplicaDeployment = serve.deployment(
     EngineReplica,
@@ -46,4 +55,4 @@ def assemble(config: ServiceConfig, *, engine_options: dict[str, Any] | None = N
     """
     deployment = EngineReplicaDeployment.options(**(engine_options or {}))
     engine = deployment.bind(config.engine.model_dump())
-    return WiMRouter.bind(engine, config.model_dump())
+    return WiMRouterDeployment.bind(engine, config.model_dump())

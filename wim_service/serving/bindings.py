@@ -11,30 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from wim_service.serving.contracts import ReplicaLoad
+
 
 class BindResult(StrEnum):
     HIT = "hit"  # the session's replica is alive: use it
     NEW = "new"  # a new session was placed
     REPIN = "repin"  # the session's replica is gone: moved elsewhere
     REJECTED = "rejected"  # nowhere to place it now
-
-
-@dataclass
-class ReplicaLoad:
-    """What a replica last reported about itself."""
-
-    replica: str
-    capacity_blocks: int
-    reserved_blocks: int
-    sessions: int
-    documents: int = 0
-    resident_kv_tokens: int = 0
-    healthy: bool = True
-    draining: bool = False
-
-    @property
-    def room_blocks(self) -> int:
-        return self.capacity_blocks - self.reserved_blocks
 
 
 class NoCapacity(Exception):

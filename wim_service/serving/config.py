@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from wim_service.engine.config import EngineConfig
+
+
+class StoreConfig(BaseModel):
+    """Where document sessions live (`serving/store/`). Secrets never come from here: the Redis
+    URL is the env `WIM_REDIS_URL`, the document encryption key `WIM_STORE_ENCRYPTION_KEY`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # memory: in this router process (one router). redis: shared by every router replica.
+    backend: Literal["memory", "redis"] = "memory"
+    # Prefix of every Redis key, so that several services can share one Redis.
+    key_prefix: str = Field("wim:", min_length=1)
+    # A Redis that does not connect or answer within these is unavailable (HTTP 503).
+    connect_timeout_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    # An expired session's keys stay this long after its expiry, so that a router can still
+    # close its KV on the bound replica; Redis drops them after that anyway.
+    expiry_grace_s: float = Field(60.0, ge=0)
+    # A deleted session's id cannot be created or bound again for this long.
+    tombstone_ttl_s: float = Field(600.0, gt=0)
 
 
 class RouterConfig(BaseModel):
@@ -15,6 +37,12 @@ class RouterConfig(BaseModel):
     max_session_ttl_s: float = Field(3600.0, gt=0)
     # Larger documents are refused with 413 before any tokenization.
     max_document_chars: int = Field(2_000_000, ge=1)
+    # Larger request bodies are refused with 413 before they are read (Content-Length) or as
+    # soon as a chunked body passes it.
+    max_body_bytes: int = Field(16 * 2**20, ge=1024)
+    # A job still running after this long is stopped (504 `deadline_exceeded`, or an `error`
+    # event once streaming).
+    request_timeout_s: float = Field(900.0, gt=0)
     # How often the router asks every engine replica for its load.
     load_poll_interval_s: float = Field(2.0, gt=0)
     # How long a request waits for a live engine replica (e.g. while a replacement starts).
@@ -23,6 +51,8 @@ class RouterConfig(BaseModel):
     max_failovers: int = Field(2, ge=0, le=10)
     # Retry-After sent with 429/503.
     retry_after_s: int = Field(5, ge=1)
+    # Where document sessions (text, options, binding, expiry) live.
+    store: StoreConfig = Field(default_factory=StoreConfig)
 
 
 class ServiceConfig(BaseModel):

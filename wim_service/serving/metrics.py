@@ -3,7 +3,11 @@ re-exported beside them from every engine replica, with a `replica` label."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from wim_service.wim.events import WiMEvent
 
 # `*_created` timestamp series only double the exposition; nothing reads them.
 disable_created_metrics()
@@ -85,6 +89,34 @@ class WiMMetrics:
             ["replica"],
             registry=r,
         )
+
+
+class JobObserver:
+    """Turns one job's events into latency and margin metrics as they pass."""
+
+    def __init__(self, metrics: WiMMetrics) -> None:
+        self.metrics = metrics
+        self.started = time.perf_counter()
+        self._last_segment = self.started
+        self._answered = False
+
+    def observe(self, event: WiMEvent) -> None:
+        now = time.perf_counter()
+        if event.type == "segment":
+            self.metrics.segment_prefill_seconds.observe(now - self._last_segment)
+            self._last_segment = now
+        elif event.type == "margin":
+            self.metrics.margin_seconds.observe(event.elapsed_s)
+            self.metrics.margins.labels(str(event.relevant).lower()).inc()
+        elif event.type == "answer" and not self._answered:
+            self._answered = True
+            self.metrics.query_ttft_seconds.observe(now - self.started)
+        elif event.type == "done":
+            self.metrics.prefix_cache_hit_tokens.inc(event.usage.prompt_tokens_cached)
+
+    def finish(self, status: str) -> None:
+        self.metrics.requests.labels(status).inc()
+        self.metrics.request_seconds.observe(time.perf_counter() - self.started)
 
 
 # Family names as Prometheus exposes them (counters gain `_total`).

@@ -1,8 +1,9 @@
 """`EngineReplica`: one vLLM engine in a Ray Serve replica, running WiM jobs and document sessions.
 
 Thin over the engine layer: every method turns a call into `run_wim` / `WiMSession` work and
-streams the events back as plain dicts. It reports its load for the router's bounded-load
-placement, and its engine's `vllm:*` metrics for the router's `/metrics`.
+streams the events back (typed models of `wim.events` and `serving.contracts`). It reports its
+load for the router's bounded-load placement, and its engine's `vllm:*` metrics for the
+router's `/metrics`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from prometheus_client import REGISTRY, generate_latest
 from ray import serve
 
 from wim_service.engine.config import EngineConfig
+from wim_service.serving.contracts import DocumentOpened, OpenResult, ReplicaLoad
 from wim_service.wim.errors import ErrorCode, WiMError
-from wim_service.wim.events import ErrorEvent
+from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
 from wim_service.wim.orchestrator import WiMSession, open_document, run_wim
 
@@ -75,46 +77,39 @@ class EngineReplica:
 
     # -- jobs ------------------------------------------------------------------------------
 
-    async def run(self, document: str, query: str, options: dict[str, Any]) -> AsyncIterator[dict]:
+    async def run(self, document: str, query: str, options: WiMOptions) -> AsyncIterator[WiMEvent]:
         """A one-shot job; the caller going away cancels it and frees its KV."""
-        events = run_wim(
-            self.backend, self.backend.tokenizer, document, query, WiMOptions(**options)
-        )
-        async for event in events:
-            yield event.model_dump()
+        async for event in run_wim(self.backend, self.backend.tokenizer, document, query, options):
+            yield event
 
     async def open_document(
-        self, document_id: str, document: str, options: dict[str, Any], ttl_s: float
-    ) -> dict[str, Any]:
+        self, document_id: str, document: str, options: WiMOptions, ttl_s: float
+    ) -> OpenResult:
         """Read a document into a pinned context; returns its size or an error event."""
         self._ensure_reaper()
         await self.close_document(document_id)  # a re-open (failover) replaces a stale copy
         try:
-            session = await open_document(
-                self.backend, self.backend.tokenizer, document, WiMOptions(**options)
-            )
+            session = await open_document(self.backend, self.backend.tokenizer, document, options)
         except WiMError as exc:
-            return _error(exc).model_dump()
+            return _error(exc)
         self.documents[document_id] = _Document(session, ttl_s, time.monotonic())
-        return {
-            "type": "opened",
-            "context_tokens": session.plan.context_tokens,
-            "segments": len(session.plan.segments),
-        }
+        return DocumentOpened(
+            context_tokens=session.plan.context_tokens, segments=len(session.plan.segments)
+        )
 
     async def query_document(
-        self, document_id: str, query: str, options: dict[str, Any]
-    ) -> AsyncIterator[dict]:
+        self, document_id: str, query: str, options: WiMOptions
+    ) -> AsyncIterator[WiMEvent]:
         document = self.documents.get(document_id)
         if document is None:
             yield ErrorEvent(
                 code=ErrorCode.NOT_FOUND.value,
                 message=f"document session {document_id} is not on this replica",
-            ).model_dump()
+            )
             return
         document.last_used = time.monotonic()
-        async for event in document.session.query(query, WiMOptions(**options)):
-            yield event.model_dump()
+        async for event in document.session.query(query, options):
+            yield event
         document.last_used = time.monotonic()
 
     async def close_document(self, document_id: str) -> bool:
@@ -126,21 +121,21 @@ class EngineReplica:
 
     # -- reporting -------------------------------------------------------------------------
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> ReplicaLoad:
         """What the router places sessions by. Answered from memory, never from the engine
         core: a busy engine must still report promptly, or the router would think it gone."""
         admission = self.backend.load()
-        return {
-            "replica": self.replica,
-            "capacity_blocks": admission.capacity_blocks,
-            "reserved_blocks": admission.reserved_blocks,
-            "sessions": admission.sessions,
-            "documents": len(self.documents),
-            "resident_kv_tokens": sum(
+        return ReplicaLoad(
+            replica=self.replica,
+            capacity_blocks=admission.capacity_blocks,
+            reserved_blocks=admission.reserved_blocks,
+            sessions=admission.sessions,
+            documents=len(self.documents),
+            resident_kv_tokens=sum(
                 d.session.context.context_tokens for d in self.documents.values()
             ),
-            "healthy": self.backend.healthy,
-        }
+            healthy=self.backend.healthy,
+        )
 
     def metrics_text(self) -> str:
         """This engine's own `vllm:*` Prometheus metrics (the router adds a replica label)."""

@@ -12,6 +12,8 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"  # no such document session (unknown, expired or deleted)
     CANCELLED = "cancelled"  # the caller went away
     ENGINE_ERROR = "engine_error"  # the engine failed; the job's work is lost
+    UNAVAILABLE = "unavailable"  # no engine can take work now (starting, replaced, store down)
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # the job ran past its deadline and was stopped
 
 
 class WiMError(Exception):

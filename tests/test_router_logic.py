@@ -1,0 +1,302 @@
+"""The router's logic over fake engine replicas: HTTP answers, document sessions, option
+pinning, placement and failover — no Ray, no engine.
+
+The fakes speak the router's real replica contract (`serving.contracts`, `wim.events`); the
+router, its HTTP app, placement, failover and metrics are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from wim_service.serving.contracts import DocumentOpened, ReplicaLoad
+from wim_service.serving.failover import StreamProgress
+from wim_service.serving.http_app import build_http_app
+from wim_service.serving.replica_client import ReplicaLost
+from wim_service.serving.router import WiMRouter
+from wim_service.wim.events import (
+    AnswerEvent,
+    DoneEvent,
+    ErrorEvent,
+    MarginEvent,
+    SegmentEvent,
+    Timings,
+    Usage,
+    WiMEvent,
+)
+from wim_service.wim.options import WiMOptions
+
+SEGMENTS = 3
+DOCUMENT = "The night gate code is 4417. " * 40
+
+
+def job_events(answer: str = "The code is 4417.") -> list[WiMEvent]:
+    events: list[WiMEvent] = []
+    for i in range(SEGMENTS):
+        events.append(
+            SegmentEvent(
+                segment=i,
+                segments=SEGMENTS,
+                tokens=10,
+                context_tokens=10 * (i + 1),
+                char_start=0,
+                char_end=1,
+            )
+        )
+        events.append(
+            MarginEvent(
+                segment=i,
+                text=f"margin {i}",
+                relevant=i == 1,
+                char_start=0,
+                char_end=1,
+                elapsed_s=0.1,
+            )
+        )
+    events += [AnswerEvent(text=answer[:8]), AnswerEvent(text=answer[8:])]
+    events.append(
+        DoneEvent(
+            answer=answer,
+            usage=Usage(context_tokens=30, segments=SEGMENTS, prompt_tokens_cached=7),
+            timings=Timings(),
+        )
+    )
+    return events
+
+
+class FakeReplica:
+    def __init__(self, name: str, capacity: int = 10_000) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.reserved = 0
+        self.documents: dict[str, WiMOptions] = {}
+        self.calls: list[str] = []
+        self.die_after: int | None = None  # events streamed before this replica "dies"
+        self.dead = False
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(
+            replica=self.name,
+            capacity_blocks=self.capacity,
+            reserved_blocks=self.reserved,
+            sessions=len(self.documents),
+            documents=len(self.documents),
+        )
+
+    def open_document(self, document_id: str, text: str, options: WiMOptions, ttl: float):
+        assert isinstance(options, WiMOptions)
+        self.documents[document_id] = options
+        return DocumentOpened(context_tokens=len(text) // 4, segments=SEGMENTS)
+
+    def close_document(self, document_id: str) -> bool:
+        return self.documents.pop(document_id, None) is not None
+
+    def metrics_text(self) -> str:
+        return "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+
+
+class FakeClient:
+    """`ReplicaClient` over in-process fake replicas."""
+
+    def __init__(self, *replicas: FakeReplica) -> None:
+        self.replicas = {r.name: r for r in replicas}
+        self.in_flight: dict[str, int] = {}
+
+    async def live_replicas(self) -> frozenset[str]:
+        return frozenset(n for n, r in self.replicas.items() if not r.dead)
+
+    def _replica(self, name: str) -> FakeReplica:
+        replica = self.replicas[name]
+        if replica.dead:
+            raise ReplicaLost(name, RuntimeError("actor died"))
+        return replica
+
+    async def call(self, replica: str, method: str, *args: Any) -> Any:
+        target = self._replica(replica)
+        target.calls.append(method)
+        return getattr(target, method)(*args)
+
+    async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
+        target = self._replica(replica)
+        target.calls.append(method)
+        if method == "query_document" and args[0] not in target.documents:
+            yield ErrorEvent(code="not_found", message="not on this replica")
+            return
+        for n, event in enumerate(job_events()):
+            if target.die_after is not None and n >= target.die_after:
+                target.dead = True
+                raise ReplicaLost(replica, RuntimeError("actor died mid-stream"))
+            yield event.model_copy()
+
+
+def make_service(*replicas: FakeReplica, **router: Any) -> tuple[TestClient, WiMRouter]:
+    config = {"router": {"replica_wait_s": 0, **router}}
+    wim_router = WiMRouter(None, config, client=FakeClient(*replicas), http_host="127.0.0.1")
+    return TestClient(build_http_app(wim_router)), wim_router
+
+
+def metric(client: TestClient, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_one_shot_job_answers_with_margins_and_unbinds() -> None:
+    client, router = make_service(FakeReplica("a"))
+    response = client.post("/wim", json={"context": DOCUMENT, "query": "code?"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["answer"] == "The code is 4417." and body["replica"] == "a"
+    assert [m["segment"] for m in body["margins"]] == [0, 1, 2]
+    assert [m["relevant"] for m in body["margins"]] == [False, True, False]
+    assert router.fleet.table.bindings == {}  # the job's binding ended with it
+    assert metric(client, "wim_requests_total", status="200") == 1
+    assert metric(client, "wim_margins_total", relevant="true") == 1
+    assert metric(client, "wim_prefix_cache_hit_tokens_total") == 7
+    assert metric(client, "vllm:num_requests_running", replica="a") == 0
+
+
+def test_document_session_is_pinned_and_deleted() -> None:
+    a, b = FakeReplica("a"), FakeReplica("b")
+    client, _ = make_service(a, b)
+    opened = client.post("/documents", json={"context": DOCUMENT})
+    assert opened.status_code == 201, opened.text
+    document = opened.json()
+    home = {"a": a, "b": b}[document["replica"]]
+    for _ in range(3):
+        answer = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
+        assert answer.status_code == 200 and answer.json()["replica"] == home.name
+    assert home.calls.count("query_document") == 3
+    assert client.get(f"/documents/{document['document_id']}").json()["replica"] == home.name
+    assert client.delete(f"/documents/{document['document_id']}").status_code == 204
+    assert home.documents == {}
+    gone = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
+    assert gone.status_code == 404 and gone.json()["code"] == "not_found"
+    assert metric(client, "wim_session_binding_total", result="hit") == 3
+
+
+def test_a_query_may_not_change_options_fixed_at_upload() -> None:
+    client, _ = make_service(FakeReplica("a"))
+    document = client.post(
+        "/documents", json={"context": DOCUMENT, "options": {"segment_tokens": 256}}
+    ).json()
+    same = {"document_id": document["document_id"], "query": "q"}
+    changed = client.post("/wim", json={**same, "options": {"segment_tokens": 128}})
+    assert changed.status_code == 422 and "segment_tokens" in changed.json()["message"]
+    prompt = client.post("/wim", json={**same, "options": {"prompts": {"system": "Be brief."}}})
+    assert prompt.status_code == 422 and "prompts.system" in prompt.json()["message"]
+    # Per-query options and the same fixed value are fine.
+    fine = client.post(
+        "/wim", json={**same, "options": {"segment_tokens": 256, "answer_max_tokens": 8}}
+    )
+    assert fine.status_code == 200, fine.text
+
+
+def test_full_replicas_answer_429_and_no_replica_503() -> None:
+    client, _ = make_service(FakeReplica("a", capacity=1))
+    full = client.post("/wim", json={"context": DOCUMENT, "query": "q"})
+    assert full.status_code == 429 and full.json()["code"] == "overloaded"
+    assert int(full.headers["Retry-After"]) >= 1
+    assert metric(client, "wim_session_binding_total", result="rejected") == 1
+    assert metric(client, "wim_requests_total", status="429") == 1
+    nobody, _ = make_service()
+    none = nobody.post("/documents", json={"context": DOCUMENT})
+    assert none.status_code == 503 and none.headers["Retry-After"]
+
+
+def test_sessions_go_to_the_replica_with_most_room() -> None:
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b", capacity=10_000)
+    client, _ = make_service(a, b)
+    replicas = [
+        client.post("/documents", json={"context": DOCUMENT}).json()["replica"] for _ in range(2)
+    ]
+    assert replicas == ["a", "a"]
+
+
+def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() -> None:
+    a, b = FakeReplica("a"), FakeReplica("b", capacity=1_000)
+    client, router = make_service(a, b)
+    document = client.post("/documents", json={"context": DOCUMENT}).json()
+    assert document["replica"] == "a"
+    a.die_after = 4  # two segments and two margins streamed, then the actor dies
+    body = {"document_id": document["document_id"], "query": "q", "stream": True}
+    with client.stream("POST", "/wim", json=body) as response:
+        assert response.status_code == 200
+        text = "".join(response.iter_text())
+    events = [(k, json.loads(d)) for k, d in re.findall(r"event: (\w+)\ndata: (.*)\n\n", text)]
+    kinds = [k for k, _ in events]
+    # No segment or margin is sent twice, nothing is lost, and the answer is whole.
+    assert [d["segment"] for k, d in events if k == "segment"] == [0, 1, 2]
+    assert [d["segment"] for k, d in events if k == "margin"] == [0, 1, 2]
+    assert "".join(d["text"] for k, d in events if k == "answer") == "The code is 4417."
+    assert kinds[-1] == "done" and events[-1][1]["replica"] == "b"
+    work = [call for call in b.calls if call != "load"]
+    assert work[:2] == ["open_document", "query_document"]  # rebuilt, then asked
+    assert router.fleet.table.replica_of(document["document_id"]) == "b"
+    assert metric(client, "wim_session_failover_total", reason="replica_lost") == 1
+    assert metric(client, "wim_reprefill_tokens_total") == len(DOCUMENT) // 4
+    again = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
+    assert again.json()["replica"] == "b"
+
+
+def test_a_replica_that_forgot_the_session_gets_it_rebuilt() -> None:
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    client, _ = make_service(a, b)
+    document = client.post("/documents", json={"context": DOCUMENT}).json()
+    a.documents.clear()  # the replica restarted
+    response = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
+    assert response.status_code == 200
+    assert b.calls.count("open_document") == 1
+
+
+def test_one_shot_job_fails_over_and_gives_up_after_max_failovers() -> None:
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    a.die_after = 1
+    client, _ = make_service(a, b)
+    moved = client.post("/wim", json={"context": DOCUMENT, "query": "q"})
+    assert moved.status_code == 200 and moved.json()["replica"] == "b"
+    assert metric(client, "wim_session_binding_total", result="repin") == 1
+
+    c, d = FakeReplica("c"), FakeReplica("d")
+    c.die_after = d.die_after = 0
+    failing, _ = make_service(c, d, max_failovers=1)
+    response = failing.post("/wim", json={"context": DOCUMENT, "query": "q"})
+    assert response.status_code in (502, 503)  # both lost: no replica left to place on
+
+
+def test_stream_progress_trims_what_an_earlier_attempt_sent() -> None:
+    progress = StreamProgress()
+    assert progress.fresh(AnswerEvent(text="The co"))
+    progress.new_attempt()
+    again = AnswerEvent(text="The code")
+    assert progress.fresh(again) and again.text == "de"
+    assert not progress.fresh(AnswerEvent(text=""))
+    segment = SegmentEvent(
+        segment=0, segments=1, tokens=1, context_tokens=1, char_start=0, char_end=1
+    )
+    assert progress.fresh(segment) and not progress.fresh(segment.model_copy())
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/docs", "/openapi.json"])
+def test_service_endpoints_answer(path: str) -> None:
+    client, _ = make_service(FakeReplica("a"))
+    response = client.get(path)
+    assert response.status_code == 200
+    if path == "/readyz":
+        assert response.json() == {"ready": True, "replicas": ["a"]}
+
+
+def test_readyz_without_replicas_is_503() -> None:
+    client, _ = make_service()
+    response = client.get("/readyz")
+    assert response.status_code == 503 and response.json()["ready"] is False

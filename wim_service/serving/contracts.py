@@ -1,0 +1,41 @@
+"""What the router and the engine replicas exchange: typed models, never dicts checked by key.
+
+Ray pickles these objects between processes as they are; both sides import this module.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+from wim_service.wim.events import ErrorEvent
+
+
+class ReplicaLoad(BaseModel):
+    """What a replica last reported about itself (the router adjusts it between polls)."""
+
+    replica: str
+    capacity_blocks: int
+    reserved_blocks: int
+    sessions: int
+    documents: int = 0
+    resident_kv_tokens: int = 0
+    healthy: bool = True
+    draining: bool = False
+
+    @property
+    def room_blocks(self) -> int:
+        return self.capacity_blocks - self.reserved_blocks
+
+
+class DocumentOpened(BaseModel):
+    """A document read into a pinned context on a replica."""
+
+    type: Literal["opened"] = "opened"
+    context_tokens: int
+    segments: int
+
+
+# `open_document`'s answer: the opened document, or why it could not be read.
+OpenResult = Annotated[DocumentOpened | ErrorEvent, Field(discriminator="type")]

@@ -1,0 +1,142 @@
+"""Errors as the HTTP API answers them: one table from error code to HTTP status.
+
+Every error a client can see is a JSON body `{code, message}` with the status `STATUS` gives
+its code; overload answers carry `Retry-After`. Nothing else reaches a client: an unexpected
+exception is logged with the request's id (`X-Request-ID`, also sent back in the response)
+and answered as `internal_error` without detail.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import secrets
+from enum import StrEnum
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from wim_service.serving.api import ErrorBody
+from wim_service.wim.errors import ErrorCode
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-ID"
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+class ServiceCode(StrEnum):
+    """Codes of the HTTP layer, beside the job codes of `wim.errors.ErrorCode`."""
+
+    INVALID_REQUEST = "invalid_request"  # the body does not match the API's schema
+    OPTIONS_FIXED = "options_fixed"  # a query changes options fixed when its document was read
+    BODY_TOO_LARGE = "body_too_large"
+    UNAUTHORIZED = "unauthorized"  # no API key, or an unknown one
+    FORBIDDEN = "forbidden"  # the tenant may not do this
+    RATE_LIMITED = "rate_limited"  # the tenant's own limits
+    INTERNAL_ERROR = "internal_error"  # a bug: logged with the request id
+
+
+STATUS: dict[str, int] = {
+    ErrorCode.INVALID_INPUT: 400,
+    ServiceCode.UNAUTHORIZED: 401,
+    ServiceCode.FORBIDDEN: 403,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.TOO_LONG: 413,
+    ServiceCode.BODY_TOO_LARGE: 413,
+    ServiceCode.INVALID_REQUEST: 422,
+    ServiceCode.OPTIONS_FIXED: 422,
+    ErrorCode.OVERLOADED: 429,
+    ServiceCode.RATE_LIMITED: 429,
+    ErrorCode.CANCELLED: 499,
+    ServiceCode.INTERNAL_ERROR: 500,
+    ErrorCode.ENGINE_ERROR: 502,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def status_of(code: str) -> int:
+    return STATUS.get(code, 500)
+
+
+class HTTPFailure(Exception):
+    """An error answered as an HTTP status (before any byte of a stream was sent)."""
+
+    def __init__(self, code: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.code, self.message, self.retry_after = str(code), message, retry_after
+
+    @property
+    def status(self) -> int:
+        return status_of(self.code)
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        headers = dict(headers or {})
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return JSONResponse(
+            ErrorBody(code=self.code, message=self.message).model_dump(),
+            status_code=self.status,
+            headers=headers,
+        )
+
+
+def request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", "")
+
+
+async def _http_failure(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPFailure)
+    return exc.response()
+
+
+async def _invalid(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
+    )
+    return HTTPFailure(ServiceCode.INVALID_REQUEST, problems).response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    rid = request_id(request)
+    logger.error("request %s failed", rid, exc_info=exc)
+    return HTTPFailure(
+        ServiceCode.INTERNAL_ERROR, f"internal error; the server log has request id {rid}"
+    ).response({REQUEST_ID_HEADER: rid})
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (the client's `X-Request-ID` if well-formed) and sends it
+    back as a response header, so that a client's report finds the server's log lines."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(REQUEST_ID_HEADER.lower().encode(), b"").decode()
+        rid = given if _CLIENT_REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((REQUEST_ID_HEADER.lower().encode(), rid.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(HTTPFailure, _http_failure)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(RequestIdMiddleware)

@@ -1,0 +1,215 @@
+"""Running work on the replica that holds it, and moving it when that replica is lost.
+
+`Dispatcher` sends one-shot jobs and document-session queries to their bound replica over an
+injected `ReplicaClient`. When the replica is lost mid-call, a document session is re-pinned to
+another replica and rebuilt there from its text, and the call is retried; a streamed job does
+not repeat what it already delivered (`StreamProgress`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from wim_service.serving.bindings import BindResult
+from wim_service.serving.config import RouterConfig
+from wim_service.serving.contracts import DocumentOpened, OpenResult
+from wim_service.serving.documents import DocumentRecord
+from wim_service.serving.errors import HTTPFailure
+from wim_service.serving.fleet import ReplicaFleet
+from wim_service.serving.metrics import WiMMetrics
+from wim_service.serving.replica_client import ReplicaClient, ReplicaLost
+from wim_service.serving.responses import Item
+from wim_service.serving.sizing import JobSizer
+from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.events import ErrorEvent, WiMEvent
+from wim_service.wim.options import WiMOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamProgress:
+    """What a streamed job already delivered, so that a failover does not repeat it."""
+
+    segments: set[int] = field(default_factory=set)
+    margins: set[int] = field(default_factory=set)
+    answer_sent: int = 0  # answer characters the client has
+    answer_seen: int = 0  # answer characters of the current attempt
+
+    def new_attempt(self) -> None:
+        self.answer_seen = 0
+
+    def fresh(self, event: WiMEvent) -> bool:
+        """False for what an earlier attempt already delivered (answer text is trimmed)."""
+        if event.type in ("segment", "margin"):
+            seen = self.segments if event.type == "segment" else self.margins
+            if event.segment in seen:
+                return False
+            seen.add(event.segment)
+        elif event.type == "answer":
+            # Greedy decoding repeats the same answer; `done.answer` is authoritative anyway.
+            start = self.answer_seen
+            self.answer_seen += len(event.text)
+            event.text = event.text[max(0, self.answer_sent - start) :]
+            self.answer_sent = max(self.answer_sent, self.answer_seen)
+            return bool(event.text)
+        return True
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        client: ReplicaClient,
+        fleet: ReplicaFleet,
+        sizer: JobSizer,
+        config: RouterConfig,
+        metrics: WiMMetrics,
+    ) -> None:
+        self.client = client
+        self.fleet = fleet
+        self.sizer = sizer
+        self.config = config
+        self.metrics = metrics
+
+    # -- document sessions -----------------------------------------------------------------
+
+    async def open_on_replica(self, record: DocumentRecord, exclude: set[str]) -> str:
+        """Read the document on a replica (placing it first); retried elsewhere if one dies."""
+        needed = await self.sizer.needed_blocks(record.text, record.options, None)
+        while True:
+            replica = await self.fleet.place(record.document_id, needed, exclude)
+            try:
+                result: OpenResult = await self.client.call(
+                    replica,
+                    "open_document",
+                    record.document_id,
+                    record.text,
+                    record.options,
+                    record.ttl_s,
+                )
+            except ReplicaLost:
+                self.fleet.lost(replica, "replica_lost")
+                exclude.add(replica)
+                continue
+            if isinstance(result, ErrorEvent):
+                self.fleet.table.unbind(record.document_id)
+                raise HTTPFailure(result.code, result.message, result.retry_after_s)
+            assert isinstance(result, DocumentOpened)
+            record.context_tokens = result.context_tokens
+            record.segments = result.segments
+            return replica
+
+    async def close_on_replica(self, record: DocumentRecord) -> None:
+        replica = self.fleet.table.replica_of(record.document_id)
+        self.fleet.table.unbind(record.document_id)
+        if replica is not None:
+            with contextlib.suppress(Exception):
+                await self.client.call(replica, "close_document", record.document_id)
+
+    async def document_replica(self, record: DocumentRecord) -> str:
+        """The replica holding the document; rebuilt elsewhere if its replica is gone."""
+        replica = self.fleet.table.replica_of(record.document_id)
+        if replica is not None and self.fleet.table.is_live(replica):
+            self.metrics.binding.labels(BindResult.HIT).inc()
+            return replica
+        reason = "replica_left" if replica is not None else "session_lost"
+        return await self._repin(record, replica, reason)
+
+    async def _repin(self, record: DocumentRecord, old: str | None, reason: str) -> str:
+        if old is not None:
+            self.fleet.lost(old, reason)
+        replica = await self.open_on_replica(record, {old} if old else set())
+        self.metrics.binding.labels(BindResult.REPIN).inc()
+        self.metrics.reprefill_tokens.inc(record.context_tokens)
+        logger.info("document %s re-pinned %s -> %s (%s)", record.document_id, old, replica, reason)
+        return replica
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    async def job(
+        self,
+        session_id: str,
+        query: str,
+        options: WiMOptions,
+        *,
+        context: str | None = None,
+        record: DocumentRecord | None = None,
+    ) -> AsyncIterator[Item]:
+        """Events of one job as (replica, event), failing over when its replica is lost.
+
+        A one-shot job (`context`) is placed under `session_id` and unbound when it ends; a
+        query on a document session (`record`) goes to the session's replica.
+        """
+        try:
+            async for item in self._attempts(session_id, query, options, context, record):
+                yield item
+        finally:
+            if record is None:
+                self.fleet.table.unbind(session_id)
+
+    async def _attempts(
+        self,
+        session_id: str,
+        query: str,
+        options: WiMOptions,
+        context: str | None,
+        record: DocumentRecord | None,
+    ) -> AsyncIterator[Item]:
+        progress = StreamProgress()
+        failovers = 0
+        exclude: set[str] = set()
+        replica: str | None = None
+        while True:
+            progress.new_attempt()
+            if record is not None:
+                async with record.lock:
+                    replica = await self.document_replica(record)
+                record.touch()
+                events = self.client.stream(
+                    replica, "query_document", record.document_id, query, options
+                )
+            else:
+                if replica is None:
+                    needed = await self.sizer.needed_blocks(context or "", options, query)
+                    replica = await self.fleet.place(session_id, needed, exclude)
+                    self.metrics.binding.labels(
+                        BindResult.REPIN if failovers else BindResult.NEW
+                    ).inc()
+                events = self.client.stream(replica, "run", context, query, options)
+            try:
+                async for event in events:
+                    if (
+                        record is not None
+                        and isinstance(event, ErrorEvent)
+                        and event.code == ErrorCode.NOT_FOUND.value
+                    ):
+                        # The replica no longer has this session (restarted): rebuild it.
+                        raise ReplicaLost(replica, LookupError(event.message))
+                    if progress.fresh(event):
+                        yield replica, event
+                return
+            except (HTTPFailure, WiMError, asyncio.CancelledError):
+                raise
+            except ReplicaLost as exc:
+                failovers += 1
+                if failovers > self.config.max_failovers:
+                    raise WiMError(
+                        ErrorCode.ENGINE_ERROR, f"engine replicas kept failing: {exc}"
+                    ) from exc
+                logger.warning("replica %s lost mid-request (%s); failing over", replica, exc)
+                if record is not None:
+                    async with record.lock:
+                        if self.fleet.table.replica_of(record.document_id) == replica:
+                            await self._repin(record, replica, "replica_lost")
+                else:
+                    self.fleet.lost(replica, "replica_lost")
+                    exclude.add(replica)
+                    self.fleet.table.unbind(session_id)
+                    replica = None
+            except Exception as exc:  # a bug or engine fault on the replica: not retried
+                logger.exception("job failed on replica %s", replica)
+                raise WiMError(ErrorCode.ENGINE_ERROR, f"engine error: {exc}") from exc

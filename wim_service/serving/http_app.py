@@ -1,0 +1,90 @@
+"""The HTTP API: routes over a `WiMRouter`, built when the ingress replica starts.
+
+Serve calls `WiMRouter.__serve_build_asgi_app__` after the router's constructor; tests can
+build the same app over a router with fake replicas.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from wim_service.serving.api import DocumentRequest, DocumentResponse, WiMRequest, WiMResponse
+from wim_service.serving.auth import Tenant
+from wim_service.serving.errors import install_error_handlers
+from wim_service.serving.limits import BodyLimitMiddleware
+
+if TYPE_CHECKING:
+    from wim_service.serving.router import WiMRouter
+
+
+async def authenticate(request: Request) -> Tenant:
+    """The caller's tenant (401 without a valid key), counted against its request rate."""
+    router: WiMRouter = request.app.state.wim_router
+    caller = router.authenticate(request.headers.get("authorization"))
+    request.state.tenant = caller
+    return caller
+
+
+# A route parameter of this type requires a valid API key (in open mode: anyone).
+Caller = Annotated[Tenant, Depends(authenticate)]
+
+
+def build_http_app(router: WiMRouter) -> FastAPI:
+    app = FastAPI(
+        title="wim_service",
+        summary="Long-document question answering with Writing in the Margins on vLLM.",
+        description=(
+            'One-shot: `POST /wim {"context": "...", "query": "..."}`. '
+            "Many queries on one document: `POST /documents`, then `POST /wim` with its "
+            '`document_id`. Add `"stream": true` for server-sent events.'
+        ),
+        version="0.1.0",
+    )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=router.config.router.max_body_bytes)
+    install_error_handlers(app)  # its request-id middleware goes outermost
+    app.state.wim_router = router
+
+    @app.post(
+        "/wim", response_model=WiMResponse, responses={200: {"content": {"text/event-stream": {}}}}
+    )
+    async def wim(body: WiMRequest, caller: Caller) -> Response:
+        """Answer a query about a document: one-shot (`context`) or a session (`document_id`)."""
+        return await router.answer(body, caller)
+
+    @app.post("/documents", response_model=DocumentResponse, status_code=201)
+    async def create_document(body: DocumentRequest, caller: Caller) -> DocumentResponse:
+        """Read a document once and pin its KV on one engine replica for later queries."""
+        return await router.create_document(body, caller)
+
+    @app.get("/documents/{document_id}", response_model=DocumentResponse)
+    async def get_document(document_id: str, caller: Caller) -> DocumentResponse:
+        return router.get_document(document_id, caller)
+
+    @app.delete("/documents/{document_id}", status_code=204)
+    async def delete_document(document_id: str, caller: Caller) -> Response:
+        """End a document session: its KV is freed and purged from the engine's cache."""
+        await router.delete_document(document_id, caller)
+        return Response(status_code=204)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready = await router.ready_replicas()
+        return JSONResponse(
+            {"ready": bool(ready), "replicas": ready}, status_code=200 if ready else 503
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text: the WiM metrics and every replica's `vllm:*` metrics."""
+        return Response(
+            await router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    return app

@@ -1,0 +1,96 @@
+"""Calls from the router to named engine replicas.
+
+`ReplicaClient` is what the router's logic needs: the live replica set, a unary call and a
+streamed call to one named replica, and `ReplicaLost` when that replica has gone. The Serve
+implementation pins each call with `PinnedReplicaRouter`; tests inject fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from pydantic import TypeAdapter
+
+from wim_service.wim.events import WiMEvent
+
+ENGINE_DEPLOYMENT = "EngineReplica"
+_EVENT: TypeAdapter[WiMEvent] = TypeAdapter(WiMEvent)
+
+
+class ReplicaLost(RuntimeError):
+    """The replica a call went to died, left, or could not be reached."""
+
+    def __init__(self, replica: str, cause: BaseException) -> None:
+        super().__init__(f"engine replica {replica} was lost: {cause!r}")
+        self.replica = replica
+
+
+class ReplicaClient(Protocol):
+    # replica -> calls this router has open on it (a leaving replica with calls is draining)
+    in_flight: dict[str, int]
+
+    async def live_replicas(self) -> frozenset[str]: ...
+
+    async def call(self, replica: str, method: str, *args: Any) -> Any: ...
+
+    def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]: ...
+
+
+class ServeReplicaClient:
+    """`ReplicaClient` over the engine deployment's Serve handle."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine  # DeploymentHandle of EngineReplica
+        self.in_flight: dict[str, int] = {}
+
+    async def live_replicas(self) -> frozenset[str]:
+        from wim_service.serving.pinning import live_replicas
+
+        replicas = live_replicas(ENGINE_DEPLOYMENT)
+        if not replicas:
+            # The pinning router learns the replica set on the handle's first call.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.engine.load.remote(), 10)
+            replicas = live_replicas(ENGINE_DEPLOYMENT)
+        return replicas
+
+    def _handle(self, replica: str, method: str, *, stream: bool = False) -> Any:
+        from wim_service.serving.pinning import target_key
+
+        return self.engine.options(
+            method_name=method, stream=stream, session_id=target_key(replica)
+        )
+
+    async def call(self, replica: str, method: str, *args: Any) -> Any:
+        self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        try:
+            return await self._handle(replica, method).remote(*args)
+        except _lost_errors() as exc:
+            raise ReplicaLost(replica, exc) from exc
+        finally:
+            self.in_flight[replica] -= 1
+
+    async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
+        self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        response = self._handle(replica, method, stream=True).remote(*args)
+        try:
+            async for item in response:
+                yield _EVENT.validate_python(item)
+        except _lost_errors() as exc:
+            raise ReplicaLost(replica, exc) from exc
+        finally:
+            # A client gone mid-stream cancels the replica's job: it closes its context.
+            response.cancel()
+            self.in_flight[replica] -= 1
+
+
+def _lost_errors() -> tuple[type[BaseException], ...]:
+    """Failures that mean "the replica is gone", not "the job is bad": the session moves."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    from wim_service.serving.pinning import ReplicaGone
+
+    return (ReplicaGone, RayActorError, ActorDiedError, ActorUnavailableError)

@@ -1,0 +1,89 @@
+"""A job's event stream turned into an HTTP answer: one JSON body, or server-sent events.
+
+The first event decides the status: an error before any output is an HTTP error; a failure
+after output has started can only be reported in the stream (an `error` event).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from wim_service.serving.api import MarginOut, WiMResponse
+from wim_service.serving.errors import HTTPFailure
+from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.events import DoneEvent, ErrorEvent, WiMEvent
+
+# (replica that produced it, event)
+Item = tuple[str, WiMEvent]
+
+
+async def first_item(items: AsyncIterator[Item]) -> Item:
+    """The job's first event; an error before it (or as it) is raised as an HTTPFailure."""
+    try:
+        first = await anext(items)
+    except WiMError as exc:
+        raise HTTPFailure(exc.code, exc.message, exc.retry_after_s) from exc
+    except StopAsyncIteration as exc:
+        raise HTTPFailure(ErrorCode.ENGINE_ERROR, "the job produced no output") from exc
+    event = first[1]
+    if isinstance(event, ErrorEvent):
+        await items.aclose()  # type: ignore[attr-defined]  # ends the job's bookkeeping now
+        raise HTTPFailure(event.code, event.message, event.retry_after_s)
+    return first
+
+
+async def with_late_errors(first: Item, items: AsyncIterator[Item]) -> AsyncIterator[Item]:
+    """The whole job again (first event included); a late failure becomes an error event."""
+    yield first
+    replica = first[0]
+    try:
+        async for replica, event in items:
+            yield replica, event
+    except WiMError as exc:
+        yield replica, ErrorEvent(code=exc.code.value, message=exc.message)
+
+
+async def json_response(items: AsyncIterator[Item], session_id: str) -> Response:
+    margins: dict[int, MarginOut] = {}
+    async for replica, event in items:
+        if event.type == "margin":
+            margins[event.segment] = MarginOut(
+                segment=event.segment, text=event.text, relevant=event.relevant
+            )
+        elif isinstance(event, ErrorEvent):
+            raise HTTPFailure(event.code, event.message, event.retry_after_s)
+        elif isinstance(event, DoneEvent):
+            body = WiMResponse(
+                answer=event.answer,
+                margins=[margins[k] for k in sorted(margins)],
+                usage=event.usage,
+                timings=event.timings,
+                session_id=session_id,
+                replica=replica,
+            )
+            return JSONResponse(body.model_dump())
+    raise HTTPFailure(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
+
+
+def sse_frame(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+async def _sse(items: AsyncIterator[Item], session_id: str) -> AsyncIterator[str]:
+    async for replica, event in items:
+        data = event.model_dump(exclude={"type"})
+        if event.type == "done":
+            data.update(session_id=session_id, replica=replica)
+        yield sse_frame(event.type, data)
+
+
+def sse_response(items: AsyncIterator[Item], session_id: str) -> StreamingResponse:
+    return StreamingResponse(
+        _sse(items, session_id),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,55 @@
+"""How much KV a job needs, computed by the router before it places the job.
+
+The router plans the document exactly as the engine replica will (same tokenizer, same
+segmentation) and asks the capacity model (`wim.capacity`) for the worst case. Tokenizing a
+long document is CPU work: it runs in a worker thread, off the ingress's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from functools import cached_property
+
+from wim_service.engine.config import EngineConfig
+from wim_service.serving.errors import HTTPFailure
+from wim_service.wim.backend import EngineLimits
+from wim_service.wim.capacity import JobShape
+from wim_service.wim.errors import WiMError
+from wim_service.wim.options import WiMOptions
+from wim_service.wim.orchestrator import check_query, plan_document
+from wim_service.wim.prompts import PromptBuilder
+from wim_service.wim.tokenizer import HFTokenizer
+
+
+class JobSizer:
+    """Worst-case KV blocks of jobs and document sessions, with the engines' tokenizer."""
+
+    def __init__(self, engine: EngineConfig) -> None:
+        self.engine = engine
+        self.limits = EngineLimits(engine.max_model_len, engine.block_size, True)
+
+    @cached_property
+    def tokenizer(self) -> HFTokenizer:
+        from wim_service.assets.default_model import default_model_dir
+
+        return HFTokenizer(self.engine.model or default_model_dir())
+
+    def _shape(self, text: str, options: WiMOptions, query: str | None) -> JobShape:
+        builder = PromptBuilder(self.tokenizer, options.prompts)
+        plan = plan_document(builder, text, options, self.limits)
+        if query is None:
+            shape = plan.shape(builder, options, None)
+            shape.check_window(self.limits.max_model_len)
+            return shape
+        return check_query(plan, builder, self.limits, query, options)
+
+    async def needed_blocks(self, text: str, options: WiMOptions, query: str | None) -> int:
+        """KV blocks of a one-shot job (`query` given) or a document session (`query=None`)."""
+        try:
+            shape = await asyncio.to_thread(self._shape, text, options, query)
+        except WiMError as exc:
+            raise HTTPFailure(exc.code, exc.message, exc.retry_after_s) from exc
+        block, window = self.limits.block_size, self.limits.max_model_len
+        if query is None:
+            return shape.session_blocks(block, window)
+        return shape.one_shot_blocks(block, window)
