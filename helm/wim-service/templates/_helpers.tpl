@@ -35,6 +35,59 @@ app.kubernetes.io/name: {{ include "wim-service.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The release's Ray pods (head and workers), for NetworkPolicy selectors. */}}
+{{- define "wim-service.rayPodSelector" -}}
+matchLabels:
+  {{- include "wim-service.selectorLabels" . | nindent 2 }}
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values: [ray-head, ray-worker]
+{{- end }}
+
+{{/* The KubeRay operator's pods, as a NetworkPolicyPeer. */}}
+{{- define "wim-service.operatorPeer" -}}
+- namespaceSelector:
+    {{- toYaml .Values.networkPolicy.kuberayOperator.namespaceSelector | nindent 4 }}
+  podSelector:
+    {{- toYaml .Values.networkPolicy.kuberayOperator.podSelector | nindent 4 }}
+{{- end }}
+
+{{/* Ray ports the chart names more than once (Ray's defaults). */}}
+{{- define "wim-service.dashboardPort" -}}8265{{- end }}
+{{- define "wim-service.rayMetricsPort" -}}8080{{- end }}
+
+{{/* The Secret with Ray's token (key auth_token). */}}
+{{- define "wim-service.rayTokenSecret" -}}
+{{- .Values.rayAuth.existingSecret | default (printf "%s-ray-token" (include "wim-service.fullname" .)) }}
+{{- end }}
+
+{{/* Where the API keys Secret is mounted; the service reads $WIM_API_KEYS_FILE. */}}
+{{- define "wim-service.keysDir" -}}/etc/wim/keys{{- end }}
+
+{{/* Refuse values that would deploy an open or inconsistent service. */}}
+{{- define "wim-service.checks" -}}
+{{- if and .Values.auth.existingSecret .Values.auth.allowOpen }}
+{{- fail "auth.existingSecret and auth.allowOpen are both set: choose API keys or an open service" }}
+{{- end }}
+{{- if not (or .Values.auth.existingSecret .Values.auth.allowOpen) }}
+{{- fail "auth.existingSecret is empty: create a Secret with the API keys file keys.json (docs/deploy.md) and set auth.existingSecret to its name, or set auth.allowOpen=true to run without keys" }}
+{{- end }}
+{{- $redis := eq .Values.store.backend "redis" }}
+{{- if and (gt (int .Values.router.replicas) 1) (not $redis) }}
+{{- fail (printf "router.replicas=%v needs store.backend=redis: with the memory store each router would hold its own document sessions" .Values.router.replicas) }}
+{{- end }}
+{{- if and $redis (not .Values.store.redis.urlSecret.name) }}
+{{- fail "store.backend=redis needs store.redis.urlSecret.name: a Secret whose key holds the Redis URL" }}
+{{- end }}
+{{- if and .Values.store.encryptionKeySecret.name (not $redis) }}
+{{- fail "store.encryptionKeySecret encrypts documents stored in Redis: it needs store.backend=redis" }}
+{{- end }}
+{{- if and .Values.gcsFaultTolerance.enabled (not .Values.gcsFaultTolerance.redisAddress) }}
+{{- fail "gcsFaultTolerance.enabled needs gcsFaultTolerance.redisAddress (host:port)" }}
+{{- end }}
+{{- end }}
+
 {{- define "wim-service.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{ include "wim-service.selectorLabels" . }}
@@ -45,13 +98,22 @@ app.kubernetes.io/part-of: wim-service
 
 {{/*
 spec.serveConfigV2: values.serve with application.deployments turned from a map keyed by
-deployment name into Serve's list of {name, ...}.
+deployment name into Serve's list of {name, ...}, WiMRouter's num_replicas from
+router.replicas and, with the Redis store, args.router.store.
 */}}
 {{- define "wim-service.serveConfig" -}}
-{{- $app := omit .Values.serve.application "deployments" }}
+{{- $app := omit (deepCopy .Values.serve.application) "deployments" }}
+{{- if eq .Values.store.backend "redis" }}
+{{- /* The URL and the key stay in the environment (Secrets), never in the config. */}}
+{{- $_ := set $app.args.router "store" (dict "backend" "redis") }}
+{{- end }}
 {{- $deployments := list }}
 {{- range $name, $options := .Values.serve.application.deployments }}
-{{- $deployments = append $deployments (merge (dict "name" $name) $options) }}
+{{- $fixed := dict "name" $name }}
+{{- if eq $name "WiMRouter" }}
+{{- $_ := set $fixed "num_replicas" (int $.Values.router.replicas) }}
+{{- end }}
+{{- $deployments = append $deployments (merge $fixed $options) }}
 {{- end }}
 {{- $_ := set $app "deployments" $deployments }}
 {{- $config := omit .Values.serve "application" }}
@@ -60,8 +122,47 @@ deployment name into Serve's list of {name, ...}.
 {{- end }}
 
 {{/*
+The service's environment on every Ray container (head and workers: Serve may place a router
+replica on either). Secrets are referenced, never copied into the manifest.
+*/}}
+{{- define "wim-service.serviceEnv" -}}
+{{- if .Values.auth.existingSecret }}
+- name: WIM_API_KEYS_FILE
+  value: {{ include "wim-service.keysDir" . }}/keys.json
+{{- else }}
+- name: WIM_ALLOW_OPEN
+  value: "1"
+{{- end }}
+{{- if eq .Values.store.backend "redis" }}
+- name: WIM_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.store.redis.urlSecret.name }}
+      key: {{ .Values.store.redis.urlSecret.key }}
+{{- with .Values.store.encryptionKeySecret }}
+{{- if .name }}
+- name: WIM_STORE_ENCRYPTION_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .name }}
+      key: {{ .key }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Writable scratch mounts under the read-only root (Ray container and autoscaler). */}}
+{{- define "wim-service.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: /home/ray
+{{- end }}
+
+{{/*
 One Ray container and its pod: head or worker. Called with
-dict "root" $ "group" <head|worker values> "name" <container name> "ports" <list>.
+dict "root" $ "group" <head|worker values> "name" <container name> "ports" <list>
+"serviceAccountToken" <bool: the autoscaler on the head calls the Kubernetes API>.
 */}}
 {{- define "wim-service.podTemplate" -}}
 {{- $root := .root }}
@@ -75,6 +176,7 @@ metadata:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 spec:
+  automountServiceAccountToken: {{ .serviceAccountToken }}
   {{- with $root.Values.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
@@ -93,6 +195,7 @@ spec:
         # Ray starts workers at nice 15 otherwise, and the engines inherit it.
         - name: RAY_worker_niceness
           value: "0"
+        {{- include "wim-service.serviceEnv" $root | trim | nindent 8 }}
         {{- with $root.Values.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -107,11 +210,34 @@ spec:
       volumeMounts:
         - name: dshm
           mountPath: /dev/shm
+        {{- include "wim-service.scratchMounts" $root | nindent 8 }}
+        {{- if $root.Values.auth.existingSecret }}
+        - name: api-keys
+          mountPath: {{ include "wim-service.keysDir" $root }}
+          readOnly: true
+        {{- end }}
   volumes:
+    # Ray's object store and vLLM's shared-memory queues.
     - name: dshm
       emptyDir:
         medium: Memory
         sizeLimit: {{ $group.shmSize }}
+    - name: tmp
+      emptyDir:
+        sizeLimit: {{ $root.Values.scratch.tmpSize }}
+    - name: home
+      emptyDir:
+        sizeLimit: {{ $root.Values.scratch.homeSize }}
+    {{- with $root.Values.auth.existingSecret }}
+    - name: api-keys
+      secret:
+        secretName: {{ . }}
+        items:
+          - key: keys.json
+            path: keys.json
+        # Readable by the pod's group (fsGroup) only.
+        defaultMode: 0440
+    {{- end }}
   {{- with $group.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
