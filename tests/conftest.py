@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.redis_server import RedisServer, redis_binary
 from wim_service.assets.default_model import default_model_dir
 from wim_service.engine.config import EngineConfig
 from wim_service.wim.tokenizer import HFTokenizer
@@ -51,3 +52,12 @@ def engine() -> Iterator:
     backend = VLLMBackend.start(TEST_ENGINE)
     yield backend
     backend.shutdown()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real redis-server (loopback, no persistence) for the session; tests keep apart by
+    key prefix. Skips without the binary, fails in CI (`tests/redis_server.py`)."""
+    server = RedisServer(redis_binary(), tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()

@@ -47,10 +47,16 @@ class RouterConfig(BaseModel):
     load_poll_interval_s: float = Field(2.0, gt=0)
     # How long a request waits for a live engine replica (e.g. while a replacement starts).
     replica_wait_s: float = Field(120.0, ge=0)
+    # A replica closes a document session that no router has claimed for this long (routers
+    # claim theirs every load poll): what a router that is gone leaves behind is reclaimed.
+    orphan_timeout_s: float = Field(60.0, gt=0)
     # Retries on another replica after the pinned one fails mid-request.
     max_failovers: int = Field(2, ge=0, le=10)
     # Retry-After sent with 429/503.
     retry_after_s: int = Field(5, ge=1)
+    # OpenAI-API prompts (chat template included) with fewer tokens than this are answered by
+    # one plain engine request; longer ones with a document run WiM (docs/openai.md).
+    plain_prompt_tokens: int = Field(1024, ge=0)
     # Where document sessions (text, options, binding, expiry) live.
     store: StoreConfig = Field(default_factory=StoreConfig)
 

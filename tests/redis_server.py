@@ -1,0 +1,97 @@
+"""A real `redis-server` for tests: loopback, a free port, no persistence, stopped after use.
+
+The binary comes from the Debian package `redis-server` (scripts/bootstrap.sh installs it as
+root). Without it the Redis tests skip on a developer machine and fail in CI
+(`WIM_INSTALL_SYSTEM_TOOLS=1` or `CI` set): CI must not pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+INSTALL_HINT = "apt-get install redis-server (scripts/bootstrap.sh does it as root)"
+
+
+def redis_binary() -> str:
+    path = shutil.which("redis-server")
+    if path is None:
+        message = f"redis-server is not installed: {INSTALL_HINT}"
+        if os.environ.get("WIM_INSTALL_SYSTEM_TOOLS") == "1" or os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        """A plain synchronous client, to look at raw keys."""
+        return redis.Redis.from_url(self.url, socket_timeout=5)
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        """Start on this server's port (again, after `stop`) and wait until it answers PING."""
+        self.process = subprocess.Popen(
+            [
+                self.binary,
+                *("--port", str(self.port), "--bind", "127.0.0.1"),
+                *("--save", "", "--appendonly", "no", "--dir", str(self.workdir)),
+                *("--daemonize", "no", "--loglevel", "warning"),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout_s
+        with self.client() as client:
+            while True:
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(f"redis-server did not start on {self.url}") from None
+                    time.sleep(0.05)
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): it accepts connections but never answers."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.send_signal(signal.SIGCONT)  # a paused server cannot handle SIGTERM
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None

@@ -1,0 +1,318 @@
+"""The session store's contract, on both backends: in-process and a real redis-server.
+
+Each Redis test gets its own key prefix on the session's server; the outage tests start their
+own server so that stopping it disturbs nobody else. "Two routers" are two store instances
+(for Redis, two clients) over the same sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from cryptography.exceptions import InvalidTag
+
+from tests.redis_server import RedisServer, redis_binary
+from wim_service.serving.config import StoreConfig
+from wim_service.serving.store import (
+    MemorySessionStore,
+    SessionExists,
+    SessionStore,
+    StoredSession,
+    StoreUnavailable,
+    make_store,
+)
+from wim_service.serving.store.cipher import ENCRYPTION_KEY_ENV, DocumentCipher
+from wim_service.serving.store.redis_store import REDIS_URL_ENV, RedisSessionStore, connect
+from wim_service.wim.options import WiMOptions
+
+TEXT = "The night gate code is 4417. Ask Marta at the harbour office. " * 50
+OPTIONS = WiMOptions(segment_tokens=256, answer_max_tokens=32)
+ROUNDS = 50
+
+
+def session(ttl_s: float = 60.0, replica: str | None = None, **fields: object) -> StoredSession:
+    return StoredSession(
+        session_id="doc-" + secrets.token_hex(8),
+        options=OPTIONS,
+        ttl_s=ttl_s,
+        tenant="acme",
+        replica=replica,
+        context_tokens=812,
+        segments=4,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def redis_config(**fields: object) -> StoreConfig:
+    prefix = f"test-{secrets.token_hex(4)}:"
+    return StoreConfig(backend="redis", key_prefix=prefix, **fields)  # type: ignore[arg-type]
+
+
+# Short enough for expiry tests that wait it out.
+CONFIG = {"expiry_grace_s": 0.3, "tombstone_ttl_s": 30.0, "timeout_s": 0.5}
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def routers(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[SessionStore, SessionStore]]:
+    """Two routers' views of one store."""
+    if request.param == "memory":
+        store = MemorySessionStore(tombstone_ttl_s=CONFIG["tombstone_ttl_s"])
+        yield store, store
+        return
+    server: RedisServer = request.getfixturevalue("redis_server")
+    config = redis_config(**CONFIG)
+    a, b = (RedisSessionStore(connect(server.url, config), config) for _ in range(2))
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+@pytest.fixture
+def store(routers: tuple[SessionStore, SessionStore]) -> SessionStore:
+    return routers[0]
+
+
+# -- the contract, on both backends -------------------------------------------------------
+
+
+async def test_create_get_text_and_a_second_create_fails(store: SessionStore) -> None:
+    new = session(replica="r1")
+    before = time.time()
+    created = await store.create(new, TEXT)
+    assert before + 59 < created.expires_at < time.time() + 61
+    got = await store.get(new.session_id)
+    assert got == created
+    assert got.options == OPTIONS and got.tenant == "acme" and got.replica == "r1"
+    assert (got.context_tokens, got.segments, got.ttl_s) == (812, 4, 60.0)
+    assert await store.text(new.session_id) == TEXT
+    with pytest.raises(SessionExists):
+        await store.create(new, "another text")
+    assert await store.text(new.session_id) == TEXT
+    unknown = "doc-unknown-" + secrets.token_hex(4)
+    assert await store.get(unknown) is None and await store.text(unknown) is None
+    assert await store.touch(unknown) is None and not await store.rebind(unknown, None, "r1")
+
+
+async def test_a_session_expires_unless_touched(store: SessionStore) -> None:
+    new = session(ttl_s=0.6)
+    await store.create(new, TEXT)
+    await asyncio.sleep(0.4)
+    renewed = await store.touch(new.session_id)
+    assert renewed is not None and renewed > time.time() + 0.5
+    await asyncio.sleep(0.4)  # 0.8 s after creation, 0.4 s after the touch: still live
+    live = await store.get(new.session_id)
+    assert live is not None and live.expires_at == pytest.approx(renewed, abs=0.01)
+    await asyncio.sleep(0.5)
+    assert await store.get(new.session_id) is None
+    assert await store.text(new.session_id) is None
+    assert await store.touch(new.session_id) is None
+    assert not await store.rebind(new.session_id, None, "r1")
+
+
+async def test_sweep_hands_each_expired_session_to_one_router(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    a, b = routers
+    ended = [session(ttl_s=0.2, replica=f"r{i}") for i in range(3)]
+    kept = session(ttl_s=60)
+    for new in [*ended, kept]:
+        await a.create(new, TEXT)
+    await asyncio.sleep(0.4)
+    swept_a, swept_b = await asyncio.gather(a.sweep(), b.sweep())
+    swept = swept_a + swept_b
+    assert sorted(s.session_id for s in swept) == sorted(s.session_id for s in ended)
+    assert {s.replica for s in swept} == {"r0", "r1", "r2"}  # to close their KV there
+    assert await a.sweep() == [] and await b.sweep() == []
+    assert await b.get(kept.session_id) is not None
+
+
+async def test_delete_ends_the_session_for_every_router_and_leaves_a_tombstone(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    a, b = routers
+    new = session(replica="r1")
+    await a.create(new, TEXT)
+    deleted = await a.delete(new.session_id)
+    assert deleted is not None and deleted.replica == "r1"
+    assert await b.get(new.session_id) is None and await b.text(new.session_id) is None
+    # Nothing brings it back: neither a router that still holds the old binding, nor a
+    # re-create under the same id.
+    assert not await b.rebind(new.session_id, "r1", "r2")
+    assert not await b.rebind(new.session_id, None, "r2")
+    with pytest.raises(SessionExists):
+        await b.create(new, TEXT)
+    assert await b.get(new.session_id) is None
+    assert await b.delete(new.session_id) is None
+
+
+async def test_delete_racing_rebind_and_create_never_resurrects(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    a, b = routers
+    for _ in range(ROUNDS):
+        new = session(replica="r1")
+        await a.create(new, TEXT)
+        results = await asyncio.gather(
+            b.rebind(new.session_id, "r1", "r2"),
+            a.delete(new.session_id),
+            b.create(new, TEXT),
+            return_exceptions=True,
+        )
+        assert isinstance(results[2], SessionExists)
+        assert await a.get(new.session_id) is None and await b.get(new.session_id) is None
+        assert await b.text(new.session_id) is None
+
+
+async def test_of_two_concurrent_rebinds_exactly_one_wins(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    a, b = routers
+    for _ in range(ROUNDS):
+        new = session(replica="old")
+        await a.create(new, TEXT)
+        won_a, won_b = await asyncio.gather(
+            a.rebind(new.session_id, "old", "ra"), b.rebind(new.session_id, "old", "rb")
+        )
+        assert won_a != won_b
+        bound = await a.get(new.session_id)
+        assert bound is not None and bound.replica == ("ra" if won_a else "rb")
+    # Unbinding and binding an unbound session are compare-and-sets too.
+    assert await a.rebind(new.session_id, bound.replica, None)
+    assert (await b.get(new.session_id)).replica is None  # type: ignore[union-attr]
+    assert not await b.rebind(new.session_id, "old", "rb")
+    assert await b.rebind(new.session_id, None, "rb")
+
+
+# -- Redis only --------------------------------------------------------------------------
+
+
+async def test_redis_drops_the_keys_by_ttl_and_delete_removes_the_document(
+    redis_server: RedisServer,
+) -> None:
+    config = redis_config(**CONFIG)
+    store = RedisSessionStore(connect(redis_server.url, config), config)
+    raw = redis_server.client()
+    try:
+        expiring, deleted = session(ttl_s=0.2), session()
+        for new in (expiring, deleted):
+            await store.create(new, TEXT)
+        assert set(raw.keys(config.key_prefix + "*")) == {
+            f"{config.key_prefix}{{{s.session_id}}}:{k}".encode()
+            for s in (expiring, deleted)
+            for k in "sd"
+        } | {f"{config.key_prefix}expiry".encode()}
+        assert 0 < raw.pttl(f"{config.key_prefix}{{{expiring.session_id}}}:d") <= 500
+        await store.delete(deleted.session_id)
+        assert raw.keys(f"{config.key_prefix}{{{deleted.session_id}}}:*") == [
+            f"{config.key_prefix}{{{deleted.session_id}}}:t".encode()
+        ]
+        assert 0 < raw.pttl(f"{config.key_prefix}{{{deleted.session_id}}}:t") <= 30_000
+        # Expiry (0.2 s) plus grace (0.3 s): Redis itself drops the session, swept or not.
+        await asyncio.sleep(0.7)
+        assert raw.keys(f"{config.key_prefix}{{{expiring.session_id}}}:*") == []
+        assert await store.sweep() == []  # Redis dropped it first: nothing left to close
+        assert raw.zcard(f"{config.key_prefix}expiry") == 0
+    finally:
+        raw.close()
+        await store.close()
+
+
+async def test_redis_stores_documents_encrypted(redis_server: RedisServer) -> None:
+    config = redis_config()
+    key = os.urandom(32)
+    store = RedisSessionStore(connect(redis_server.url, config), config, DocumentCipher(key))
+    raw = redis_server.client()
+    try:
+        one, two = session(), session()
+        for new in (one, two):
+            await store.create(new, TEXT)
+        sealed = [raw.get(f"{config.key_prefix}{{{s.session_id}}}:d") for s in (one, two)]
+        for value in sealed:
+            assert b"4417" not in value and b"Marta" not in value and b"night gate" not in value
+        assert sealed[0] != sealed[1]  # a fresh nonce per write
+        assert await store.text(one.session_id) == TEXT
+        # Bound to its session: moved under another session's key it does not decrypt.
+        raw.set(f"{config.key_prefix}{{{two.session_id}}}:d", sealed[0])
+        with pytest.raises(InvalidTag):
+            await store.text(two.session_id)
+        # Read without the key (or with another): refused, never garbage.
+        for cipher in (DocumentCipher(None), DocumentCipher(os.urandom(32))):
+            other = RedisSessionStore(connect(redis_server.url, config), config, cipher)
+            with pytest.raises((ValueError, InvalidTag)):
+                await other.text(one.session_id)
+            await other.close()
+    finally:
+        raw.close()
+        await store.close()
+
+
+async def test_redis_outage_raises_store_unavailable_and_recovers(tmp_path: Path) -> None:
+    server = RedisServer(redis_binary(), tmp_path).start()
+    config = redis_config(timeout_s=0.5, connect_timeout_s=0.5)
+    store = RedisSessionStore(connect(server.url, config), config)
+    try:
+        new = session()
+        await store.create(new, TEXT)
+        assert await store.get(new.session_id) is not None
+        server.stop()
+        calls: list[Callable[[], object]] = [
+            lambda: store.create(session(), TEXT),
+            lambda: store.get(new.session_id),
+            lambda: store.text(new.session_id),
+            lambda: store.touch(new.session_id),
+            lambda: store.rebind(new.session_id, None, "r1"),
+            lambda: store.delete(new.session_id),
+            store.sweep,
+        ]
+        for call in calls:
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                await call()  # type: ignore[misc]
+            assert time.monotonic() - started < 1.0  # refused: fails fast (0.1 s measured)
+        # A Redis that accepts connections but never answers is unavailable too.
+        server.start()
+        assert await store.create(new, TEXT)  # persistence is off: the restart lost it
+        server.pause()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.get(new.session_id)
+        assert time.monotonic() - started < 2.0  # two reads of 0.5 s (1.1 s measured)
+        server.resume()
+        again = session()
+        await store.create(again, TEXT)
+        assert (await store.get(again.session_id)) is not None
+        assert await store.text(again.session_id) == TEXT
+    finally:
+        server.stop()
+        await store.close()
+
+
+# -- configuration ------------------------------------------------------------------------
+
+
+def test_make_store_picks_the_backend_and_takes_secrets_only_from_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert isinstance(make_store(StoreConfig()), MemorySessionStore)
+    monkeypatch.delenv(REDIS_URL_ENV, raising=False)
+    with pytest.raises(ValueError, match=REDIS_URL_ENV):
+        make_store(StoreConfig(backend="redis"))
+    with pytest.raises(ValueError, match="extra"):
+        StoreConfig.model_validate({"backend": "redis", "url": "redis://127.0.0.1:6379/0"})
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://127.0.0.1:1/0")
+    monkeypatch.setenv(ENCRYPTION_KEY_ENV, base64.b64encode(b"k" * 32).decode())
+    store = make_store(StoreConfig(backend="redis"))
+    assert isinstance(store, RedisSessionStore)
+    assert b"secret" not in store.cipher.seal("doc-1", "secret")
+    monkeypatch.setenv(ENCRYPTION_KEY_ENV, base64.b64encode(b"short").decode())
+    with pytest.raises(ValueError, match="32 bytes"):
+        make_store(StoreConfig(backend="redis"))

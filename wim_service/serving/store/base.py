@@ -1,0 +1,87 @@
+"""The session store's interface: what every backend keeps per document session and promises.
+
+Promises of every backend (tests/test_session_store.py checks them on each):
+
+* `create` is atomic and fails if the id exists or was deleted within the tombstone time.
+* `get`, `text`, `touch` and `rebind` see nothing of an unknown, expired or deleted session.
+* `touch` renews the expiry (the session's `ttl_s` from now).
+* `rebind` is a compare-and-set: of two routers that both saw the same binding, one wins, so
+  a session is never bound to two replicas.
+* `delete` ends the session at once for every router and leaves a tombstone, so that no
+  racing `create` or `rebind` brings it back.
+* `sweep` hands each expired session to exactly one caller (to close its KV), then forgets it.
+* The document text is removed with the session.
+* A backend that cannot be reached raises `StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from wim_service.wim.options import WiMOptions
+
+
+class StoreUnavailable(RuntimeError):
+    """The store cannot be reached now (Redis down or too slow): retry later (HTTP 503)."""
+
+
+class SessionExists(RuntimeError):
+    """`create` of an id that is in use or was deleted recently."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} exists or was deleted recently")
+        self.session_id = session_id
+
+
+@dataclass(frozen=True)
+class StoredSession:
+    """A document session as stored, without its text (`SessionStore.text`)."""
+
+    session_id: str
+    options: WiMOptions
+    ttl_s: float
+    tenant: str = ""
+    # The engine replica holding the session's KV; None while it is bound nowhere.
+    replica: str | None = None
+    context_tokens: int = 0
+    segments: int = 0
+    # Unix seconds; set by the store on `create` and `touch` (its own clock).
+    expires_at: float = 0.0
+
+
+class SessionStore(Protocol):
+    async def create(self, session: StoredSession, text: str) -> StoredSession:
+        """Store a new session and its text; it expires `ttl_s` from now. Returns it with
+        `expires_at` set; raises `SessionExists` if the id is taken or was deleted recently."""
+        ...
+
+    async def get(self, session_id: str) -> StoredSession | None:
+        """The live session, or None if unknown, expired or deleted."""
+        ...
+
+    async def text(self, session_id: str) -> str | None:
+        """The live session's document text (decrypted), or None."""
+        ...
+
+    async def touch(self, session_id: str) -> float | None:
+        """Renew the session's expiry; its new `expires_at`, or None if it is not live."""
+        ...
+
+    async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
+        """Bind the live session to `new` if it is bound to `expected` now; False otherwise
+        (another router moved it first, or it ended)."""
+        ...
+
+    async def delete(self, session_id: str) -> StoredSession | None:
+        """End the session and leave a tombstone. Returns it as it was (one that expired but
+        was not swept yet included), or None if there was nothing to delete."""
+        ...
+
+    async def sweep(self) -> list[StoredSession]:
+        """Remove expired sessions and return them, each to exactly one caller."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...

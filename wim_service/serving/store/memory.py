@@ -1,0 +1,77 @@
+"""`MemorySessionStore`: the sessions in this process, for a single router (the default).
+
+Every method runs without awaiting anything, so on the router's event loop each one is atomic.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from wim_service.serving.store.base import SessionExists, StoredSession
+
+
+@dataclass
+class _Entry:
+    session: StoredSession
+    text: str
+
+
+class MemorySessionStore:
+    def __init__(self, tombstone_ttl_s: float = 600.0) -> None:
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self._entries: dict[str, _Entry] = {}
+        self._tombstones: dict[str, float] = {}  # session id -> until (unix seconds)
+
+    def _live(self, session_id: str) -> _Entry | None:
+        entry = self._entries.get(session_id)
+        if entry is None or entry.session.expires_at <= time.time():
+            return None
+        return entry
+
+    async def create(self, session: StoredSession, text: str) -> StoredSession:
+        now = time.time()
+        sid = session.session_id
+        if sid in self._entries or self._tombstones.get(sid, 0.0) > now:
+            raise SessionExists(sid)
+        stored = replace(session, expires_at=now + session.ttl_s)
+        self._entries[sid] = _Entry(stored, text)
+        return stored
+
+    async def get(self, session_id: str) -> StoredSession | None:
+        entry = self._live(session_id)
+        return entry.session if entry else None
+
+    async def text(self, session_id: str) -> str | None:
+        entry = self._live(session_id)
+        return entry.text if entry else None
+
+    async def touch(self, session_id: str) -> float | None:
+        entry = self._live(session_id)
+        if entry is None:
+            return None
+        entry.session = replace(entry.session, expires_at=time.time() + entry.session.ttl_s)
+        return entry.session.expires_at
+
+    async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
+        entry = self._live(session_id)
+        if entry is None or entry.session.replica != expected:
+            return False
+        entry.session = replace(entry.session, replica=new)
+        return True
+
+    async def delete(self, session_id: str) -> StoredSession | None:
+        entry = self._entries.pop(session_id, None)
+        self._tombstones[session_id] = time.time() + self.tombstone_ttl_s
+        return entry.session if entry else None
+
+    async def sweep(self) -> list[StoredSession]:
+        now = time.time()
+        self._tombstones = {s: until for s, until in self._tombstones.items() if until > now}
+        ended = [e.session for e in self._entries.values() if e.session.expires_at <= now]
+        for session in ended:
+            del self._entries[session.session_id]
+        return ended
+
+    async def close(self) -> None:
+        """Nothing to release: the sessions live as long as this process."""

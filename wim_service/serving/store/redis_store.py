@@ -1,0 +1,269 @@
+"""`RedisSessionStore`: document sessions in Redis, shared by every router replica.
+
+Per session (prefix `P`, default `wim:`):
+
+* `P{id}:s`, a hash: options (JSON), tenant, replica ("" = unbound), context_tokens, segments,
+  ttl_ms, expires_ms;
+* `P{id}:d`, the document text (`DocumentCipher`: AES-GCM when a key is set);
+* `P{id}:t`, a tombstone left by `delete`, for `tombstone_ttl_s`;
+* `Pexpiry`, a sorted set of session ids by expiry, for `sweep`.
+
+Every read-check-write is one Lua script, so it is atomic against every other router, and
+every expiry is judged by Redis' own clock (`TIME`), so routers with skewed clocks agree. A
+session is expired at `expires_ms`; Redis drops its keys by TTL `expiry_grace_s` later, which
+leaves a router time to `sweep` it and close its KV on the bound replica. The `{id}` hash tag
+keeps one session's keys in one slot; the expiry index is one key, so use one Redis (with a
+replica/Sentinel for failover), not a Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+from redis import exceptions as redis_errors
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from wim_service.serving.config import StoreConfig
+from wim_service.serving.store.base import SessionExists, StoredSession, StoreUnavailable
+from wim_service.serving.store.cipher import DocumentCipher
+from wim_service.wim.options import WiMOptions
+
+REDIS_URL_ENV = "WIM_REDIS_URL"
+
+# Redis' clock in milliseconds; a session is live while expires_ms is ahead of it.
+_PRELUDE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function live(key)
+  local e = redis.call('HGET', key, 'expires_ms')
+  return e and tonumber(e) > now
+end
+"""
+
+# KEYS: session, text, tombstone, expiry index. ARGV: id, text, ttl_ms, grace_ms, then the
+# hash's field/value pairs. Returns expires_ms, or 0 if the id is taken or tombstoned.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1], KEYS[3]) > 0 then return 0 end
+local ttl = tonumber(ARGV[3])
+local expires = now + ttl
+redis.call('HSET', KEYS[1], 'ttl_ms', ttl, 'expires_ms', expires, unpack(ARGV, 5))
+redis.call('PEXPIRE', KEYS[1], ttl + ARGV[4])
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ttl + ARGV[4])
+redis.call('ZADD', KEYS[4], expires, ARGV[1])
+return expires
+"""
+
+# KEYS: session. Returns the hash as a flat list, or nil.
+_GET = """
+if not live(KEYS[1]) then return false end
+return redis.call('HGETALL', KEYS[1])
+"""
+
+# KEYS: session, text. Returns the stored text, or nil.
+_TEXT = """
+if not live(KEYS[1]) then return false end
+return redis.call('GET', KEYS[2])
+"""
+
+# KEYS: session, text, expiry index. ARGV: id, grace_ms. Returns the new expires_ms, or nil.
+_TOUCH = """
+if not live(KEYS[1]) then return false end
+local ttl = tonumber(redis.call('HGET', KEYS[1], 'ttl_ms'))
+local expires = now + ttl
+redis.call('HSET', KEYS[1], 'expires_ms', expires)
+redis.call('PEXPIRE', KEYS[1], ttl + ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ttl + ARGV[2])
+redis.call('ZADD', KEYS[3], expires, ARGV[1])
+return expires
+"""
+
+# KEYS: session. ARGV: expected replica, new replica ("" = none). Returns 1 if it was swapped.
+_REBIND = """
+if not live(KEYS[1]) then return 0 end
+if redis.call('HGET', KEYS[1], 'replica') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'replica', ARGV[2])
+return 1
+"""
+
+# KEYS: session, text, tombstone, expiry index. ARGV: id, tombstone_ms. Returns the hash as
+# it was (empty if there was none).
+_DELETE = """
+local fields = redis.call('HGETALL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
+return fields
+"""
+
+# KEYS: expiry index. ARGV: how many. Ids whose expiry has passed.
+_EXPIRED = """
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, ARGV[1])
+"""
+
+# KEYS: session, text, expiry index. ARGV: id. Claims an expired session for one sweeper:
+# returns its hash (empty if Redis already dropped it), or nil if another router claimed it
+# first or it was renewed meanwhile.
+_CLAIM = """
+if not redis.call('ZSCORE', KEYS[3], ARGV[1]) or live(KEYS[1]) then return false end
+local fields = redis.call('HGETALL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return fields
+"""
+
+# Sessions a sweep takes at most (the next sweep takes the rest).
+SWEEP_BATCH = 100
+
+
+class RedisSessionStore:
+    def __init__(
+        self, client: Redis, config: StoreConfig, cipher: DocumentCipher | None = None
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.cipher = cipher or DocumentCipher(None)
+        self._grace_ms = round(config.expiry_grace_s * 1000)
+        self._scripts = {
+            name: client.register_script(_PRELUDE + body)
+            for name, body in {
+                "create": _CREATE,
+                "get": _GET,
+                "text": _TEXT,
+                "touch": _TOUCH,
+                "rebind": _REBIND,
+                "delete": _DELETE,
+                "expired": _EXPIRED,
+                "claim": _CLAIM,
+            }.items()
+        }
+
+    @classmethod
+    def from_env(cls, config: StoreConfig) -> RedisSessionStore:
+        """Connect to `WIM_REDIS_URL`; encrypt documents with `WIM_STORE_ENCRYPTION_KEY` if set."""
+        url = os.environ.get(REDIS_URL_ENV, "").strip()
+        if not url:
+            raise ValueError(f"the redis session store needs the Redis URL in env {REDIS_URL_ENV}")
+        return cls(connect(url, config), config, DocumentCipher.from_env())
+
+    # -- keys ------------------------------------------------------------------------------
+
+    def _key(self, session_id: str, kind: str) -> str:
+        return f"{self.config.key_prefix}{{{session_id}}}:{kind}"
+
+    @property
+    def _index(self) -> str:
+        return f"{self.config.key_prefix}expiry"
+
+    async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self._scripts[script](keys=keys, args=args)
+        except (
+            redis_errors.ConnectionError,  # refused, reset, still loading
+            redis_errors.TimeoutError,
+            redis_errors.ReadOnlyError,  # a replica that has not been promoted yet
+            OSError,
+        ) as exc:
+            raise StoreUnavailable(f"the session store (Redis) is unavailable: {exc}") from exc
+
+    # -- SessionStore ----------------------------------------------------------------------
+
+    async def create(self, session: StoredSession, text: str) -> StoredSession:
+        sid = session.session_id
+        fields = {
+            "options": session.options.model_dump_json(),
+            "tenant": session.tenant,
+            "replica": session.replica or "",
+            "context_tokens": session.context_tokens,
+            "segments": session.segments,
+        }
+        expires_ms = await self._run(
+            "create",
+            [self._key(sid, "s"), self._key(sid, "d"), self._key(sid, "t"), self._index],
+            [
+                sid,
+                self.cipher.seal(sid, text),
+                round(session.ttl_s * 1000),
+                self._grace_ms,
+                *(item for pair in fields.items() for item in pair),
+            ],
+        )
+        if not expires_ms:
+            raise SessionExists(sid)
+        return replace(session, expires_at=expires_ms / 1000)
+
+    async def get(self, session_id: str) -> StoredSession | None:
+        flat = await self._run("get", [self._key(session_id, "s")], [])
+        return _session(session_id, _fields(flat)) if flat else None
+
+    async def text(self, session_id: str) -> str | None:
+        value = await self._run(
+            "text", [self._key(session_id, "s"), self._key(session_id, "d")], []
+        )
+        return self.cipher.open(session_id, value) if value is not None else None
+
+    async def touch(self, session_id: str) -> float | None:
+        expires_ms = await self._run(
+            "touch",
+            [self._key(session_id, "s"), self._key(session_id, "d"), self._index],
+            [session_id, self._grace_ms],
+        )
+        return expires_ms / 1000 if expires_ms is not None else None
+
+    async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
+        swapped = await self._run(
+            "rebind", [self._key(session_id, "s")], [expected or "", new or ""]
+        )
+        return bool(swapped)
+
+    async def delete(self, session_id: str) -> StoredSession | None:
+        keys = [self._key(session_id, k) for k in ("s", "d", "t")] + [self._index]
+        tombstone_ms = round(self.config.tombstone_ttl_s * 1000)
+        flat = await self._run("delete", keys, [session_id, tombstone_ms])
+        return _session(session_id, _fields(flat)) if flat else None
+
+    async def sweep(self) -> list[StoredSession]:
+        ended = []
+        for raw in await self._run("expired", [self._index], [SWEEP_BATCH]):
+            sid = raw.decode()
+            flat = await self._run(
+                "claim", [self._key(sid, "s"), self._key(sid, "d"), self._index], [sid]
+            )
+            if flat:  # claimed by us, and Redis had not dropped it yet
+                ended.append(_session(sid, _fields(flat)))
+        return ended
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def connect(url: str, config: StoreConfig) -> Redis:
+    """A client that fails fast: one quick retry (a connection reset in passing), then
+    `StoreUnavailable`, rather than redis-py's default of three retries backing off for
+    seconds while the request waits on a dead Redis."""
+    return Redis.from_url(
+        url,
+        socket_connect_timeout=config.connect_timeout_s,
+        socket_timeout=config.timeout_s,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1),
+    )
+
+
+def _fields(flat: list[bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2], strict=True)}
+
+
+def _session(session_id: str, fields: dict[str, Any]) -> StoredSession:
+    return StoredSession(
+        session_id=session_id,
+        options=WiMOptions.model_validate_json(fields["options"]),
+        ttl_s=float(fields["ttl_ms"]) / 1000,
+        tenant=fields["tenant"],
+        replica=fields["replica"] or None,
+        context_tokens=int(fields["context_tokens"]),
+        segments=int(fields["segments"]),
+        expires_at=float(fields["expires_ms"]) / 1000,
+    )
