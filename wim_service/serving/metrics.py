@@ -1,4 +1,4 @@
-"""The service's Prometheus metrics (DESIGN §5 names). vLLM's own `vllm:*` metrics are
+"""The service's Prometheus metrics (see docs/serving.md). vLLM's own `vllm:*` metrics are
 re-exported beside them from every engine replica, with a `replica` label."""
 
 from __future__ import annotations
