@@ -748,6 +748,11 @@ def test_several_routers_need_the_redis_store() -> None:
     app = the_app(serve_config(rayservice(render(VALUE_SETS["two-routers"]))))
     assert deployments(app)["WiMRouter"]["num_replicas"] == 2
     assert app["args"]["router"]["store"] == {"backend": "redis"}
+    # StoreConfig's other options pass through; the backend is always store.backend.
+    options = {"serve": {"application": {"args": {"router": {"store": {"key_prefix": "a:"}}}}}}
+    app = the_app(serve_config(rayservice(render(merged(VALUE_SETS["two-routers"], options)))))
+    assert app["args"]["router"]["store"] == {"backend": "redis", "key_prefix": "a:"}
+    RouterConfig.model_validate(app["args"]["router"])
 
 
 def test_redis_url_and_encryption_key_come_from_secrets() -> None:
@@ -799,6 +804,7 @@ def check_serve_config(config: dict[str, Any], routers: int = 1) -> None:
     # A replica leaving on scale-down lets a whole running job finish (minutes on CPU).
     assert options["EngineReplica"]["graceful_shutdown_timeout_s"] >= 120
     EngineConfig.model_validate(app["args"]["engine"])
+    RouterConfig.model_validate(app["args"]["router"])
     # Several routers share document sessions only through Redis; the URL is never in a config.
     store = app["args"]["router"].get("store", {"backend": "memory"})
     assert store == ({"backend": "redis"} if routers > 1 else {"backend": "memory"})
@@ -853,22 +859,7 @@ def test_chart_and_local_config_describe_the_same_application(
     assert shape(the_app(chart_config)) == shape(the_app(local_config(path)))
 
 
-@pytest.mark.parametrize(
-    "source",
-    [
-        "chart",
-        "local",
-        pytest.param(
-            "two-routers",
-            # Strict: passes, and so fails as an xfail, once RouterConfig has `store`.
-            marks=pytest.mark.xfail(
-                "store" not in RouterConfig.model_fields,
-                reason="RouterConfig has no `store` argument yet (Serving layer v2, item 6)",
-                strict=True,
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("source", ["chart", "local", "two-routers"])
 def test_the_app_builds_with_the_configs_arguments(source: str) -> None:
     """build_app accepts the configs' args and names the deployments they configure."""
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary

@@ -99,13 +99,16 @@ app.kubernetes.io/part-of: wim-service
 {{/*
 spec.serveConfigV2: values.serve with application.deployments turned from a map keyed by
 deployment name into Serve's list of {name, ...}, WiMRouter's num_replicas from
-router.replicas and, with the Redis store, args.router.store.
+router.replicas and args.router.store.backend from store.backend.
 */}}
 {{- define "wim-service.serveConfig" -}}
 {{- $app := omit (deepCopy .Values.serve.application) "deployments" }}
-{{- if eq .Values.store.backend "redis" }}
-{{- /* The URL and the key stay in the environment (Secrets), never in the config. */}}
-{{- $_ := set $app.args.router "store" (dict "backend" "redis") }}
+{{- /* store.backend picks the backend; args.router.store may add StoreConfig options. The URL
+       and the encryption key stay in the environment (Secrets), never in the config. */}}
+{{- $store := $app.args.router.store | default dict }}
+{{- if or $store (eq .Values.store.backend "redis") }}
+{{- $_ := set $store "backend" .Values.store.backend }}
+{{- $_ := set $app.args.router "store" $store }}
 {{- end }}
 {{- $deployments := list }}
 {{- range $name, $options := .Values.serve.application.deployments }}
