@@ -3,7 +3,8 @@
 # Extra arguments go to pytest, e.g. ./test.sh -k segmentation
 set -euo pipefail
 cd "$(dirname "$0")"
-scripts/bootstrap.sh
+# The suite's system tools too (promtool, when run as root); WIM_INSTALL_SYSTEM_TOOLS=0 skips.
+WIM_INSTALL_SYSTEM_TOOLS="${WIM_INSTALL_SYSTEM_TOOLS:-1}" scripts/bootstrap.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 status=0

@@ -36,14 +36,23 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-# Optional system tools, only as root and only when asked (WIM_INSTALL_SYSTEM_TOOLS=1):
-# promtool (Debian package prometheus) for tests/test_deploy_observability.py, which skips
-# its promtool checks without it.
-if [ "${WIM_INSTALL_SYSTEM_TOOLS:-0}" = 1 ] && [ "$(id -u)" = 0 ] \
-  && ! command -v promtool >/dev/null 2>&1; then
-  echo "bootstrap: installing promtool (Debian package prometheus)" >&2
-  apt-get update -q >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >&2
+# System tools of the test suite, when asked (WIM_INSTALL_SYSTEM_TOOLS=1: ./test.sh asks by
+# default, ./run.sh does not): promtool (Debian package prometheus) for
+# tests/test_deploy_observability.py, redis-server for the Redis session store's tests. Only
+# root can install them; without them those tests skip, except in CI (CI=true), where they fail.
+if [ "${WIM_INSTALL_SYSTEM_TOOLS:-0}" = 1 ]; then
+  missing=()
+  command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+  command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+  if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ]; then
+    echo "bootstrap: installing ${missing[*]} (Debian packages)" >&2
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q --no-install-recommends "${missing[@]}"; } >&2 \
+      || echo "bootstrap: could not install ${missing[*]}; their tests will not pass" >&2
+  elif [ "${#missing[@]}" -gt 0 ]; then
+    echo "bootstrap: ${missing[*]} missing and only root can install them" \
+      "(apt-get install ${missing[*]}); their tests skip" >&2
+  fi
 fi
 
 # Offline assets: the default model folder and the punkt data (cached by content hash).
