@@ -687,7 +687,8 @@ def test_ray_ports_only_between_the_releases_ray_pods() -> None:
 def test_ray_pods_reach_only_dns_each_other_and_the_kubernetes_api() -> None:
     manifests = render(WITH_KEYS)
     policies = by_kind(manifests, "NetworkPolicy")
-    head, worker = release_pods(manifests)["head"], release_pods(manifests)["worker"]
+    pods = release_pods(manifests)
+    head, worker = pods["head"], pods["worker"]
     for pod in (head, worker):
         assert allowed(policies, pod, KUBE_DNS, 53, "egress", "UDP")
         assert allowed(policies, pod, KUBE_DNS, 53, "egress", "TCP")
@@ -722,7 +723,8 @@ def test_prometheus_reaches_the_metrics_ports_only_when_enabled() -> None:
     for value_set, enabled in (("monitoring", True), ("default", False)):
         manifests = render(VALUE_SETS[value_set])
         policies = by_kind(manifests, "NetworkPolicy")
-        for pod in list(release_pods(manifests).values())[:2]:
+        pods = release_pods(manifests)
+        for pod in (pods["head"], pods["worker"]):
             assert allowed(policies, pod, PROMETHEUS, 8080, "ingress") is enabled
             assert not allowed(policies, pod, PROMETHEUS, 8265, "ingress")
             assert not allowed(policies, pod, ELSEWHERE, 8080, "ingress")
