@@ -1,0 +1,327 @@
+"""The `wim` command and the package's import structure.
+
+Every module imports on its own (no import cycle, no module that only works after another one
+was imported), no module imports another in a cycle (lazy imports inside functions included),
+every subcommand's `--help` works through the console script, and the engine flags come from
+`EngineConfig` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wim_service.engine.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "wim_service"
+WIM = Path(sys.executable).with_name("wim")
+ENGINE_FLAGS = ["--" + name.replace("_", "-") for name in EngineConfig.cli_fields()]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+# Imports every wim_service module named on the command line, each in a forked child of an
+# interpreter that has loaded the third-party modules they import but no wim_service module:
+# each import starts from an empty wim_service state, as `python -c "import wim_service.x"`
+# would, without paying vLLM's import (tens of seconds on a loaded machine) once per module.
+IMPORT_EACH = r"""
+import importlib, json, os, sys, traceback
+
+third_party, modules = json.loads(sys.argv[1]), sys.argv[2:]
+for name in third_party:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass  # then the wim_service module that needs it fails below, as it should
+preloaded = sorted(m for m in sys.modules if m.split(".")[0] == "wim_service")
+failures = {"<preload>": repr(preloaded)} if preloaded else {}
+for name in modules:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            importlib.import_module(name)
+            error = b""
+        except BaseException:
+            error = traceback.format_exc().encode()
+        with os.fdopen(write, "wb") as out:
+            out.write(error)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as result:
+        error = result.read().decode()
+    _, status = os.waitpid(pid, 0)
+    if error or status:
+        failures[name] = error or f"child exited with status {status}"
+print(json.dumps(failures))
+"""
+
+
+def _third_party_imports() -> list[str]:
+    """The other packages' modules that wim_service modules import at module level."""
+    found: set[str] = set()
+    for path in MODULES.values():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module)
+    return sorted(m for m in found if m.split(".")[0] not in ("wim_service", "__future__"))
+
+
+def test_every_module_imports_on_its_own() -> None:
+    assert len(MODULES) > 30  # the walk found the package
+    third_party = json.dumps(_third_party_imports())
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH, third_party, *MODULES],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    failures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert failures == {}, "\n".join(f"{name}:\n{error}" for name, error in failures.items())
+
+
+def test_import_check_reports_a_module_that_needs_another_first(tmp_path: Path) -> None:
+    package = tmp_path / "cyclic"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from cyclic.b import B\n\nA = 1\n")
+    (package / "b.py").write_text("from cyclic.a import A\n\nB = 1\n")
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH, "[]", "cyclic", "cyclic.a", "cyclic.b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    failures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(failures) == {"cyclic.a", "cyclic.b"}
+    assert "partially initialized module" in failures["cyclic.a"]
+
+
+def _resolve(name: str) -> str | None:
+    """The wim_service module that `import name` ends in (a name in a module: that module)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Nodes under `if TYPE_CHECKING:`: they never run, so they cannot form an import cycle."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for statement in node.body:
+                skipped.update(id(n) for n in ast.walk(statement))
+    return skipped
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """wim_service modules that `name` imports anywhere (module level or inside functions)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = _type_checking_only(tree)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found: set[str | None] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(_resolve(a.name) for a in node.names if a.name.startswith("wim_service"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package[: len(package) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            if base.split(".")[0] != "wim_service":
+                continue
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in MODULES else _resolve(base))
+    return {m for m in found if m is not None and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                cycles.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycle_even_through_lazy_imports() -> None:
+    graph = {name: _imports(name, path) for name, path in MODULES.items()}
+    assert "wim_service.engine.config" in graph["wim_service.cli.run"]  # the walk sees imports
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_lazy_cycle() -> None:
+    # The cycle this layout removed: cli -> bench (parser) and bench -> cli (engine_config).
+    graph = {"cli": {"bench"}, "bench": {"cli", "wim"}, "wim": set()}
+    assert _cycles(graph) == [["bench", "cli"]]
+
+
+# Pointers to design notes and research kept outside the repository: a reader cannot follow them.
+OUTSIDE_DOCUMENTS = re.compile(r"\bDESIGN\b|research/|\.\./shared|§")
+
+
+def test_no_reference_to_documents_outside_the_repository() -> None:
+    texts = [
+        *PACKAGE.rglob("*.py"),
+        *(ROOT / "docs").rglob("*.md"),
+        *(ROOT / "tests").rglob("*.py"),
+        ROOT / "README.md",
+    ]
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in texts
+        if path != Path(__file__)
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if OUTSIDE_DOCUMENTS.search(line)
+    ]
+    assert found == []
+
+
+def _help(*command: str) -> str:
+    done = subprocess.run(
+        [str(WIM), *command, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "engine_flags"),
+    [
+        ((), False),
+        (("run",), True),
+        (("bench",), True),
+        (("eval",), True),
+        (("serve",), False),
+        (("setup",), False),
+    ],
+)
+def test_help_of_every_subcommand(command: tuple[str, ...], engine_flags: bool) -> None:
+    text = _help(*command)
+    listed = [flag for flag in ENGINE_FLAGS if flag in text]
+    assert listed == (ENGINE_FLAGS if engine_flags else [])
+    if not command:
+        assert "{run,serve,bench,eval,setup}" in text
+    if engine_flags:
+        assert "--no-enable-prefix-caching" in text
+        # Help comes from the model's field descriptions, defaults included.
+        assert "KV cache size in GiB" in " ".join(text.split())
+        assert "(default: 8192)" in " ".join(text.split())
+
+
+def test_bench_keeps_its_flags() -> None:
+    text = _help("bench")
+    for flag in (
+        "--context",
+        "--repeat",
+        "--segment-tokens",
+        "--concurrency",
+        "--rounds",
+        "--skip-reference",
+        "--json-out",
+        "--serving",
+    ):
+        assert flag in text
+
+
+def _parser() -> argparse.ArgumentParser:
+    return EngineConfig.add_cli_args(argparse.ArgumentParser(exit_on_error=False))
+
+
+def test_every_settable_field_has_a_flag_that_reaches_the_config() -> None:
+    assert set(EngineConfig.cli_fields()) == set(EngineConfig.model_fields) - {"seed"}
+    argv = [
+        "--model=/models/m",
+        "--dtype=float32",
+        "--max-model-len=4096",
+        "--kv-cache-gib=0.25",
+        "--block-size=64",
+        "--max-num-batched-tokens=512",
+        "--max-num-seqs=40",
+        "--no-enable-prefix-caching",
+        "--cpu-threads-bind=rank",
+        "--no-enforce-eager",
+        "--max-sessions=20",
+        "--admission-timeout-s=5",
+    ]
+    config = EngineConfig.from_cli_args(_parser().parse_args(argv))
+    changed = {
+        name
+        for name in EngineConfig.model_fields
+        if getattr(config, name) != EngineConfig.model_fields[name].default
+    }
+    assert changed == set(EngineConfig.cli_fields())
+    assert (config.max_model_len, config.kv_cache_gib, config.dtype) == (4096, 0.25, "float32")
+
+
+def test_defaults_and_overrides() -> None:
+    args = _parser().parse_args(["--max-sessions", "3"])
+    assert EngineConfig.from_cli_args(_parser().parse_args([])) == EngineConfig()
+    # An override wins over the flag the user gave (the benchmark's patient admission).
+    config = EngineConfig.from_cli_args(args, max_sessions=4, admission_timeout_s=3600.0)
+    assert (config.max_sessions, config.admission_timeout_s) == (4, 3600.0)
+    # Another subcommand's own --seed is not the engine's.
+    args.seed = 7
+    assert EngineConfig.from_cli_args(args).seed == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-model-len", "10"], "greater than or equal to 256"),
+        (["--kv-cache-gib", "0"], "greater than 0"),
+        (["--dtype", "int8"], "'bfloat16'"),
+        (["--block-size", "many"], "valid integer"),
+    ],
+)
+def test_bad_values_are_argument_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(argparse.ArgumentError, match=message):
+        _parser().parse_args(argv)
+
+
+def test_cross_field_rule_still_applies() -> None:
+    args = _parser().parse_args(["--max-sessions", "100", "--max-num-seqs", "128"])
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 2 x max_sessions"):
+        EngineConfig.from_cli_args(args)
