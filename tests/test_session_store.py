@@ -37,16 +37,17 @@ OPTIONS = WiMOptions(segment_tokens=256, answer_max_tokens=32)
 ROUNDS = 50
 
 
-def session(ttl_s: float = 60.0, replica: str | None = None, **fields: object) -> StoredSession:
+def session(
+    ttl_s: float = 60.0, replica: str | None = None, tenant_name: str = "acme"
+) -> StoredSession:
     return StoredSession(
         session_id="doc-" + secrets.token_hex(8),
         options=OPTIONS,
         ttl_s=ttl_s,
-        tenant="acme",
+        tenant=tenant_name,
         replica=replica,
         context_tokens=812,
         segments=4,
-        **fields,  # type: ignore[arg-type]
     )
 
 
@@ -116,6 +117,45 @@ async def test_a_session_expires_unless_touched(store: SessionStore) -> None:
     assert await store.text(new.session_id) is None
     assert await store.touch(new.session_id) is None
     assert not await store.rebind(new.session_id, None, "r1")
+
+
+async def test_a_query_holds_the_session_past_its_ttl(store: SessionStore) -> None:
+    new = session(ttl_s=0.3)
+    await store.create(new, TEXT)
+    held = await store.touch(new.session_id, hold_s=1.5)
+    assert held is not None and held > time.time() + 1.2
+    await asyncio.sleep(0.6)  # twice the TTL: held by the running query
+    assert await store.get(new.session_id) is not None
+    assert await store.sweep() == []
+    # The query ended: back to the TTL from now.
+    ended = await store.touch(new.session_id)
+    assert ended is not None and ended < time.time() + 0.4
+    await asyncio.sleep(0.5)
+    assert await store.get(new.session_id) is None
+
+
+async def test_sessions_lists_every_live_session_for_every_router(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    a, b = routers
+    bound, unbound, deleted, expiring = (
+        session(replica="r1"),
+        session(tenant_name="globex"),
+        session(replica="r2"),
+        session(ttl_s=0.2, replica="r2"),
+    )
+    for new in (bound, unbound, deleted, expiring):
+        await a.create(new, TEXT)
+    await a.delete(deleted.session_id)
+    await asyncio.sleep(0.3)
+    listed = {s.session_id: s for s in await b.sessions()}
+    assert set(listed) == {bound.session_id, unbound.session_id}
+    assert listed[bound.session_id] == await b.get(bound.session_id)
+    assert (listed[bound.session_id].replica, listed[bound.session_id].tenant) == ("r1", "acme")
+    assert (listed[unbound.session_id].replica, listed[unbound.session_id].tenant) == (
+        None,
+        "globex",
+    )
 
 
 async def test_sweep_hands_each_expired_session_to_one_router(

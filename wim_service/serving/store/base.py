@@ -4,7 +4,7 @@ Promises of every backend (tests/test_session_store.py checks them on each):
 
 * `create` is atomic and fails if the id exists or was deleted within the tombstone time.
 * `get`, `text`, `touch` and `rebind` see nothing of an unknown, expired or deleted session.
-* `touch` renews the expiry (the session's `ttl_s` from now).
+* `touch` renews the expiry: `ttl_s` from now, or longer while a query holds the session.
 * `rebind` is a compare-and-set: of two routers that both saw the same binding, one wins, so
   a session is never bound to two replicas.
 * `delete` ends the session at once for every router and leaves a tombstone, so that no
@@ -64,8 +64,14 @@ class SessionStore(Protocol):
         """The live session's document text (decrypted), or None."""
         ...
 
-    async def touch(self, session_id: str) -> float | None:
-        """Renew the session's expiry; its new `expires_at`, or None if it is not live."""
+    async def touch(self, session_id: str, hold_s: float = 0.0) -> float | None:
+        """Renew the session's expiry to `max(ttl_s, hold_s)` from now (a running query holds
+        it for as long as it may run); its new `expires_at`, or None if it is not live."""
+        ...
+
+    async def sessions(self) -> list[StoredSession]:
+        """Every live session (for claims and per-tenant counts; there are only as many as the
+        replicas' KV can pin)."""
         ...
 
     async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:

@@ -46,12 +46,17 @@ class MemorySessionStore:
         entry = self._live(session_id)
         return entry.text if entry else None
 
-    async def touch(self, session_id: str) -> float | None:
+    async def touch(self, session_id: str, hold_s: float = 0.0) -> float | None:
         entry = self._live(session_id)
         if entry is None:
             return None
-        entry.session = replace(entry.session, expires_at=time.time() + entry.session.ttl_s)
-        return entry.session.expires_at
+        expires_at = time.time() + max(entry.session.ttl_s, hold_s)
+        entry.session = replace(entry.session, expires_at=expires_at)
+        return expires_at
+
+    async def sessions(self) -> list[StoredSession]:
+        now = time.time()
+        return [e.session for e in self._entries.values() if e.session.expires_at > now]
 
     async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
         entry = self._live(session_id)

@@ -69,16 +69,31 @@ if not live(KEYS[1]) then return false end
 return redis.call('GET', KEYS[2])
 """
 
-# KEYS: session, text, expiry index. ARGV: id, grace_ms. Returns the new expires_ms, or nil.
+# KEYS: session, text, expiry index. ARGV: id, grace_ms, hold_ms. Returns the new expires_ms,
+# or nil.
 _TOUCH = """
 if not live(KEYS[1]) then return false end
-local ttl = tonumber(redis.call('HGET', KEYS[1], 'ttl_ms'))
+local ttl = math.max(tonumber(redis.call('HGET', KEYS[1], 'ttl_ms')), tonumber(ARGV[3]))
 local expires = now + ttl
 redis.call('HSET', KEYS[1], 'expires_ms', expires)
 redis.call('PEXPIRE', KEYS[1], ttl + ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ttl + ARGV[2])
 redis.call('ZADD', KEYS[3], expires, ARGV[1])
 return expires
+"""
+
+# KEYS: expiry index. ARGV: key prefix. Every live session: id, hash, id, hash, ... The
+# session keys are built here, not declared: one more reason for one Redis, not a Cluster.
+_SESSIONS = """
+local out = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
+  local key = ARGV[1] .. '{' .. id .. '}:s'
+  if live(key) then
+    out[#out + 1] = id
+    out[#out + 1] = redis.call('HGETALL', key)
+  end
+end
+return out
 """
 
 # KEYS: session. ARGV: expected replica, new replica ("" = none). Returns 1 if it was swapped.
@@ -134,6 +149,7 @@ class RedisSessionStore:
                 "get": _GET,
                 "text": _TEXT,
                 "touch": _TOUCH,
+                "sessions": _SESSIONS,
                 "rebind": _REBIND,
                 "delete": _DELETE,
                 "expired": _EXPIRED,
@@ -205,13 +221,20 @@ class RedisSessionStore:
         )
         return self.cipher.open(session_id, value) if value is not None else None
 
-    async def touch(self, session_id: str) -> float | None:
+    async def touch(self, session_id: str, hold_s: float = 0.0) -> float | None:
         expires_ms = await self._run(
             "touch",
             [self._key(session_id, "s"), self._key(session_id, "d"), self._index],
-            [session_id, self._grace_ms],
+            [session_id, self._grace_ms, round(hold_s * 1000)],
         )
         return expires_ms / 1000 if expires_ms is not None else None
+
+    async def sessions(self) -> list[StoredSession]:
+        flat = await self._run("sessions", [self._index], [self.config.key_prefix])
+        return [
+            _session(sid.decode(), _fields(fields))
+            for sid, fields in zip(flat[::2], flat[1::2], strict=True)
+        ]
 
     async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
         swapped = await self._run(
