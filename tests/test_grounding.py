@@ -230,3 +230,69 @@ async def test_notes_get_what_the_window_leaves_most_relevant_first(tokenizer) -
     assert context_tokens + len(final) + options.answer_max_tokens <= tight.window
     # The note that names gate 5 (its code is 1035) is the most relevant: it is kept.
     assert "1035" in tokenizer.decode(final)
+
+
+# -- the real engine ----------------------------------------------------------------------------
+
+README_QUERY = "What is the access code for the night gate?"
+
+
+class RecordingEngine:
+    """The real engine, with the final-step suffix of every context recorded."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.finals: list[list[int]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    async def open_context(self, **kwargs):
+        context = await self.engine.open_context(**kwargs)
+        finals = self.finals
+
+        class Context:
+            def __getattr__(self, name: str):
+                return getattr(context, name)
+
+            def conclude(self, suffix_ids: list[int], params: GenerationParams):
+                finals.append(list(suffix_ids))
+                return context.conclude(suffix_ids, params)
+
+        return Context()
+
+
+@pytest.mark.engine
+async def test_readme_example_answers_from_the_document(engine, report) -> None:
+    """The README's first example with the default configuration (segment_tokens 192): the
+    margins that invent a code are dropped and the answer is the document's 4417."""
+    options = WiMOptions(segment_tokens=192)
+    events = [e async for e in run_wim(engine, engine.tokenizer, report, README_QUERY, options)]
+    done = events[-1]
+    assert done.type == "done", done
+    assert "4417" in done.answer
+    margins = [e for e in events if e.type == "margin"]
+    kept = [m for m in margins if m.kept]
+    assert kept and all(m.grounded and m.evidence in report for m in kept)
+    assert any("4417" in m.evidence for m in kept)
+    assert done.notes == sorted(m.segment for m in kept) and done.notes_dropped == []
+
+
+@pytest.mark.engine
+async def test_no_surviving_margin_answers_token_for_token_as_plain(engine, report) -> None:
+    """Do no harm: when no margin survives, WiM's final prompt is the plain long-context
+    prompt and its answer is plain's, token for token (fp32, greedy)."""
+    # First-token relevance with one-token margins: every margin is its YES/NO alone, so empty.
+    options = WiMOptions(segment_tokens=192, margin_max_tokens=1, answer_max_tokens=40)
+    recording = RecordingEngine(engine)
+    events = [e async for e in run_wim(recording, engine.tokenizer, report, README_QUERY, options)]
+    done = events[-1]
+    assert done.type == "done", done
+    assert not any(e.kept for e in events if e.type == "margin") and done.notes == []
+    builder = PromptBuilder(engine.tokenizer, options.prompts)
+    document_ids = engine.tokenizer.encode_user_text(report).ids
+    plain_ids = builder.plain_prompt(document_ids, README_QUERY)
+    assert builder.context_prefix + document_ids + recording.finals[0] == plain_ids
+    plain = await engine.complete(plain_ids, max_tokens=options.answer_max_tokens)
+    assert done.answer == plain.text.strip()
+    assert done.usage.answer_tokens == len(plain.token_ids)
