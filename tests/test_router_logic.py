@@ -89,13 +89,17 @@ class FakeReplica:
             documents=len(self.documents),
         )
 
-    def open_document(self, document_id: str, text: str, options: WiMOptions, ttl: float):
+    def open_document(self, document_id: str, text: str, options: WiMOptions):
         assert isinstance(options, WiMOptions)
         self.documents[document_id] = options
         return DocumentOpened(context_tokens=len(text) // 4, segments=SEGMENTS)
 
     def close_document(self, document_id: str) -> bool:
         return self.documents.pop(document_id, None) is not None
+
+    def claim(self, document_ids: list[str], orphan_timeout_s: float) -> int:
+        self.claimed = list(document_ids)
+        return len(set(document_ids) & set(self.documents))
 
     def metrics_text(self) -> str:
         return "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
@@ -240,7 +244,7 @@ def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() ->
     assert [d["segment"] for k, d in events if k == "margin"] == [0, 1, 2]
     assert "".join(d["text"] for k, d in events if k == "answer") == "The code is 4417."
     assert kinds[-1] == "done" and events[-1][1]["replica"] == "b"
-    work = [call for call in b.calls if call != "load"]
+    work = [call for call in b.calls if call not in ("load", "claim")]
     assert work[:2] == ["open_document", "query_document"]  # rebuilt, then asked
     assert router.fleet.table.replica_of(document["document_id"]) == "b"
     assert metric(client, "wim_session_failover_total", reason="replica_lost") == 1

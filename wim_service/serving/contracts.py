@@ -39,3 +39,8 @@ class DocumentOpened(BaseModel):
 
 # `open_document`'s answer: the opened document, or why it could not be read.
 OpenResult = Annotated[DocumentOpened | ErrorEvent, Field(discriminator="type")]
+
+
+class EngineDead(RuntimeError):
+    """Raised by a replica whose engine has died: the router fails the call over elsewhere
+    (Ray re-raises it in the router as an instance of this class)."""

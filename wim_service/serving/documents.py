@@ -1,55 +1,43 @@
-"""Document sessions as the router keeps them: the text (to rebuild a session anywhere), the
-options fixed when it was read, and its expiry."""
+"""Document sessions: what every router shares through the session store (`serving/store/`:
+the text, to rebuild a session anywhere; the options fixed when it was read; its tenant, replica
+binding and expiry), and what only this router knows (the queries it runs on each session).
+
+With the Redis store any router serves any session, a DELETE through one router is seen by all
+at once, and a restarted router loses none. A store that cannot be reached answers 503.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass, field
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Awaitable
+from typing import TypeVar
+from weakref import WeakValueDictionary
 
 from wim_service.serving.api import DocumentResponse
 from wim_service.serving.errors import HTTPFailure, ServiceCode
+from wim_service.serving.store import SessionStore, StoredSession, StoreUnavailable
+from wim_service.wim.errors import ErrorCode
 from wim_service.wim.options import WiMOptions
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Options that shape a document's KV: fixed when the document is read.
 DOCUMENT_FIELDS = ("segment_tokens", "max_segment_tokens")
 DOCUMENT_PROMPTS = ("system", "document")
 
 
-@dataclass
-class DocumentRecord:
-    """A document session: enough to rebuild it on any replica."""
-
-    document_id: str
-    text: str
-    options: WiMOptions
-    ttl_s: float
-    tenant: str = ""
-    context_tokens: int = 0
-    segments: int = 0
-    last_used: float = field(default_factory=time.time)
-    # Held while the session is (re)bound to a replica, so that two failing-over requests do
-    # not rebuild it twice.
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @property
-    def expires_at(self) -> float:
-        return self.last_used + self.ttl_s
-
-    def touch(self) -> None:
-        self.last_used = time.time()
-
-    def expired(self, now: float) -> bool:
-        return self.expires_at < now
-
-    def response(self, replica: str) -> DocumentResponse:
-        return DocumentResponse(
-            document_id=self.document_id,
-            context_tokens=self.context_tokens,
-            segments=self.segments,
-            expires_at=self.expires_at,
-            replica=replica,
-        )
+def document_response(session: StoredSession) -> DocumentResponse:
+    return DocumentResponse(
+        document_id=session.session_id,
+        context_tokens=session.context_tokens,
+        segments=session.segments,
+        expires_at=session.expires_at,
+        replica=session.replica or "",
+    )
 
 
 def check_document_options(fixed: WiMOptions, asked: WiMOptions) -> None:
@@ -74,26 +62,88 @@ def check_document_options(fixed: WiMOptions, asked: WiMOptions) -> None:
 
 
 class DocumentTable:
-    """The router's document sessions, in this process."""
+    """The document sessions in the session store, and this router's queries on them."""
 
-    def __init__(self) -> None:
-        self._records: dict[str, DocumentRecord] = {}
+    def __init__(self, store: SessionStore, *, hold_s: float, retry_after_s: float) -> None:
+        self.store = store
+        # A running query keeps its session this long (the request deadline) past its start,
+        # renewed every load poll, so that no router expires a session in use.
+        self.hold_s = hold_s
+        self.retry_after_s = retry_after_s
+        self.in_use: Counter[str] = Counter()
+        # One per session while someone holds or waits for it: two failing-over queries of
+        # this router do not rebuild one session twice (the store's compare-and-set keeps
+        # other routers out).
+        self._locks: WeakValueDictionary[str, asyncio.Lock] = WeakValueDictionary()
 
-    def add(self, record: DocumentRecord) -> None:
-        self._records[record.document_id] = record
+    async def _call(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except StoreUnavailable as exc:
+            logger.warning("session store unavailable: %s", exc)
+            raise HTTPFailure(
+                ErrorCode.UNAVAILABLE,
+                "document sessions are unavailable for a moment; retry later",
+                self.retry_after_s,
+            ) from exc
 
-    def get(self, document_id: str) -> DocumentRecord | None:
-        """The live session, or None if unknown or expired."""
-        record = self._records.get(document_id)
-        if record is None or record.expired(time.time()):
-            return None
-        return record
+    def lock(self, document_id: str) -> asyncio.Lock:
+        lock = self._locks.get(document_id)
+        if lock is None:
+            lock = self._locks[document_id] = asyncio.Lock()
+        return lock
 
-    def remove(self, document_id: str) -> None:
-        self._records.pop(document_id, None)
+    async def add(self, session: StoredSession, text: str) -> StoredSession:
+        return await self._call(self.store.create(session, text))
 
-    def count(self, tenant: str) -> int:
-        return sum(1 for r in self._records.values() if r.tenant == tenant)
+    async def get(self, document_id: str) -> StoredSession | None:
+        """The live session, or None if unknown, expired or deleted."""
+        return await self._call(self.store.get(document_id))
 
-    def expired(self, now: float) -> list[DocumentRecord]:
-        return [r for r in self._records.values() if r.expired(now)]
+    async def text(self, document_id: str) -> str | None:
+        return await self._call(self.store.text(document_id))
+
+    async def rebind(self, document_id: str, expected: str | None, new: str) -> bool:
+        """Compare-and-set of the session's replica: False if another router moved it first
+        or it ended."""
+        return await self._call(self.store.rebind(document_id, expected, new))
+
+    async def remove(self, document_id: str) -> StoredSession | None:
+        """End the session for every router; what it was (its replica to close), or None."""
+        return await self._call(self.store.delete(document_id))
+
+    async def count(self, tenant: str) -> int:
+        return sum(1 for s in await self._call(self.store.sessions()) if s.tenant == tenant)
+
+    async def sessions(self) -> list[StoredSession]:
+        """Every live session (their replicas are told who holds them)."""
+        return await self._call(self.store.sessions())
+
+    async def expired(self) -> list[StoredSession]:
+        """Sessions that expired, each handed to one router (which closes its KV)."""
+        return await self._call(self.store.sweep())
+
+    async def hold(self, document_id: str) -> None:
+        """A query starts: the session stays alive while it runs."""
+        self.in_use[document_id] += 1
+        try:
+            await self._call(self.store.touch(document_id, self.hold_s))
+        except HTTPFailure:
+            self._drop(document_id)
+            raise
+
+    async def release(self, document_id: str) -> None:
+        """A query ended: the session's TTL counts from now (unless another still runs)."""
+        self._drop(document_id)
+        with contextlib.suppress(StoreUnavailable):  # the answer is out; a renewal may fail
+            await self.store.touch(document_id, self.hold_s if self.in_use[document_id] else 0)
+
+    def _drop(self, document_id: str) -> None:
+        self.in_use[document_id] -= 1
+        if self.in_use[document_id] <= 0:
+            del self.in_use[document_id]
+
+    async def renew_held(self) -> None:
+        """Renew every session this router is querying (each load poll)."""
+        for document_id in list(self.in_use):
+            await self._call(self.store.touch(document_id, self.hold_s))

@@ -21,6 +21,7 @@ from wim_service.serving.documents import DocumentRecord
 from wim_service.serving.errors import HTTPFailure
 from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.metrics import WiMMetrics
+from wim_service.serving.plain import PlainParams, plain_blocks
 from wim_service.serving.replica_client import ReplicaClient, ReplicaLost
 from wim_service.serving.responses import Item
 from wim_service.serving.sizing import JobSizer
@@ -29,6 +30,14 @@ from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
 
 logger = logging.getLogger(__name__)
+
+# A replica that Ray cannot reach for a moment is retried this often before it is given up.
+TRANSIENT_RETRIES = 2
+TRANSIENT_BACKOFF_S = 0.5
+
+
+def _gone(record: DocumentRecord) -> HTTPFailure:
+    return HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {record.document_id!r}")
 
 
 @dataclass
@@ -89,7 +98,6 @@ class Dispatcher:
                     record.document_id,
                     record.text,
                     record.options,
-                    record.ttl_s,
                 )
             except ReplicaLost:
                 self.fleet.lost(replica, "replica_lost")
@@ -99,19 +107,32 @@ class Dispatcher:
                 self.fleet.table.unbind(record.document_id)
                 raise HTTPFailure(result.code, result.message, result.retry_after_s)
             assert isinstance(result, DocumentOpened)
+            if record.closed:
+                # Deleted while it was being read: the copy must not outlive the DELETE.
+                await self._close_on(replica, record.document_id)
+                raise _gone(record)
             record.context_tokens = result.context_tokens
             record.segments = result.segments
             return replica
 
     async def close_on_replica(self, record: DocumentRecord) -> None:
-        replica = self.fleet.table.replica_of(record.document_id)
-        self.fleet.table.unbind(record.document_id)
+        """End a session for good: no failover or re-read can bring it back after this."""
+        record.closed = True
+        async with record.lock:  # a re-bind in progress finishes (and sees `closed`) first
+            replica = self.fleet.table.replica_of(record.document_id)
+            self.fleet.table.unbind(record.document_id)
         if replica is not None:
-            with contextlib.suppress(Exception):
-                await self.client.call(replica, "close_document", record.document_id)
+            await self._close_on(replica, record.document_id)
+
+    async def _close_on(self, replica: str, document_id: str) -> None:
+        # A replica that cannot be reached reaps the session itself once no router claims it.
+        with contextlib.suppress(Exception):
+            await self.client.call(replica, "close_document", document_id)
 
     async def document_replica(self, record: DocumentRecord) -> str:
         """The replica holding the document; rebuilt elsewhere if its replica is gone."""
+        if record.closed:
+            raise _gone(record)
         replica = self.fleet.table.replica_of(record.document_id)
         if replica is not None and self.fleet.table.is_live(replica):
             self.metrics.binding.labels(BindResult.HIT).inc()
@@ -125,7 +146,8 @@ class Dispatcher:
         replica = await self.open_on_replica(record, {old} if old else set())
         self.metrics.binding.labels(BindResult.REPIN).inc()
         self.metrics.reprefill_tokens.inc(record.context_tokens)
-        logger.info("document %s re-pinned %s -> %s (%s)", record.document_id, old, replica, reason)
+        # Document ids stay out of logs at the default level (they name customers' data).
+        logger.info("a document session moved %s -> %s (%s)", old, replica, reason)
         return replica
 
     # -- jobs ------------------------------------------------------------------------------
@@ -144,12 +166,35 @@ class Dispatcher:
         A one-shot job (`context`) is placed under `session_id` and unbound when it ends; a
         query on a document session (`record`) goes to the session's replica.
         """
+        if record is not None:
+            record.in_use += 1
         try:
             async for item in self._attempts(session_id, query, options, context, record):
                 yield item
         finally:
             if record is None:
                 self.fleet.table.unbind(session_id)
+            else:
+                record.in_use -= 1
+                record.touch()
+
+    async def plain(
+        self, session_id: str, prompt_ids: list[int], params: PlainParams
+    ) -> AsyncIterator[Item]:
+        """Events of one plain engine request (`serving/plain.py`), placed like a one-shot job
+        under `session_id` and unbound when it ends. Not failed over: a short prompt is cheap
+        for its client to send again, and part of its answer may be out already."""
+        needed = plain_blocks(len(prompt_ids), params, self.sizer.limits.block_size)
+        replica = await self.fleet.place(session_id, needed, set())
+        self.metrics.binding.labels(BindResult.NEW).inc()
+        try:
+            async for event in self.client.stream(replica, "complete", prompt_ids, params):
+                yield replica, event
+        except ReplicaLost as exc:
+            self.fleet.lost(replica, "replica_lost")
+            raise WiMError(ErrorCode.ENGINE_ERROR, f"send the request again: {exc}") from exc
+        finally:
+            self.fleet.table.unbind(session_id)
 
     async def _attempts(
         self,
@@ -160,7 +205,7 @@ class Dispatcher:
         record: DocumentRecord | None,
     ) -> AsyncIterator[Item]:
         progress = StreamProgress()
-        failovers = 0
+        failovers = transient_retries = 0
         exclude: set[str] = set()
         replica: str | None = None
         while True:
@@ -195,6 +240,12 @@ class Dispatcher:
             except (HTTPFailure, WiMError, asyncio.CancelledError):
                 raise
             except ReplicaLost as exc:
+                if exc.transient and transient_retries < TRANSIENT_RETRIES:
+                    # Unreachable for a moment is not gone: try the same replica again.
+                    transient_retries += 1
+                    logger.warning("replica %s unreachable (%s); retrying", replica, exc)
+                    await asyncio.sleep(TRANSIENT_BACKOFF_S * transient_retries)
+                    continue
                 failovers += 1
                 if failovers > self.config.max_failovers:
                     raise WiMError(
@@ -212,4 +263,6 @@ class Dispatcher:
                     replica = None
             except Exception as exc:  # a bug or engine fault on the replica: not retried
                 logger.exception("job failed on replica %s", replica)
-                raise WiMError(ErrorCode.ENGINE_ERROR, f"engine error: {exc}") from exc
+                raise WiMError(
+                    ErrorCode.ENGINE_ERROR, "the engine failed on this request; it was logged"
+                ) from exc

@@ -15,6 +15,8 @@ from wim_service.serving.api import DocumentRequest, DocumentResponse, WiMReques
 from wim_service.serving.auth import Tenant
 from wim_service.serving.errors import install_error_handlers
 from wim_service.serving.limits import BodyLimitMiddleware
+from wim_service.serving.openai_api import openai_routes
+from wim_service.serving.page import extract_routes, install_page
 
 if TYPE_CHECKING:
     from wim_service.serving.router import WiMRouter
@@ -46,6 +48,9 @@ def build_http_app(router: WiMRouter) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=router.config.router.max_body_bytes)
     install_error_handlers(app)  # its request-id middleware goes outermost
     app.state.wim_router = router
+    app.include_router(openai_routes(router), dependencies=[Depends(authenticate)])
+    app.include_router(extract_routes(), dependencies=[Depends(authenticate)])
+    install_page(app)
 
     @app.post(
         "/wim", response_model=WiMResponse, responses={200: {"content": {"text/event-stream": {}}}}

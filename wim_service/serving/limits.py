@@ -7,10 +7,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from wim_service.serving.errors import HTTPFailure, ServiceCode
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
     """413 from `Content-Length` before any byte is read; a chunked body is counted as it
     arrives and refused as soon as it passes the limit."""
@@ -33,25 +29,32 @@ class BodyLimitMiddleware:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await self._refusal().response()(scope, receive, send)
             return
-        received = 0
-        started = False
-
-        async def counting_receive() -> Message:
-            nonlocal received
+        if declared is not None:
+            await self.app(scope, receive, send)  # within the limit: Content-Length bounds it
+            return
+        # A chunked body: read it here, counting, and hand it on only if it fits.
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge
-            return message
-
-        async def watching_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, watching_send)
-        except BodyTooLarge:
-            if not started:
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
                 await self._refusal().response()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # e.g. http.disconnect while the answer streams
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)

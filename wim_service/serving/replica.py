@@ -21,7 +21,8 @@ from prometheus_client import REGISTRY, generate_latest
 from ray import serve
 
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.contracts import DocumentOpened, OpenResult, ReplicaLoad
+from wim_service.serving.contracts import DocumentOpened, EngineDead, OpenResult, ReplicaLoad
+from wim_service.serving.plain import PlainParams, plain_events
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
@@ -29,19 +30,17 @@ from wim_service.wim.orchestrator import WiMSession, open_document, run_wim
 
 logger = logging.getLogger(__name__)
 
-# A replica closes a document session on its own this long after the router's TTL would have,
-# in case the router that owned it is gone.
-ORPHAN_GRACE_S = 120.0
+# A document session that no router has claimed for this long is closed: the routers claim
+# theirs every load poll, so only the sessions of a router that is gone (restarted without a
+# shared store, or its store lost) go unclaimed.
+DEFAULT_ORPHAN_TIMEOUT_S = 60.0
+REAP_INTERVAL_S = 5.0
 
 
 @dataclass
 class _Document:
     session: WiMSession
-    ttl_s: float
-    last_used: float
-
-    def expired(self, now: float) -> bool:
-        return now - self.last_used > self.ttl_s + ORPHAN_GRACE_S
+    claimed: float  # monotonic time a router last said it holds this session
 
 
 def _error(exc: WiMError) -> ErrorEvent:
@@ -61,6 +60,7 @@ class EngineReplica:
         self.config = EngineConfig.model_validate(engine)
         self.backend = VLLMBackend.start(self.config, rank=context.rank.local_rank)
         self.documents: dict[str, _Document] = {}
+        self.orphan_timeout_s = DEFAULT_ORPHAN_TIMEOUT_S
         self._reaper: asyncio.Task[None] | None = None
 
     def _ensure_reaper(self) -> None:
@@ -69,30 +69,67 @@ class EngineReplica:
 
     async def _reap(self) -> None:
         while True:
-            await asyncio.sleep(10)
-            now = time.monotonic()
-            for document_id in [d for d, doc in self.documents.items() if doc.expired(now)]:
-                logger.info("closing orphaned document session %s", document_id)
+            await asyncio.sleep(REAP_INTERVAL_S)
+            oldest = time.monotonic() - self.orphan_timeout_s
+            orphans = [d for d, doc in self.documents.items() if doc.claimed < oldest]
+            for document_id in orphans:
                 await self.close_document(document_id)
+            if orphans:
+                logger.info("closed %d document sessions no router claims", len(orphans))
+
+    def claim(self, document_ids: list[str], orphan_timeout_s: float) -> int:
+        """A router holds these sessions (sent every load poll); unclaimed ones are reaped.
+        Returns how many of them this replica has."""
+        self._ensure_reaper()
+        self.orphan_timeout_s = orphan_timeout_s
+        now = time.monotonic()
+        held = 0
+        for document_id in document_ids:
+            document = self.documents.get(document_id)
+            if document is not None:
+                document.claimed = now
+                held += 1
+        return held
+
+    def _check_engine(self) -> None:
+        if not self.backend.healthy:
+            raise EngineDead(f"the engine of replica {self.replica} is dead")
+
+    async def _checked(self, events: AsyncIterator[WiMEvent]) -> AsyncIterator[WiMEvent]:
+        """`events`, except that a job the engine's death ended raises `EngineDead` (the
+        router then runs it elsewhere) instead of reporting an engine error."""
+        self._check_engine()
+        async for event in events:
+            if isinstance(event, ErrorEvent) and not self.backend.healthy:
+                raise EngineDead(f"the engine of replica {self.replica} died during the job")
+            yield event
 
     # -- jobs ------------------------------------------------------------------------------
 
     async def run(self, document: str, query: str, options: WiMOptions) -> AsyncIterator[WiMEvent]:
         """A one-shot job; the caller going away cancels it and frees its KV."""
-        async for event in run_wim(self.backend, self.backend.tokenizer, document, query, options):
+        job = run_wim(self.backend, self.backend.tokenizer, document, query, options)
+        async for event in self._checked(job):
+            yield event
+
+    async def complete(self, prompt_ids: list[int], params: PlainParams) -> AsyncIterator[WiMEvent]:
+        """A plain request (a short OpenAI-API prompt, no WiM): answer deltas, then `done`."""
+        async for event in self._checked(plain_events(self.backend, prompt_ids, params)):
             yield event
 
     async def open_document(
-        self, document_id: str, document: str, options: WiMOptions, ttl_s: float
+        self, document_id: str, document: str, options: WiMOptions
     ) -> OpenResult:
         """Read a document into a pinned context; returns its size or an error event."""
         self._ensure_reaper()
         await self.close_document(document_id)  # a re-open (failover) replaces a stale copy
+        self._check_engine()
         try:
             session = await open_document(self.backend, self.backend.tokenizer, document, options)
         except WiMError as exc:
+            self._check_engine()
             return _error(exc)
-        self.documents[document_id] = _Document(session, ttl_s, time.monotonic())
+        self.documents[document_id] = _Document(session, time.monotonic())
         return DocumentOpened(
             context_tokens=session.plan.context_tokens, segments=len(session.plan.segments)
         )
@@ -107,10 +144,10 @@ class EngineReplica:
                 message=f"document session {document_id} is not on this replica",
             )
             return
-        document.last_used = time.monotonic()
-        async for event in document.session.query(query, options):
+        document.claimed = time.monotonic()
+        async for event in self._checked(document.session.query(query, options)):
             yield event
-        document.last_used = time.monotonic()
+        document.claimed = time.monotonic()
 
     async def close_document(self, document_id: str) -> bool:
         document = self.documents.pop(document_id, None)

@@ -21,11 +21,16 @@ _EVENT: TypeAdapter[WiMEvent] = TypeAdapter(WiMEvent)
 
 
 class ReplicaLost(RuntimeError):
-    """The replica a call went to died, left, or could not be reached."""
+    """The replica a call went to died, left, or could not be reached.
 
-    def __init__(self, replica: str, cause: BaseException) -> None:
-        super().__init__(f"engine replica {replica} was lost: {cause!r}")
+    `transient`: it could not be reached just now but may well be alive (Ray's
+    ActorUnavailableError): worth a retry before the replica is given up.
+    """
+
+    def __init__(self, replica: str, cause: BaseException, *, transient: bool = False) -> None:
+        super().__init__(f"engine replica {replica} was lost: {type(cause).__name__}")
         self.replica = replica
+        self.transient = transient
 
 
 class ReplicaClient(Protocol):
@@ -69,7 +74,7 @@ class ServeReplicaClient:
         try:
             return await self._handle(replica, method).remote(*args)
         except _lost_errors() as exc:
-            raise ReplicaLost(replica, exc) from exc
+            raise _lost(replica, exc) from exc
         finally:
             self.in_flight[replica] -= 1
 
@@ -80,7 +85,7 @@ class ServeReplicaClient:
             async for item in response:
                 yield _EVENT.validate_python(item)
         except _lost_errors() as exc:
-            raise ReplicaLost(replica, exc) from exc
+            raise _lost(replica, exc) from exc
         finally:
             # A client gone mid-stream cancels the replica's job: it closes its context.
             response.cancel()
@@ -89,8 +94,17 @@ class ServeReplicaClient:
 
 def _lost_errors() -> tuple[type[BaseException], ...]:
     """Failures that mean "the replica is gone", not "the job is bad": the session moves."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.exceptions import RayActorError
 
+    from wim_service.serving.contracts import EngineDead
     from wim_service.serving.pinning import ReplicaGone
 
-    return (ReplicaGone, RayActorError, ActorDiedError, ActorUnavailableError)
+    # RayActorError covers ActorDiedError and ActorUnavailableError; Ray re-raises the
+    # replica's EngineDead as an instance of EngineDead.
+    return (ReplicaGone, RayActorError, EngineDead)
+
+
+def _lost(replica: str, exc: BaseException) -> ReplicaLost:
+    from ray.exceptions import ActorUnavailableError
+
+    return ReplicaLost(replica, exc, transient=isinstance(exc, ActorUnavailableError))

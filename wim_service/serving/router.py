@@ -105,11 +105,25 @@ class WiMRouter:
             with contextlib.suppress(Exception):
                 await self.fleet.refresh_loads()
                 await self._expire_documents()
+                await self._claim_documents()
             await asyncio.sleep(self.config.router.load_poll_interval_s)
+
+    async def _claim_documents(self) -> None:
+        """Tell every replica which of its document sessions this router holds; a replica
+        closes the sessions nobody claims within `orphan_timeout_s` (a router that is gone)."""
+        held: dict[str, list[str]] = {replica: [] for replica in self.fleet.table.loads}
+        for document_id, replica in self.fleet.table.bindings.items():
+            if replica in held and self.documents.get(document_id) is not None:
+                held[replica].append(document_id)
+        timeout = self.config.router.orphan_timeout_s
+        await asyncio.gather(
+            *(self.client.call(r, "claim", ids, timeout) for r, ids in held.items()),
+            return_exceptions=True,
+        )
 
     async def _expire_documents(self) -> None:
         for record in self.documents.expired(time.time()):
-            logger.info("document session %s expired", record.document_id)
+            logger.debug("document session %s expired", record.document_id)
             await self._close_document(record)
 
     async def _close_document(self, record: DocumentRecord) -> None:

@@ -1,0 +1,254 @@
+"""Access control, tenant limits, edge limits, deadlines and races of the router, over fake
+replicas (no Ray, no engine). The real-stack versions are in tests/test_serving_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica, job_events, metric
+from wim_service.serving.auth import ApiKeys, KeysConfig, check_open_mode, hash_key
+from wim_service.serving.http_app import build_http_app
+from wim_service.serving.replica_client import ReplicaLost
+from wim_service.serving.router import WiMRouter
+
+KEYS = KeysConfig.model_validate(
+    {
+        "tenants": {
+            "acme": {"keys": [hash_key("acme-key")], "limits": {"open_documents": 1}},
+            "globex": {
+                "keys": [hash_key("globex-key")],
+                "limits": {"requests_per_minute": 3, "document_bytes": 2000},
+                "allow": ["jobs"],
+            },
+        }
+    }
+)
+ACME = {"Authorization": "Bearer acme-key"}
+GLOBEX = {"Authorization": "Bearer globex-key"}
+
+
+def service(*replicas: FakeReplica, keys: KeysConfig | None = KEYS, **router: Any):
+    wim_router = WiMRouter(
+        None,
+        {"router": {"replica_wait_s": 0, **router}},
+        client=FakeClient(*(replicas or (FakeReplica("a"),))),
+        keys=ApiKeys(keys),
+        http_host="127.0.0.1",
+    )
+    return TestClient(build_http_app(wim_router)), wim_router
+
+
+def test_requests_need_a_valid_key_and_public_endpoints_do_not() -> None:
+    client, _ = service()
+    body = {"context": DOCUMENT, "query": "q"}
+    missing = client.post("/wim", json=body)
+    assert missing.status_code == 401 and missing.json()["code"] == "unauthorized"
+    wrong = client.post("/wim", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    assert client.post("/wim", json=body, headers=ACME).status_code == 200
+    for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
+        assert client.get(path).status_code == 200, path
+    assert metric(client, "wim_requests_total", status="401") == 2
+
+
+def test_a_tenant_cannot_see_query_or_delete_another_tenants_document() -> None:
+    client, _ = service()
+    document = client.post("/documents", json={"context": DOCUMENT}, headers=ACME).json()
+    doc = document["document_id"]
+    other = {"Authorization": "Bearer globex-key"}
+    unknown = client.get("/documents/doc-unknown", headers=ACME)
+    for response in (
+        client.get(f"/documents/{doc}", headers=other),
+        client.delete(f"/documents/{doc}", headers=other),
+    ):
+        # Indistinguishable from an unknown id (same status, code and message shape).
+        assert response.status_code == unknown.status_code == 404
+        assert response.json()["code"] == "not_found"
+    query = client.post("/wim", json={"document_id": doc, "query": "q"}, headers=other)
+    assert query.status_code in (403, 404)  # globex may not use documents at all
+    assert client.get(f"/documents/{doc}", headers=ACME).status_code == 200
+
+
+def test_tenant_limits_answer_429_with_retry_after_and_403_for_what_is_not_allowed() -> None:
+    client, _ = service()
+    assert client.post("/documents", json={"context": DOCUMENT}, headers=ACME).status_code == 201
+    second = client.post("/documents", json={"context": DOCUMENT}, headers=ACME)
+    assert second.status_code == 429 and second.json()["code"] == "rate_limited"
+    assert int(second.headers["Retry-After"]) >= 1
+    forbidden = client.post("/documents", json={"context": "x"}, headers=GLOBEX)
+    assert forbidden.status_code == 403 and forbidden.json()["code"] == "forbidden"
+    big = client.post("/wim", json={"context": "x" * 3000, "query": "q"}, headers=GLOBEX)
+    assert big.status_code == 413 and "limit" in big.json()["message"]
+    fine = client.post("/wim", json={"context": DOCUMENT, "query": "q"}, headers=GLOBEX)
+    assert fine.status_code == 200
+    # globex has 3 requests a minute: the three above were counted.
+    limited = client.post("/wim", json={"context": "x", "query": "q"}, headers=GLOBEX)
+    assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
+
+
+def test_concurrent_jobs_of_a_tenant_are_bounded() -> None:
+    keys = KeysConfig.model_validate(
+        {"tenants": {"t": {"keys": [hash_key("k")], "limits": {"concurrent_jobs": 1}}}}
+    )
+    slow = FakeReplica("a")
+    _, router = service(slow, keys=keys)
+
+    async def two_jobs() -> list[int]:
+        tenant = router.keys.tenant("Bearer k")
+        from wim_service.serving.api import WiMRequest
+
+        first = await router.start_job(WiMRequest(context=DOCUMENT, query="q"), tenant)
+        try:
+            await router.start_job(WiMRequest(context=DOCUMENT, query="q"), tenant)
+        except Exception as exc:  # the second one is refused while the first runs
+            status = getattr(exc, "status", 0)
+        else:
+            status = 200
+        async for _ in first[1]:
+            pass
+        return [status]
+
+    assert asyncio.run(two_jobs()) == [429]
+
+
+def test_open_mode_only_on_loopback_unless_opted_out() -> None:
+    check_open_mode(ApiKeys(None), "127.0.0.1", {})
+    check_open_mode(ApiKeys(None), "::1", {})
+    check_open_mode(ApiKeys(KEYS), "0.0.0.0", {})
+    with pytest.raises(RuntimeError, match="no API keys"):
+        check_open_mode(ApiKeys(None), "0.0.0.0", {})
+    check_open_mode(ApiKeys(None), "0.0.0.0", {"WIM_ALLOW_OPEN": "1"})
+    with pytest.raises(ValueError, match="hashed"):
+        KeysConfig.model_validate({"tenants": {"t": {"keys": ["plain-text-key"]}}})
+
+
+def test_bodies_over_the_limit_are_refused_before_they_are_read() -> None:
+    client, _ = service(keys=None, max_body_bytes=4096)
+    declared = client.post(
+        "/wim", content=b"{" + b" " * 8000 + b"}", headers={"content-type": "application/json"}
+    )
+    assert declared.status_code == 413 and declared.json()["code"] == "body_too_large"
+
+    def chunks():
+        yield b'{"context": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'", "query": "q"}'
+
+    chunked = client.post("/wim", content=chunks(), headers={"content-type": "application/json"})
+    assert chunked.status_code == 413 and chunked.json()["code"] == "body_too_large"
+    assert "X-Request-ID" in chunked.headers
+
+
+def test_a_request_id_comes_back_and_internal_errors_say_nothing_more() -> None:
+    client, router = service(keys=None)
+    ok = client.get("/healthz", headers={"X-Request-ID": "client-123"})
+    assert ok.headers["X-Request-ID"] == "client-123"
+
+    async def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("secret internals /etc/passwd")
+
+    router.create_document = broken  # type: ignore[method-assign]
+    with TestClient(build_http_app(router), raise_server_exceptions=False) as fresh:
+        response = fresh.post("/documents", json={"context": DOCUMENT})
+    assert response.status_code == 500 and response.json()["code"] == "internal_error"
+    assert "secret" not in response.text and response.headers["X-Request-ID"] in response.text
+
+
+def test_a_job_past_its_deadline_is_stopped_with_504() -> None:
+    class Stuck(FakeClient):
+        async def stream(self, replica: str, method: str, *args: Any):
+            await asyncio.sleep(3600)
+            yield job_events()[0]
+
+    router = WiMRouter(
+        None,
+        {"router": {"request_timeout_s": 0.5, "replica_wait_s": 0}},
+        client=Stuck(FakeReplica("a")),
+        keys=ApiKeys(None),
+        http_host="127.0.0.1",
+    )
+    client = TestClient(build_http_app(router))
+    response = client.post("/wim", json={"context": DOCUMENT, "query": "q"})
+    assert response.status_code == 504 and response.json()["code"] == "deadline_exceeded"
+    assert router.fleet.table.bindings == {}
+
+
+def test_a_delete_during_failover_never_brings_the_session_back() -> None:
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    client, router = service(a, b, keys=None)
+    doc = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
+    record = router.documents.get(doc)
+    assert record is not None
+    a.dead = True  # the next query fails over and re-reads the document on b ...
+
+    original = b.open_document
+
+    def open_then_delete(*args: Any) -> Any:
+        opened = original(*args)
+        # ... and the client deletes the session while b is reading it.
+        asyncio.get_event_loop().create_task(router.dispatcher.close_on_replica(record))
+        return opened
+
+    b.open_document = open_then_delete  # type: ignore[method-assign]
+    client.post("/wim", json={"document_id": doc, "query": "q"})
+    assert client.delete(f"/documents/{doc}").status_code in (204, 404)
+    assert (b.documents == {} and a.documents == {}) or a.dead
+    assert client.get(f"/documents/{doc}").status_code == 404
+    assert router.fleet.table.replica_of(doc) is None
+
+
+def test_ttl_does_not_end_a_session_in_use() -> None:
+    client, router = service(FakeReplica("a"), keys=None)
+    doc = client.post("/documents", json={"context": DOCUMENT, "ttl_s": 5}).json()
+    record = router.documents.get(doc["document_id"])
+    assert record is not None
+    record.in_use = 1
+    record.last_used -= 10  # idle far past its TTL, but a query is running
+    assert router.documents.get(doc["document_id"]) is record
+    assert router.documents.expired(record.last_used + 100) == []
+    record.in_use = 0
+    assert router.documents.get(doc["document_id"]) is None
+
+
+def test_a_transient_actor_error_is_retried_without_losing_the_replica() -> None:
+    class Flaky(FakeClient):
+        failures = 1
+
+        async def stream(self, replica: str, method: str, *args: Any):
+            if self.failures:
+                self.failures -= 1
+                raise ReplicaLost(replica, RuntimeError("unavailable"), transient=True)
+            async for event in super().stream(replica, method, *args):
+                yield event
+
+    router = WiMRouter(
+        None,
+        {"router": {"replica_wait_s": 0}},
+        client=Flaky(FakeReplica("a")),
+        keys=ApiKeys(None),
+        http_host="127.0.0.1",
+    )
+    client = TestClient(build_http_app(router))
+    document = client.post("/documents", json={"context": DOCUMENT}).json()
+    answer = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
+    assert answer.status_code == 200 and answer.json()["replica"] == "a"
+    assert router.fleet.table.is_live("a")
+    assert metric(client, "wim_session_failover_total") == 0
+
+
+def test_claims_name_only_the_sessions_bound_to_each_replica() -> None:
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    client, router = service(a, b, keys=None)
+    doc = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
+    asyncio.run(router._claim_documents())
+    assert a.claimed == [doc] and b.claimed == []
+    client.delete(f"/documents/{doc}")
+    asyncio.run(router._claim_documents())
+    assert a.claimed == []
+    assert json.dumps(a.claimed) == "[]"
