@@ -1,16 +1,21 @@
 """The service end to end: local Ray Serve, two real vLLM engine replicas, real HTTP.
 
-Tests run in file order; the last ones kill and remove replicas.
+Every test starts from the same state, whatever ran before it (the `client` fixture): two
+ready engine replicas, no document session, no KV reserved. Tests wait on conditions (events
+seen, metrics moved), not on clocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-import re
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -35,6 +40,8 @@ ENGINE = {
 }
 ROUTER = {"session_ttl_s": 600, "load_poll_interval_s": 1.0, "replica_wait_s": 240}
 OPTIONS = {"segment_tokens": 192, "margin_max_tokens": 16, "answer_max_tokens": 16}
+MARKER = "Zebulon Quartermaine hid the brass key under the ninth flagstone."
+_deployed = {"replicas": 0}
 
 
 def deploy(replicas: int) -> None:
@@ -56,6 +63,43 @@ def deploy(replicas: int) -> None:
         ],
     }
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+    _deployed["replicas"] = replicas
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = 600) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = condition()
+        except httpx.TransportError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def ready_replicas(client: httpx.Client) -> list[str]:
+    response = client.get("/readyz")
+    return response.json()["replicas"] if response.status_code == 200 else []
+
+
+def metric(client: httpx.Client, name: str, **labels: str) -> float:
+    """Sum of a metric's samples matching `labels` in GET /metrics."""
+    total = 0.0
+    for line in client.get("/metrics").text.splitlines():
+        if not line.startswith((name + "{", name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def settled(client: httpx.Client) -> bool:
+    """No session and no KV reservation on any replica (as the routers' last poll saw)."""
+    return (
+        metric(client, "wim_sessions_active") == 0 and metric(client, "wim_kv_reserved_blocks") == 0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,38 +112,20 @@ def service() -> Iterator[httpx.Client]:
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     deploy(2)
     client = httpx.Client(base_url=BASE, timeout=600)
-    deadline = time.monotonic() + 600
-    ready = None
-    while time.monotonic() < deadline:
-        ready = client.get("/readyz") if _listening() else None
-        if ready is not None and ready.status_code == 200 and len(ready.json()["replicas"]) == 2:
-            break
-        time.sleep(2)
-    else:
-        pytest.fail(f"the service did not become ready: {ready and ready.text}")
     yield client
     client.close()
     serve.shutdown()
     ray.shutdown()
 
 
-def _listening() -> bool:
-    try:
-        httpx.get(f"{BASE}/healthz", timeout=5)
-    except httpx.TransportError:
-        return False
-    return True
-
-
-def metric(client: httpx.Client, name: str, **labels: str) -> float:
-    """Sum of a metric's samples matching `labels` in GET /metrics."""
-    total = 0.0
-    for line in client.get("/metrics").text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+@pytest.fixture
+def client(service: httpx.Client) -> httpx.Client:
+    """Two ready replicas, nothing left over from an earlier test."""
+    if _deployed["replicas"] != 2:
+        deploy(2)
+    wait_for(lambda: len(ready_replicas(service)) == 2, "two ready engine replicas")
+    wait_for(lambda: settled(service), "no session or reservation left over", timeout=120)
+    return service
 
 
 def open_document(client: httpx.Client, text: str) -> dict:
@@ -108,21 +134,67 @@ def open_document(client: httpx.Client, text: str) -> dict:
     return response.json()
 
 
-def test_one_shot_job_over_http(service: httpx.Client, report: str) -> None:
-    response = service.post("/wim", json={"context": report, "query": QUERY, "options": OPTIONS})
+def parse_sse(text: str) -> list[tuple[str, dict]]:
+    """Events of a whole SSE body (split only at blank lines, whatever the chunking was)."""
+    events = []
+    for frame in text.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in frame.splitlines() if ": " in line)
+        if "event" in fields:
+            events.append((fields["event"], json.loads(fields["data"])))
+    return events
+
+
+class Stream:
+    """A streamed POST /wim in a thread: events as they arrive, and the final status."""
+
+    def __init__(self, body: dict) -> None:
+        self.events: list[tuple[str, dict]] = []
+        self.status = 0
+        self._text = ""
+        self._thread = threading.Thread(target=self._run, args=(body,))
+        self._thread.start()
+
+    def _run(self, body: dict) -> None:
+        with (
+            httpx.Client(base_url=BASE, timeout=900) as c,
+            c.stream("POST", "/wim", json={**body, "stream": True}) as response,
+        ):
+            self.status = response.status_code
+            for chunk in response.iter_text():
+                self._text += chunk
+                self.events = parse_sse(self._text)
+
+    def wait_for_event(self, kind: str) -> dict:
+        wait_for(lambda: [d for k, d in self.events if k == kind], f"a {kind} event", 600)
+        return next(d for k, d in self.events if k == kind)
+
+    def join(self) -> list[tuple[str, dict]]:
+        self._thread.join(900)
+        return parse_sse(self._text)
+
+
+def test_one_shot_job_over_http(client: httpx.Client, report: str) -> None:
+    response = client.post("/wim", json={"context": report, "query": QUERY, "options": OPTIONS})
     assert response.status_code == 200, response.text
     body = response.json()
-    assert body["answer"] and body["replica"] and body["session_id"].startswith("job-")
+    assert "4417" in body["answer"], body["answer"]
+    assert body["replica"] and body["session_id"].startswith("job-")
     assert [m["segment"] for m in body["margins"]] == list(range(body["usage"]["segments"]))
     assert body["usage"]["prompt_tokens_cached"] > 0
+    assert response.headers["X-Request-ID"]
 
 
-def test_document_session_is_pinned_and_reuses_its_kv(service: httpx.Client, report) -> None:
-    document = open_document(service, report)
+def test_document_session_is_pinned_and_reuses_its_kv(client: httpx.Client, report) -> None:
+    hits = metric(client, "wim_session_binding_total", result="hit")
+    document = open_document(client, report)
     assert document["context_tokens"] > 1000 and document["segments"] >= 5
+    wait_for(
+        lambda: metric(client, "wim_session_resident_kv_tokens") >= document["context_tokens"],
+        "the session's resident KV tokens in /metrics",
+    )
     replicas = set()
     for query in (QUERY, "Who replaced Margaret Oyelaran?", "How many boats are registered?"):
-        response = service.post(
+        response = client.post(
             "/wim", json={"document_id": document["document_id"], "query": query}
         )
         assert response.status_code == 200, response.text
@@ -134,34 +206,31 @@ def test_document_session_is_pinned_and_reuses_its_kv(service: httpx.Client, rep
         assert usage["prompt_tokens_computed"] - usage["minimal_prompt_tokens"] < 32 * 8
         assert usage["prompt_tokens_cached"] >= (document["context_tokens"] // 32) * 32
     assert replicas == {document["replica"]}
-    assert service.get(f"/documents/{document['document_id']}").json()["replica"] in replicas
-    assert service.delete(f"/documents/{document['document_id']}").status_code == 204
-    gone = service.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
+    assert metric(client, "wim_session_binding_total", result="hit") == hits + 3
+    assert client.get(f"/documents/{document['document_id']}").json()["replica"] in replicas
+    assert client.delete(f"/documents/{document['document_id']}").status_code == 204
+    gone = client.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
     assert gone.status_code == 404 and gone.json()["code"] == "not_found"
 
 
-def test_sse_streams_events_in_order(service: httpx.Client, report: str) -> None:
-    events: list[tuple[str, str]] = []
+def test_sse_streams_events_in_order(client: httpx.Client, report: str) -> None:
     body = {"context": report, "query": QUERY, "options": OPTIONS, "stream": True}
-    with service.stream("POST", "/wim", json=body) as response:
+    with client.stream("POST", "/wim", json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        for block in response.iter_text():
-            events.extend(re.findall(r"event: (\w+)\ndata: (.*)\n\n", block))
+        events = parse_sse(response.read().decode())
     kinds = [k for k, _ in events]
     assert kinds[0] == "segment" and kinds[-1] == "done"
     assert kinds.index("answer") > max(i for i, k in enumerate(kinds) if k == "margin")
     assert max(i for i, k in enumerate(kinds) if k == "segment") < kinds.index("answer")
-    import json
-
-    done = json.loads(events[-1][1])
-    answer = "".join(json.loads(d)["text"] for k, d in events if k == "answer")
+    done = events[-1][1]
+    answer = "".join(d["text"] for k, d in events if k == "answer")
     assert answer.strip() == done["answer"] and done["replica"] and done["usage"]["segments"]
-    segments = [json.loads(d)["segment"] for k, d in events if k == "segment"]
+    segments = [d["segment"] for k, d in events if k == "segment"]
     assert segments == list(range(done["usage"]["segments"]))
 
 
-def test_bad_input_gets_clear_errors(service: httpx.Client) -> None:
+def test_bad_input_gets_clear_errors(client: httpx.Client) -> None:
     cases = [
         ({"context": "   ", "query": QUERY}, 400, "invalid_input"),
         ({"query": QUERY}, 422, "invalid_request"),
@@ -169,70 +238,87 @@ def test_bad_input_gets_clear_errors(service: httpx.Client) -> None:
         ({"context": "Fine.", "query": QUERY, "options": {"relevance": "maybe"}}, 422, None),
         ({"context": "Long. " * 5000, "query": QUERY}, 413, "too_long"),
         ({"document_id": "doc-unknown", "query": QUERY}, 404, "not_found"),
+        # Relevance words that share their first token: refused before any reservation.
+        (
+            {
+                "context": "Fine.",
+                "query": QUERY,
+                "options": {"prompts": {"yes": "Nope", "no": "Nah"}},
+            },
+            400,
+            "invalid_input",
+        ),
     ]
     for body, status, code in cases:
-        response = service.post("/wim", json=body)
+        response = client.post("/wim", json=body)
         assert response.status_code == status, (body, response.text)
         assert response.json()["message"]
         if code:
             assert response.json()["code"] == code
-    assert service.post("/documents", json={"context": ""}).status_code == 422
-    assert service.get("/healthz").json() == {"status": "ok"}
+    assert client.post("/documents", json={"context": ""}).status_code == 422
+    assert client.get("/healthz").json() == {"status": "ok"}
+    wait_for(lambda: settled(client), "no reservation left by the refused requests", 60)
+    again = client.post("/wim", json={"context": "The gate code is 4417.", "query": QUERY})
+    assert again.status_code == 200, again.text
 
 
-def test_overload_answers_429_then_recovers(service: httpx.Client, report: str) -> None:
+def test_a_full_service_answers_429_then_recovers(client: httpx.Client, report: str) -> None:
+    rejected = metric(client, "wim_session_binding_total", result="rejected")
     opened, refused = [], None
     for _ in range(12):  # 2 replicas x max_sessions 4 at most, KV usually fills first
-        response = service.post("/documents", json={"context": report, "options": OPTIONS})
+        response = client.post("/documents", json={"context": report, "options": OPTIONS})
         if response.status_code != 201:
             refused = response
             break
         opened.append(response.json()["document_id"])
-    assert refused is not None and refused.status_code in (429, 503), refused
+    assert refused is not None and refused.status_code == 429, refused
     assert int(refused.headers["Retry-After"]) >= 1
     assert refused.json()["code"] == "overloaded"
+    assert metric(client, "wim_session_binding_total", result="rejected") == rejected + 1
+    assert metric(client, "wim_requests_total", status="429") >= 1
     for document_id in opened:
-        assert service.delete(f"/documents/{document_id}").status_code == 204
-    time.sleep(2)  # the next load poll sees the freed reservations
-    after = service.post("/wim", json={"context": report, "query": QUERY, "options": OPTIONS})
+        assert client.delete(f"/documents/{document_id}").status_code == 204
+    wait_for(lambda: settled(client), "the freed reservations in the next load poll", 60)
+    after = client.post("/wim", json={"context": report, "query": QUERY, "options": OPTIONS})
     assert after.status_code == 200, after.text
-    if refused.status_code == 429:  # refused by the router's placement, not an engine's queue
-        assert metric(service, "wim_session_binding_total", result="rejected") >= 1
 
 
-def test_metrics_are_exported_and_move(service: httpx.Client, report: str) -> None:
+def test_metrics_are_exported_and_move(client: httpx.Client, report: str) -> None:
     from wim_service.serving.metrics import METRIC_NAMES
 
-    text = service.get("/metrics").text
+    text = client.get("/metrics").text
     for name in METRIC_NAMES:
         assert f"# TYPE {name.removesuffix('_total')} " in text or f"# TYPE {name} " in text, name
-    assert re.search(r'^vllm:num_requests_running\{.*replica="', text, re.M)
-    before = metric(service, "wim_requests_total", status="200")
-    margins = metric(service, "wim_margins_total")
-    assert (
-        service.post(
-            "/wim", json={"context": report, "query": QUERY, "options": OPTIONS}
-        ).status_code
-        == 200
-    )
-    assert metric(service, "wim_requests_total", status="200") == before + 1
-    assert metric(service, "wim_margins_total") > margins
+    assert "doc-" not in text  # no document ids in metrics
+    moving = {
+        ("wim_requests_total", (("status", "200"),)): 1,
+        ("wim_session_binding_total", (("result", "new"),)): 1,
+        ("wim_margins_total", ()): 1,
+        ("wim_segment_prefill_seconds_count", ()): 1,
+        ("wim_margin_seconds_count", ()): 1,
+        ("wim_query_ttft_seconds_count", ()): 1,
+        ("wim_request_seconds_count", ()): 1,
+        ("wim_prefix_cache_hit_tokens_total", ()): 1,
+        ("vllm:prompt_tokens_total", ()): 1,
+    }
+    before = {key: metric(client, key[0], **dict(key[1])) for key in moving}
+    response = client.post("/wim", json={"context": report, "query": QUERY, "options": OPTIONS})
+    assert response.status_code == 200
+    for key, at_least in moving.items():
+        assert metric(client, key[0], **dict(key[1])) >= before[key] + at_least, key
 
 
-def test_client_disconnect_cancels_the_job(service: httpx.Client, report: str) -> None:
+def test_client_disconnect_cancels_the_job(client: httpx.Client, report: str) -> None:
+    aborted = metric(client, "vllm:request_success_total", finished_reason="abort")
     body = {"context": report * 2, "query": QUERY, "options": OPTIONS, "stream": True}
-    with service.stream("POST", "/wim", json=body) as response:
+    with client.stream("POST", "/wim", json=body) as response:
         for block in response.iter_text():
             if "event: segment" in block:
-                break
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        sessions = metric(service, "wim_sessions_active")
-        if sessions == 0:
-            break
-        time.sleep(1)
-    assert sessions == 0
-    assert metric(service, "wim_requests_total", status="499") >= 1
+                break  # leave after the first segment: the job is far from done
+    wait_for(lambda: metric(client, "wim_requests_total", status="499") >= 1, "a 499", 120)
+    wait_for(lambda: settled(client), "the cancelled job's KV returned", 120)
+    # It stopped early: the engine aborted its context (and any margin in flight).
+    assert metric(client, "vllm:request_success_total", finished_reason="abort") > aborted
 
 
 def _replica_actor(replica: str):
@@ -243,73 +329,204 @@ def _replica_actor(replica: str):
     return ray.get_actor(replica_id.to_full_id_str(), namespace="serve")
 
 
+def _engine_core_pid(replica: str) -> int:
+    import psutil
+    from ray.util.state import get_actor
+
+    actor = get_actor(_replica_actor(replica)._actor_id.hex())
+    assert actor is not None and actor.pid
+    cores = [
+        p
+        for p in psutil.Process(actor.pid).children(recursive=True)
+        if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()
+    ]
+    assert len(cores) == 1, cores
+    return cores[0].pid
+
+
 def test_killing_the_pinned_replica_mid_request_still_answers(
-    service: httpx.Client, report: str
+    client: httpx.Client, report: str
 ) -> None:
     import ray
 
-    document = open_document(service, report)
-    failovers = metric(service, "wim_session_failover_total")
-    reprefilled = metric(service, "wim_reprefill_tokens_total")
-    result: dict = {}
-
-    def ask() -> None:
-        result["response"] = service.post(
-            "/wim",
-            json={
-                "document_id": document["document_id"],
-                "query": QUERY,
-                "options": {"margin_max_tokens": 48, "answer_max_tokens": 48},
-            },
-        )
-
-    thread = threading.Thread(target=ask)
-    thread.start()
-    time.sleep(1.0)  # the query is running on the pinned replica
+    document = open_document(client, report)
+    failovers = metric(client, "wim_session_failover_total", reason="replica_lost")
+    reprefilled = metric(client, "wim_reprefill_tokens_total")
+    stream = Stream(
+        {
+            "document_id": document["document_id"],
+            "query": QUERY,
+            "options": {"margin_max_tokens": 48, "answer_max_tokens": 48},
+        }
+    )
+    stream.wait_for_event("margin")  # the query is running on the pinned replica
     ray.kill(_replica_actor(document["replica"]), no_restart=True)
-    thread.join(600)
-    response = result["response"]
-    assert response.status_code == 200, response.text
-    body = response.json()
-    assert body["answer"] and body["replica"] != document["replica"]
-    assert metric(service, "wim_session_failover_total") > failovers
-    assert metric(service, "wim_reprefill_tokens_total") >= reprefilled + document["context_tokens"]
+    events = stream.join()
+    assert stream.status == 200
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "done", events[-3:]
+    margins = [d["segment"] for k, d in events if k == "margin"]
+    assert len(margins) == len(set(margins)) == document["segments"]  # none repeated
+    done = events[-1][1]
+    assert done["answer"] and done["replica"] != document["replica"]
+    assert metric(client, "wim_session_failover_total", reason="replica_lost") > failovers
+    assert metric(client, "wim_reprefill_tokens_total") >= reprefilled + document["context_tokens"]
     # The session now lives on the new replica and is served from its pinned KV there.
-    again = service.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
-    assert again.status_code == 200 and again.json()["replica"] == body["replica"]
-    assert service.delete(f"/documents/{document['document_id']}").status_code == 204
+    again = client.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
+    assert again.status_code == 200 and again.json()["replica"] == done["replica"]
+    assert client.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
-def test_scale_down_drains_and_keeps_sessions(service: httpx.Client, report: str) -> None:
+def test_engine_process_death_fails_over_and_the_replica_leaves(
+    client: httpx.Client, report: str
+) -> None:
+    """SIGKILL of the pinned replica's EngineCore process mid-stream: the query completes on
+    the other replica, the session moves, and the dead replica stops taking work."""
+    document = open_document(client, report)
+    dead = document["replica"]
+    stream = Stream({"document_id": document["document_id"], "query": QUERY})
+    stream.wait_for_event("margin")
+    os.kill(_engine_core_pid(dead), signal.SIGKILL)
+    events = stream.join()
+    assert stream.status == 200 and events[-1][0] == "done", events[-3:]
+    assert events[-1][1]["replica"] != dead
+    wait_for(lambda: dead not in ready_replicas(client), "the dead replica off /readyz", 60)
+    # A new one-shot job goes to a live engine, and the session answers from its new home.
+    for body in (
+        {"context": report, "query": QUERY, "options": OPTIONS},
+        {"document_id": document["document_id"], "query": QUERY},
+    ):
+        response = client.post("/wim", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["replica"] != dead
+    assert client.delete(f"/documents/{document['document_id']}").status_code == 204
+
+
+def test_scale_down_drains_and_moves_sessions(client: httpx.Client, report: str) -> None:
     """Scale to one replica: running work finishes, sessions of the leaving replica move."""
-    # Wait for the replacement of the replica killed above: two replicas again.
-    deadline = time.monotonic() + 600
-    while len(service.get("/readyz").json()["replicas"]) < 2 and time.monotonic() < deadline:
-        time.sleep(2)
-    documents = [open_document(service, report) for _ in range(2)]
-    results: list[httpx.Response] = []
+    documents = [open_document(client, report)]
+    while len({d["replica"] for d in documents}) < 2:  # a session on each replica
+        documents.append(open_document(client, report))
+    moved = metric(client, "wim_session_failover_total", reason="replica_left")
+    streams = [Stream({"document_id": d["document_id"], "query": QUERY}) for d in documents]
+    for stream in streams:
+        stream.wait_for_event("margin")
+    draining_seen = threading.Event()
 
-    async def ask_all() -> None:
-        async with httpx.AsyncClient(base_url=BASE, timeout=600) as client:
-            calls = [
-                client.post("/wim", json={"document_id": d["document_id"], "query": QUERY})
-                for d in documents
-            ]
-            results.extend(await asyncio.gather(*calls))
+    def watch_draining() -> None:
+        while not draining_seen.is_set() and any(s._thread.is_alive() for s in streams):
+            if metric(client, "wim_replica_draining") >= 1:
+                draining_seen.set()
+            time.sleep(0.2)
 
-    thread = threading.Thread(target=lambda: asyncio.run(ask_all()))
-    thread.start()
-    time.sleep(0.5)
+    watcher = threading.Thread(target=watch_draining)
+    watcher.start()
     deploy(1)
-    thread.join(600)
-    assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
-    while len(service.get("/readyz").json()["replicas"]) > 1 and time.monotonic() < deadline:
-        time.sleep(1)
-    (survivor,) = service.get("/readyz").json()["replicas"]
-    # Every session still answers, now from the surviving replica.
+    results = [stream.join() for stream in streams]
+    watcher.join(60)
+    assert [s.status for s in streams] == [200] * len(streams)
+    assert all(events[-1][0] == "done" for events in results)
+    assert draining_seen.is_set(), "wim_replica_draining never went to 1"
+    (survivor,) = wait_for(
+        lambda: (r := ready_replicas(client)) and len(r) == 1 and r, "one replica left"
+    )
+    # Every session still answers, now from the surviving replica; those of the leaving one
+    # were moved (counted as replica_left).
     for document in documents:
-        response = service.post(
+        response = client.post(
             "/wim", json={"document_id": document["document_id"], "query": QUERY}
         )
         assert response.status_code == 200, response.text
         assert response.json()["replica"] == survivor
+    assert metric(client, "wim_session_failover_total", reason="replica_left") > moved
+    for document in documents:
+        client.delete(f"/documents/{document['document_id']}")
+
+
+def test_a_replica_started_while_calls_run_is_used_within_seconds(
+    client: httpx.Client, report: str
+) -> None:
+    """Scale 1 -> 2 while jobs run: the new replica reports its load within seconds of Serve
+    marking it running (it once stayed unreachable for minutes)."""
+    from ray import serve
+
+    deploy(1)
+    wait_for(lambda: len(ready_replicas(client)) == 1, "one replica")
+    stop = threading.Event()
+
+    def keep_busy() -> None:
+        with httpx.Client(base_url=BASE, timeout=600) as c:
+            while not stop.is_set():
+                c.post("/wim", json={"context": report, "query": QUERY, "options": OPTIONS})
+
+    workers = [threading.Thread(target=keep_busy) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        deploy(2)
+
+        def serve_running() -> bool:
+            app = serve.status().applications["wim"]
+            engine = app.deployments["EngineReplica"]
+            return engine.replica_states.get("RUNNING", 0) == 2
+
+        wait_for(serve_running, "Serve to run two engine replicas")
+        running_at = time.monotonic()
+        wait_for(lambda: len(ready_replicas(client)) == 2, "the router to reach both", 120)
+        assert time.monotonic() - running_at < 30
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(900)
+
+
+def test_no_document_text_or_id_reaches_the_logs(client: httpx.Client, report: str) -> None:
+    import ray
+
+    text = report.replace("Section 2.", MARKER + " Section 2.")
+    document = open_document(client, text)
+    response = client.post(
+        "/wim", json={"document_id": document["document_id"], "query": "Where is the brass key?"}
+    )
+    assert response.status_code == 200
+    assert client.delete(f"/documents/{document['document_id']}").status_code == 204
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    found = []
+    for path in logs.rglob("*"):
+        if path.is_file():
+            content = path.read_bytes()
+            for needle in (MARKER.encode(), b"brass key", document["document_id"].encode()):
+                if needle in content:
+                    found.append((path.name, needle))
+    assert not found, found
+
+
+def test_after_hostile_traffic_the_service_is_healthy(client: httpx.Client) -> None:
+    """A bounded flood of concurrent malformed and oversized requests: only 4xx, then a
+    normal job succeeds and nothing is left reserved."""
+
+    async def flood() -> list[int]:
+        bodies: list[Any] = [
+            b"{not json",
+            b'{"context": "\\ud800", "query": "q"}',
+            b'{"context": 5, "query": "q"}',
+            b'{"context": "x", "query": ""}',
+            b'{"context": "x", "query": "q", "options": {"margin_max_tokens": 0}}',
+            b'{"context": "x", "query": "q", "options": {"stop_token_ids": [99999999]}}',
+        ]
+        async with httpx.AsyncClient(base_url=BASE, timeout=120) as c:
+            calls = [
+                c.post(
+                    "/wim",
+                    content=bodies[i % len(bodies)],
+                    headers={"content-type": "application/json"},
+                )
+                for i in range(60)
+            ]
+            return [r.status_code for r in await asyncio.gather(*calls)]
+
+    statuses = asyncio.run(flood())
+    assert statuses and all(400 <= s < 500 for s in statuses), sorted(set(statuses))
+    wait_for(lambda: settled(client), "no reservation left", 60)
+    ok = client.post("/wim", json={"context": "The gate code is 4417.", "query": QUERY})
+    assert ok.status_code == 200

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from wim_service.wim.events import Timings, Usage
-from wim_service.wim.options import WiMOptions
+from wim_service.wim.options import Utf8Text, WiMOptions
+
+# Longest query the API takes (characters); a document's limit is the router's
+# `max_document_chars` (413), checked before tokenization.
+MAX_QUERY_CHARS = 20_000
 
 
 class WiMRequest(BaseModel):
@@ -13,9 +17,11 @@ class WiMRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    context: str | None = Field(None, description="The document, for a one-shot job.")
-    document_id: str | None = Field(None, description="A document session from POST /documents.")
-    query: str = Field(..., min_length=1)
+    context: Utf8Text | None = Field(None, description="The document, for a one-shot job.")
+    document_id: str | None = Field(
+        None, max_length=128, description="A document session from POST /documents."
+    )
+    query: Utf8Text = Field(..., min_length=1, max_length=MAX_QUERY_CHARS)
     options: WiMOptions = Field(default_factory=WiMOptions)
     stream: bool = Field(False, description="Answer as text/event-stream.")
 
@@ -46,7 +52,7 @@ class DocumentRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    context: str = Field(..., min_length=1)
+    context: Utf8Text = Field(..., min_length=1)
     ttl_s: float | None = Field(None, gt=0, description="Idle lifetime (default: server's).")
     options: WiMOptions = Field(default_factory=WiMOptions)
 

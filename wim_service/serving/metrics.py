@@ -83,6 +83,12 @@ class WiMMetrics:
             "Prompt tokens served from the KV/prefix cache.",
             registry=r,
         )
+        self.kv_reserved_blocks = Gauge(
+            "wim_kv_reserved_blocks",
+            "KV blocks reserved by running jobs and document sessions, per replica.",
+            ["replica"],
+            registry=r,
+        )
         self.replica_draining = Gauge(
             "wim_replica_draining",
             "1 while a replica takes no new sessions.",
@@ -134,4 +140,5 @@ METRIC_NAMES = (
     "wim_reprefill_tokens_total",
     "wim_prefix_cache_hit_tokens_total",
     "wim_replica_draining",
+    "wim_kv_reserved_blocks",
 )
