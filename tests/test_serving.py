@@ -44,12 +44,18 @@ MARKER = "Zebulon Quartermaine hid the brass key under the ninth flagstone."
 _deployed = {"replicas": 0}
 
 
-def deploy(replicas: int) -> None:
+def deploy(replicas: int, autoscaling: dict | None = None) -> None:
     """Deploy the app as `serve deploy` would: from a config, so that changing only
-    `num_replicas` later is a lightweight update (the router, with its sessions, stays)."""
+    `num_replicas` later is a lightweight update (the router, with its sessions, stays).
+    With `autoscaling`, `replicas` is the autoscaler's minimum."""
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
+    engine: dict[str, Any] = {"name": "EngineReplica"}
+    if autoscaling is None:
+        engine["num_replicas"] = replicas
+    else:
+        engine["autoscaling_config"] = {"min_replicas": replicas, **autoscaling}
     config = {
         "http_options": {"host": "127.0.0.1", "port": PORT},
         "applications": [
@@ -58,12 +64,12 @@ def deploy(replicas: int) -> None:
                 "route_prefix": "/",
                 "import_path": "wim_service.serving.app:build_app",
                 "args": {"engine": ENGINE, "router": ROUTER},
-                "deployments": [{"name": "EngineReplica", "num_replicas": replicas}],
+                "deployments": [engine],
             }
         ],
     }
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
-    _deployed["replicas"] = replicas
+    _deployed["replicas"] = replicas if autoscaling is None else -1
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout: float = 600) -> Any:
@@ -530,3 +536,43 @@ def test_after_hostile_traffic_the_service_is_healthy(client: httpx.Client) -> N
     wait_for(lambda: settled(client), "no reservation left", 60)
     ok = client.post("/wim", json={"context": "The gate code is 4417.", "query": QUERY})
     assert ok.status_code == 200
+
+
+def test_parked_sessions_start_a_second_replica_before_anyone_is_refused(
+    client: httpx.Client, report: str
+) -> None:
+    """Autoscaling on reserved KV: sessions that hold KV with no request running fill one
+    replica; the autoscaler adds a second before a new session would be refused."""
+    deploy(
+        1,
+        {
+            "max_replicas": 2,
+            "target_ongoing_requests": 100,  # requests alone would never scale up
+            "upscale_delay_s": 1,
+            "downscale_delay_s": 600,
+            "metrics_interval_s": 1,
+            "look_back_period_s": 2,
+            "policy": {
+                "policy_function": "wim_service.serving.autoscaling:KVAwarePolicy",
+                "policy_kwargs": {"target_kv_fraction": 0.5},
+            },
+        },
+    )
+    wait_for(lambda: len(ready_replicas(client)) == 1, "the autoscaler's one replica", 300)
+    documents = []
+    try:
+        while len(ready_replicas(client)) < 2:
+            response = client.post("/documents", json={"context": report, "options": OPTIONS})
+            assert response.status_code == 201, (len(documents), response.text)
+            documents.append(response.json())
+            if len(documents) >= 2:  # room for two on one replica: now wait for the second
+                wait_for(lambda: len(ready_replicas(client)) == 2, "a second replica", 300)
+        assert len({d["replica"] for d in documents}) == 1  # all parked on the first one
+        third = client.post("/documents", json={"context": report, "options": OPTIONS})
+        assert third.status_code == 201 and third.json()["replica"] not in {
+            d["replica"] for d in documents
+        }
+        documents.append(third.json())
+    finally:
+        for document in documents:
+            client.delete(f"/documents/{document['document_id']}")

@@ -174,6 +174,17 @@ class EngineReplica:
             healthy=self.backend.healthy,
         )
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (`serving/autoscaling.py`): how full this
+        replica's KV is with reservations, parked document sessions included."""
+        from wim_service.serving.autoscaling import KV_RESERVED_FRACTION
+
+        admission = self.backend.load()
+        return {
+            KV_RESERVED_FRACTION: admission.reserved_blocks / max(1, admission.capacity_blocks),
+            "documents": float(len(self.documents)),
+        }
+
     def metrics_text(self) -> str:
         """This engine's own `vllm:*` Prometheus metrics (the router adds a replica label)."""
         return generate_latest(REGISTRY).decode()

@@ -1,0 +1,55 @@
+"""The engine autoscaling policy: replicas for the requests or for the reserved KV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from wim_service.serving.autoscaling import KV_RESERVED_FRACTION, KVAwarePolicy
+
+
+@dataclass
+class Config:
+    target: float = 4.0
+
+    def get_target_ongoing_requests(self) -> float:
+        return self.target
+
+
+@dataclass
+class Context:
+    current_num_replicas: int
+    total_num_requests: float
+    kv: dict[str, float] = field(default_factory=dict)
+    target_num_replicas: int = 1
+    config: Config = field(default_factory=Config)
+
+    @property
+    def aggregated_metrics(self) -> dict[str, Any]:
+        return {KV_RESERVED_FRACTION: self.kv}
+
+
+def test_parked_sessions_scale_up_with_no_request_running() -> None:
+    policy = KVAwarePolicy(target_kv_fraction=0.6)
+    desired, _ = policy(Context(1, 0, {"a": 0.9}))
+    assert desired == pytest.approx(1.5)  # Serve rounds up: a second replica
+    assert policy(Context(2, 0, {"a": 0.3, "b": 0.2}))[0] < 1  # half empty: may shrink
+
+
+def test_requests_still_count() -> None:
+    policy = KVAwarePolicy()
+    assert policy(Context(1, 12, {"a": 0.1}))[0] == 3
+
+
+def test_no_scale_down_while_requests_run() -> None:
+    policy = KVAwarePolicy()
+    assert policy(Context(3, 1, {"a": 0.0, "b": 0.0, "c": 0.0}))[0] == 3
+    assert policy(Context(3, 0, {"a": 0.0, "b": 0.0, "c": 0.0}))[0] == 0
+
+
+def test_no_replica_keeps_the_target() -> None:
+    assert KVAwarePolicy()(Context(0, 5, target_num_replicas=1))[0] == 1
+    with pytest.raises(ValueError):
+        KVAwarePolicy(target_kv_fraction=0)
