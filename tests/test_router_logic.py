@@ -7,6 +7,7 @@ router, its HTTP app, placement, failover and metrics are the real ones.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -246,7 +247,8 @@ def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() ->
     assert kinds[-1] == "done" and events[-1][1]["replica"] == "b"
     work = [call for call in b.calls if call not in ("load", "claim")]
     assert work[:2] == ["open_document", "query_document"]  # rebuilt, then asked
-    assert router.fleet.table.replica_of(document["document_id"]) == "b"
+    moved = asyncio.run(router.documents.get(document["document_id"]))
+    assert moved is not None and moved.replica == "b"
     assert metric(client, "wim_session_failover_total", reason="replica_lost") == 1
     assert metric(client, "wim_reprefill_tokens_total") == len(DOCUMENT) // 4
     again = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})

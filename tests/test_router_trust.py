@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -183,8 +184,6 @@ def test_a_delete_during_failover_never_brings_the_session_back() -> None:
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
     client, router = service(a, b, keys=None)
     doc = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
-    record = router.documents.get(doc)
-    assert record is not None
     a.dead = True  # the next query fails over and re-reads the document on b ...
 
     original = b.open_document
@@ -192,7 +191,7 @@ def test_a_delete_during_failover_never_brings_the_session_back() -> None:
     def open_then_delete(*args: Any) -> Any:
         opened = original(*args)
         # ... and the client deletes the session while b is reading it.
-        asyncio.get_event_loop().create_task(router.dispatcher.close_on_replica(record))
+        asyncio.get_event_loop().create_task(router.dispatcher.close_document(doc))
         return opened
 
     b.open_document = open_then_delete  # type: ignore[method-assign]
@@ -200,20 +199,36 @@ def test_a_delete_during_failover_never_brings_the_session_back() -> None:
     assert client.delete(f"/documents/{doc}").status_code in (204, 404)
     assert (b.documents == {} and a.documents == {}) or a.dead
     assert client.get(f"/documents/{doc}").status_code == 404
-    assert router.fleet.table.replica_of(doc) is None
+    assert asyncio.run(router.documents.get(doc)) is None
 
 
 def test_ttl_does_not_end_a_session_in_use() -> None:
-    client, router = service(FakeReplica("a"), keys=None)
-    doc = client.post("/documents", json={"context": DOCUMENT, "ttl_s": 5}).json()
-    record = router.documents.get(doc["document_id"])
-    assert record is not None
-    record.in_use = 1
-    record.last_used -= 10  # idle far past its TTL, but a query is running
-    assert router.documents.get(doc["document_id"]) is record
-    assert router.documents.expired(record.last_used + 100) == []
-    record.in_use = 0
-    assert router.documents.get(doc["document_id"]) is None
+    class Slow(FakeClient):
+        async def stream(self, replica: str, method: str, *args: Any):
+            await asyncio.sleep(1.0)  # a query running past the session's TTL
+            async for event in super().stream(replica, method, *args):
+                yield event
+
+    a = FakeReplica("a")
+    router = WiMRouter(
+        None,
+        {"router": {"replica_wait_s": 0}},
+        client=Slow(a),
+        keys=ApiKeys(None),
+        http_host="127.0.0.1",
+    )
+    client = TestClient(build_http_app(router))
+    doc = client.post("/documents", json={"context": DOCUMENT, "ttl_s": 0.4}).json()
+    query = {"document_id": doc["document_id"], "query": "q"}
+    assert client.post("/wim", json=query).status_code == 200
+    asyncio.run(router._expire_documents())
+    # The TTL counts from the query's end: the session is still there, and still pinned.
+    assert client.get(f"/documents/{doc['document_id']}").status_code == 200
+    assert list(a.documents) == [doc["document_id"]]
+    time.sleep(0.5)
+    assert client.get(f"/documents/{doc['document_id']}").status_code == 404
+    asyncio.run(router._expire_documents())
+    assert a.documents == {}  # expired: its KV is freed
 
 
 def test_a_transient_actor_error_is_retried_without_losing_the_replica() -> None:

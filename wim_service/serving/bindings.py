@@ -54,8 +54,12 @@ class BindingTable:
         load = self.loads.get(replica)
         return load is not None and load.healthy
 
-    def place(self, session: str, needed_blocks: int, *, exclude: set[str] | None = None) -> str:
-        """Bind `session` to the least-loaded live replica that can hold `needed_blocks`."""
+    def place(
+        self, session: str | None, needed_blocks: int, *, exclude: set[str] | None = None
+    ) -> str:
+        """Bind `session` to the least-loaded live replica that can hold `needed_blocks`. With
+        `session` None the replica is only chosen: document sessions are bound in the session
+        store (compare-and-set), shared by every router."""
         candidates = [
             load
             for load in self.loads.values()
@@ -65,7 +69,8 @@ class BindingTable:
         if not fitting:
             raise NoCapacity(needed_blocks, len(candidates))
         best = max(fitting, key=lambda load: (load.room_blocks, -load.sessions, load.replica))
-        self.bindings[session] = best.replica
+        if session is not None:
+            self.bindings[session] = best.replica
         # Count the reservation now: the replica reports it only on its next poll, and a burst
         # of new sessions must not all land on the same "emptiest" replica meanwhile.
         best.reserved_blocks += needed_blocks

@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from wim_service.serving.bindings import BindResult
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.contracts import DocumentOpened, OpenResult
-from wim_service.serving.documents import DocumentRecord
+from wim_service.serving.documents import DocumentTable
 from wim_service.serving.errors import HTTPFailure
 from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.metrics import WiMMetrics
@@ -25,6 +25,7 @@ from wim_service.serving.plain import PlainParams, plain_blocks
 from wim_service.serving.replica_client import ReplicaClient, ReplicaLost
 from wim_service.serving.responses import Item
 from wim_service.serving.sizing import JobSizer
+from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
@@ -36,8 +37,8 @@ TRANSIENT_RETRIES = 2
 TRANSIENT_BACKOFF_S = 0.5
 
 
-def _gone(record: DocumentRecord) -> HTTPFailure:
-    return HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {record.document_id!r}")
+def _gone(document_id: str) -> HTTPFailure:
+    return HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
 
 
 @dataclass
@@ -74,78 +75,113 @@ class Dispatcher:
         self,
         client: ReplicaClient,
         fleet: ReplicaFleet,
+        documents: DocumentTable,
         sizer: JobSizer,
         config: RouterConfig,
         metrics: WiMMetrics,
     ) -> None:
         self.client = client
         self.fleet = fleet
+        self.documents = documents
         self.sizer = sizer
         self.config = config
         self.metrics = metrics
 
     # -- document sessions -----------------------------------------------------------------
 
-    async def open_on_replica(self, record: DocumentRecord, exclude: set[str]) -> str:
-        """Read the document on a replica (placing it first); retried elsewhere if one dies."""
-        needed = await self.sizer.needed_blocks(record.text, record.options, None)
+    async def open_document(self, session: StoredSession, text: str) -> StoredSession:
+        """Read a new document on a replica with room and store its session, bound there."""
+        replica, opened = await self._read(session, text, set())
+        try:
+            return await self.documents.add(
+                replace(
+                    session,
+                    replica=replica,
+                    context_tokens=opened.context_tokens,
+                    segments=opened.segments,
+                ),
+                text,
+            )
+        except HTTPFailure:
+            # Not stored (the store is down): no KV may stay pinned for a session nobody has.
+            await self._close_on(replica, session.session_id)
+            raise
+
+    async def _read(
+        self, session: StoredSession, text: str, exclude: set[str]
+    ) -> tuple[str, DocumentOpened]:
+        """Read the document on a replica with room; retried elsewhere if one dies."""
+        needed = await self.sizer.needed_blocks(text, session.options, None)
         while True:
-            replica = await self.fleet.place(record.document_id, needed, exclude)
+            replica = await self.fleet.place(None, needed, exclude)
             try:
                 result: OpenResult = await self.client.call(
-                    replica,
-                    "open_document",
-                    record.document_id,
-                    record.text,
-                    record.options,
+                    replica, "open_document", session.session_id, text, session.options
                 )
             except ReplicaLost:
                 self.fleet.lost(replica, "replica_lost")
                 exclude.add(replica)
                 continue
             if isinstance(result, ErrorEvent):
-                self.fleet.table.unbind(record.document_id)
                 raise HTTPFailure(result.code, result.message, result.retry_after_s)
             assert isinstance(result, DocumentOpened)
-            if record.closed:
-                # Deleted while it was being read: the copy must not outlive the DELETE.
-                await self._close_on(replica, record.document_id)
-                raise _gone(record)
-            record.context_tokens = result.context_tokens
-            record.segments = result.segments
-            return replica
+            return replica, result
 
-    async def close_on_replica(self, record: DocumentRecord) -> None:
-        """End a session for good: no failover or re-read can bring it back after this."""
-        record.closed = True
-        async with record.lock:  # a re-bind in progress finishes (and sees `closed`) first
-            replica = self.fleet.table.replica_of(record.document_id)
-            self.fleet.table.unbind(record.document_id)
-        if replica is not None:
-            await self._close_on(replica, record.document_id)
+    async def close_document(self, document_id: str) -> bool:
+        """End a session for every router at once (DELETE); False if there was none. Its
+        tombstone stops any failover in flight from binding it again."""
+        ended = await self.documents.remove(document_id)
+        if ended is not None:
+            await self.close_ended(ended)
+        return ended is not None
+
+    async def close_ended(self, session: StoredSession) -> None:
+        """Free an ended session's KV on its replica."""
+        if session.replica is not None:
+            await self._close_on(session.replica, session.session_id)
 
     async def _close_on(self, replica: str, document_id: str) -> None:
         # A replica that cannot be reached reaps the session itself once no router claims it.
         with contextlib.suppress(Exception):
             await self.client.call(replica, "close_document", document_id)
 
-    async def document_replica(self, record: DocumentRecord) -> str:
-        """The replica holding the document; rebuilt elsewhere if its replica is gone."""
-        if record.closed:
-            raise _gone(record)
-        replica = self.fleet.table.replica_of(record.document_id)
-        if replica is not None and self.fleet.table.is_live(replica):
-            self.metrics.binding.labels(BindResult.HIT).inc()
-            return replica
-        reason = "replica_left" if replica is not None else "session_lost"
-        return await self._repin(record, replica, reason)
+    async def document_replica(self, document_id: str) -> str:
+        """The replica holding the document; rebuilt elsewhere if its replica is gone. The
+        binding in the store decides: another router may have moved or ended the session."""
+        while True:
+            session = await self.documents.get(document_id)
+            if session is None:
+                raise _gone(document_id)
+            if session.replica is not None and self.fleet.table.is_live(session.replica):
+                self.metrics.binding.labels(BindResult.HIT).inc()
+                return session.replica
+            reason = "replica_left" if session.replica is not None else "session_lost"
+            moved = await self._repin(session, reason)
+            if moved is not None:
+                return moved
 
-    async def _repin(self, record: DocumentRecord, old: str | None, reason: str) -> str:
+    async def _repin(self, session: StoredSession, reason: str) -> str | None:
+        """Rebuild the session on another replica, then bind it there by compare-and-set; None
+        if another router moved or ended it first (the copy made here is closed again)."""
+        old, document_id = session.replica, session.session_id
         if old is not None:
             self.fleet.lost(old, reason)
-        replica = await self.open_on_replica(record, {old} if old else set())
+        text = await self.documents.text(document_id)
+        if text is None:
+            raise _gone(document_id)
+        replica, _ = await self._read(session, text, {old} if old else set())
+        try:
+            moved = await self.documents.rebind(document_id, old, replica)
+        except HTTPFailure:
+            await self._close_on(replica, document_id)
+            raise
+        if not moved:
+            current = await self.documents.get(document_id)
+            if current is None or current.replica != replica:
+                await self._close_on(replica, document_id)
+            return None
         self.metrics.binding.labels(BindResult.REPIN).inc()
-        self.metrics.reprefill_tokens.inc(record.context_tokens)
+        self.metrics.reprefill_tokens.inc(session.context_tokens)
         # Document ids stay out of logs at the default level (they name customers' data).
         logger.info("a document session moved %s -> %s (%s)", old, replica, reason)
         return replica
@@ -159,15 +195,16 @@ class Dispatcher:
         options: WiMOptions,
         *,
         context: str | None = None,
-        record: DocumentRecord | None = None,
+        record: StoredSession | None = None,
     ) -> AsyncIterator[Item]:
         """Events of one job as (replica, event), failing over when its replica is lost.
 
         A one-shot job (`context`) is placed under `session_id` and unbound when it ends; a
-        query on a document session (`record`) goes to the session's replica.
+        query on a document session (`record`) goes to the session's replica, and holds the
+        session (no TTL ends it) while it runs.
         """
         if record is not None:
-            record.in_use += 1
+            await self.documents.hold(record.session_id)
         try:
             async for item in self._attempts(session_id, query, options, context, record):
                 yield item
@@ -175,8 +212,7 @@ class Dispatcher:
             if record is None:
                 self.fleet.table.unbind(session_id)
             else:
-                record.in_use -= 1
-                record.touch()
+                await self.documents.release(record.session_id)
 
     async def plain(
         self, session_id: str, prompt_ids: list[int], params: PlainParams
@@ -202,7 +238,7 @@ class Dispatcher:
         query: str,
         options: WiMOptions,
         context: str | None,
-        record: DocumentRecord | None,
+        record: StoredSession | None,
     ) -> AsyncIterator[Item]:
         progress = StreamProgress()
         failovers = transient_retries = 0
@@ -211,12 +247,9 @@ class Dispatcher:
         while True:
             progress.new_attempt()
             if record is not None:
-                async with record.lock:
-                    replica = await self.document_replica(record)
-                record.touch()
-                events = self.client.stream(
-                    replica, "query_document", record.document_id, query, options
-                )
+                async with self.documents.lock(session_id):
+                    replica = await self.document_replica(session_id)
+                events = self.client.stream(replica, "query_document", session_id, query, options)
             else:
                 if replica is None:
                     needed = await self.sizer.needed_blocks(context or "", options, query)
@@ -253,9 +286,10 @@ class Dispatcher:
                     ) from exc
                 logger.warning("replica %s lost mid-request (%s); failing over", replica, exc)
                 if record is not None:
-                    async with record.lock:
-                        if self.fleet.table.replica_of(record.document_id) == replica:
-                            await self._repin(record, replica, "replica_lost")
+                    async with self.documents.lock(session_id):
+                        current = await self.documents.get(session_id)
+                        if current is not None and current.replica == replica:
+                            await self._repin(current, "replica_lost")
                 else:
                     self.fleet.lost(replica, "replica_lost")
                     exclude.add(replica)

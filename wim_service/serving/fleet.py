@@ -62,8 +62,9 @@ class ReplicaFleet:
     def ready(self) -> list[str]:
         return [load.replica for load in self.table.loads.values() if load.healthy]
 
-    async def place(self, session: str, needed: int, exclude: set[str]) -> str:
-        """Bind a session to a replica with room, waiting a while for one to come up."""
+    async def place(self, session: str | None, needed: int, exclude: set[str]) -> str:
+        """Bind a session to a replica with room (None: only choose one), waiting a while for
+        one to come up."""
         deadline = time.monotonic() + self.config.replica_wait_s
         while True:
             try:

@@ -66,7 +66,7 @@ def build_http_app(router: WiMRouter) -> FastAPI:
 
     @app.get("/documents/{document_id}", response_model=DocumentResponse)
     async def get_document(document_id: str, caller: Caller) -> DocumentResponse:
-        return router.get_document(document_id, caller)
+        return await router.get_document(document_id, caller)
 
     @app.delete("/documents/{document_id}", status_code=204)
     async def delete_document(document_id: str, caller: Caller) -> Response:

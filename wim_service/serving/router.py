@@ -2,9 +2,10 @@
 
 * `ReplicaFleet` polls the engine replicas' loads and binds each session to one replica
   (bounded load); every call of the session goes there (`PinnedReplicaRouter`).
-* `DocumentTable` keeps each document session's text for its life; `Dispatcher` runs jobs on
-  the bound replica and, if that replica dies or leaves, rebuilds the session elsewhere from
-  the text and retries, so the client still gets its answer.
+* `DocumentTable` keeps each document session (text, options, tenant, binding, expiry) in the
+  session store: in this process, or in Redis shared by every router replica. `Dispatcher`
+  runs jobs on the bound replica and, if that replica dies or leaves, rebuilds the session
+  elsewhere from the text and retries, so the client still gets its answer.
 * Errors are HTTP statuses with a JSON body `{code, message}` (`errors.py`); a streamed job
   reports late errors as an `error` event (`responses.py`).
 
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,7 +28,7 @@ from wim_service.serving.api import DocumentRequest, DocumentResponse, WiMReques
 from wim_service.serving.auth import ApiKeys, Capability, Tenant, TenantGate, check_open_mode
 from wim_service.serving.bindings import BindResult
 from wim_service.serving.config import ServiceConfig
-from wim_service.serving.documents import DocumentRecord, DocumentTable, check_document_options
+from wim_service.serving.documents import DocumentTable, check_document_options, document_response
 from wim_service.serving.errors import HTTPFailure, ServiceCode, status_of
 from wim_service.serving.failover import Dispatcher
 from wim_service.serving.fleet import ReplicaFleet
@@ -43,6 +43,7 @@ from wim_service.serving.responses import (
     with_late_errors,
 )
 from wim_service.serving.sizing import JobSizer
+from wim_service.serving.store import SessionStore, StoredSession, make_store
 from wim_service.serving.vllm_metrics import merge_replica_metrics
 from wim_service.wim.errors import ErrorCode, WiMError
 
@@ -58,9 +59,11 @@ class WiMRouter:
         client: ReplicaClient | None = None,
         keys: ApiKeys | None = None,
         http_host: str | None = None,
+        store: SessionStore | None = None,
     ) -> None:
         """`engine` is the EngineReplica deployment's handle. Tests pass `client` (fake
-        replicas), `keys` (instead of the environment's) and `http_host` (instead of Serve's)."""
+        replicas), `keys` (instead of the environment's), `http_host` (instead of Serve's) and
+        `store` (instead of the one `RouterConfig.store` names)."""
         self.config = ServiceConfig.model_validate(config)
         self.keys = keys or ApiKeys.from_env()
         check_open_mode(self.keys, http_host or _serve_http_host())
@@ -68,10 +71,16 @@ class WiMRouter:
         self.metrics = WiMMetrics()
         self.client = client or ServeReplicaClient(engine)
         self.fleet = ReplicaFleet(self.client, self.config.router, self.metrics)
-        self.documents = DocumentTable()
+        router = self.config.router
+        self.documents = DocumentTable(
+            store or make_store(router.store),
+            hold_s=router.request_timeout_s,
+            retry_after_s=router.retry_after_s,
+        )
         self.dispatcher = Dispatcher(
             self.client,
             self.fleet,
+            self.documents,
             JobSizer(self.config.engine),
             self.config.router,
             self.metrics,
@@ -105,16 +114,18 @@ class WiMRouter:
             with contextlib.suppress(Exception):
                 await self.fleet.refresh_loads()
                 await self._expire_documents()
+                await self.documents.renew_held()
                 await self._claim_documents()
             await asyncio.sleep(self.config.router.load_poll_interval_s)
 
     async def _claim_documents(self) -> None:
-        """Tell every replica which of its document sessions this router holds; a replica
-        closes the sessions nobody claims within `orphan_timeout_s` (a router that is gone)."""
+        """Tell every replica which document sessions are bound to it; a replica closes the
+        sessions nobody claims within `orphan_timeout_s` (e.g. its router is gone and the store
+        was in that router's memory). With a shared store every router claims them all."""
         held: dict[str, list[str]] = {replica: [] for replica in self.fleet.table.loads}
-        for document_id, replica in self.fleet.table.bindings.items():
-            if replica in held and self.documents.get(document_id) is not None:
-                held[replica].append(document_id)
+        for session in await self.documents.sessions():
+            if session.replica in held:
+                held[session.replica].append(session.session_id)
         timeout = self.config.router.orphan_timeout_s
         await asyncio.gather(
             *(self.client.call(r, "claim", ids, timeout) for r, ids in held.items()),
@@ -122,13 +133,9 @@ class WiMRouter:
         )
 
     async def _expire_documents(self) -> None:
-        for record in self.documents.expired(time.time()):
-            logger.debug("document session %s expired", record.document_id)
-            await self._close_document(record)
-
-    async def _close_document(self, record: DocumentRecord) -> None:
-        self.documents.remove(record.document_id)
-        await self.dispatcher.close_on_replica(record)
+        for session in await self.documents.expired():
+            logger.debug("document session %s expired", session.session_id)
+            await self.dispatcher.close_ended(session)
 
     # -- jobs ------------------------------------------------------------------------------
 
@@ -175,12 +182,12 @@ class WiMRouter:
                 f"the document is {size} bytes; your limit is {tenant.limits.document_bytes}",
             )
 
-    def _document(self, document_id: str, tenant: Tenant) -> DocumentRecord:
+    async def _document(self, document_id: str, tenant: Tenant) -> StoredSession:
         """The tenant's live session; another tenant's is as unknown as a missing one."""
-        record = self.documents.get(document_id)
-        if record is None or record.tenant != tenant.name:
+        session = await self.documents.get(document_id)
+        if session is None or session.tenant != tenant.name:
             raise HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
-        return record
+        return session
 
     async def answer(self, body: WiMRequest, tenant: Tenant) -> Response:
         """`POST /wim`: a one-shot job (`context`) or a query on a document session."""
@@ -202,9 +209,9 @@ class WiMRouter:
             record = None
         else:
             tenant.require(Capability.DOCUMENTS)
-            record = self._document(body.document_id or "", tenant)
+            record = await self._document(body.document_id or "", tenant)
             check_document_options(record.options, body.options)
-            session_id = record.document_id
+            session_id = record.session_id
         await self._started()
         events = self._observed(
             self.dispatcher.job(
@@ -219,7 +226,7 @@ class WiMRouter:
     async def create_document(self, body: DocumentRequest, tenant: Tenant) -> DocumentResponse:
         tenant.require(Capability.DOCUMENTS)
         self._check_size(body.context, tenant)
-        if self.documents.count(tenant.name) >= tenant.limits.open_documents:
+        if await self.documents.count(tenant.name) >= tenant.limits.open_documents:
             raise HTTPFailure(
                 ServiceCode.RATE_LIMITED,
                 f"{tenant.limits.open_documents} document sessions are open; delete one first",
@@ -228,28 +235,26 @@ class WiMRouter:
         await self._started()
         router = self.config.router
         ttl = min(body.ttl_s or router.session_ttl_s, router.max_session_ttl_s)
-        record = DocumentRecord(
-            "doc-" + secrets.token_hex(12), body.context, body.options, ttl, tenant=tenant.name
-        )
+        new = StoredSession("doc-" + secrets.token_hex(12), body.options, ttl, tenant=tenant.name)
         status = "error"
         try:
-            replica = await self.dispatcher.open_on_replica(record, set())
+            session = await self.dispatcher.open_document(new, body.context)
             self.metrics.binding.labels(BindResult.NEW).inc()
-            self.documents.add(record)
             status = "201"
         except HTTPFailure as exc:
             status = str(exc.status)
             raise
         finally:
             self.metrics.requests.labels(status).inc()
-        return record.response(replica)
+        return document_response(session)
 
-    def get_document(self, document_id: str, tenant: Tenant) -> DocumentResponse:
-        record = self._document(document_id, tenant)
-        return record.response(self.fleet.table.replica_of(document_id) or "")
+    async def get_document(self, document_id: str, tenant: Tenant) -> DocumentResponse:
+        return document_response(await self._document(document_id, tenant))
 
     async def delete_document(self, document_id: str, tenant: Tenant) -> None:
-        await self._close_document(self._document(document_id, tenant))
+        await self._document(document_id, tenant)
+        if not await self.dispatcher.close_document(document_id):
+            raise HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
 
     # -- health and metrics ----------------------------------------------------------------
 

@@ -1,0 +1,103 @@
+"""`wim setup` and `wim run` as a user runs them: the console script in a subprocess.
+
+`--help` of every subcommand is covered by tests/test_layers_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wim_service.wim.backend import EngineLimits
+from wim_service.wim.options import RelevanceMode, WiMOptions
+from wim_service.wim.orchestrator import plan_document
+from wim_service.wim.prompts import PromptBuilder
+
+from .conftest import EXAMPLES, TEST_ENGINE
+
+WIM = Path(sys.executable).with_name("wim")
+REPORT = EXAMPLES / "harbor_report.txt"
+QUERY = "What is the access code for the night gate?"
+
+
+def segment_count(tokenizer, segment_tokens: int) -> int:
+    options = WiMOptions(segment_tokens=segment_tokens)
+    limits = EngineLimits(TEST_ENGINE.max_model_len, TEST_ENGINE.block_size, True)
+    builder = PromptBuilder(tokenizer, options.prompts)
+    return len(plan_document(builder, REPORT.read_text(), options, limits).segments)
+
+
+def wim(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(WIM), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_setup_prints_the_model_and_punkt_folders(model_dir: Path) -> None:
+    done = wim("setup")
+    assert done.returncode == 0, done.stderr
+    paths = dict(line.split(":", 1) for line in done.stdout.splitlines())
+    assert Path(paths["default model"].strip()) == model_dir
+    assert (model_dir / "config.json").is_file()
+    punkt = Path(paths["punkt data"].strip())
+    assert any(punkt.rglob("*")), f"{punkt} is empty"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--context", "/nonexistent/doc.txt"], "/nonexistent/doc.txt"),
+        # Options are validated before any engine starts.
+        (["--context", str(REPORT), "--segment-tokens", "8"], "segment_tokens"),
+    ],
+)
+def test_run_refuses_bad_input_with_status_2(args: list[str], message: str) -> None:
+    done = wim("run", "--query", QUERY, *args)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("wim: ") and message in done.stderr
+    assert done.stdout == ""
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(1200)
+def test_run_json_with_model_relevance_and_segment_size(model_dir: Path, tokenizer) -> None:
+    """One engine start: every `wim run` flag that shapes the job, checked in its output."""
+    segment_tokens = 160
+    done = wim(
+        "run",
+        "--context",
+        str(REPORT),
+        "--query",
+        QUERY,
+        "--json",
+        "--relevance",
+        RelevanceMode.CLASSIFIER.value,
+        "--segment-tokens",
+        str(segment_tokens),
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(TEST_ENGINE.max_model_len),
+        "--kv-cache-gib",
+        "0.5",
+        timeout=1100,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)  # --json: stdout is exactly one JSON object
+    assert set(result) == {"margins", "answer", "usage", "timings"}
+    assert result["answer"].strip()
+    # --segment-tokens: the document was cut as the orchestrator cuts it at that size.
+    segments = result["usage"]["segments"]
+    assert segments == segment_count(tokenizer, segment_tokens)
+    assert segments > segment_count(tokenizer, WiMOptions().segment_tokens)
+    assert [m["segment"] for m in result["margins"]] == list(range(segments))
+    # --relevance classifier: a margin judged irrelevant keeps the text it was judged on
+    # (first_token drops it at its first token; none judges nothing).
+    assert any(not m["relevant"] and m["text"] for m in result["margins"]), result["margins"]
+    assert result["timings"]["total_s"] > 0
