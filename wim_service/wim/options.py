@@ -3,11 +3,67 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+# Input limits: one place for every cap the option models enforce (a larger value is a
+# validation error, HTTP 422 at the edge). They bound the work one request can ask for.
+MAX_TEMPLATE_CHARS = 4096  # each prompt template
+MAX_STOP_STRINGS = 16  # per stop list (margin_stop, answer_stop)
+MAX_STOP_STRING_CHARS = 128  # each stop string
+MAX_STOP_TOKEN_IDS = 64
+# Private-use code points (BMP): `wim.prompts` marks template slots and chat turns with them,
+# so templates may not contain any.
+PRIVATE_USE = re.compile("[\ue000-\uf8ff]")
+
+
+def _utf8(text: str) -> str:
+    """Refuse text that cannot be encoded as UTF-8 (a lone surrogate such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
+
+
+def _no_private_use(text: str) -> str:
+    if found := PRIVATE_USE.search(text):
+        raise ValueError(
+            f"private-use character U+{ord(found.group()):04X} at character {found.start()}: "
+            "templates may not contain U+E000-U+F8FF"
+        )
+    return text
+
+
+# Any text a client sends (document, query, templates, stops): valid Unicode, encodable as UTF-8.
+Utf8Text = Annotated[str, AfterValidator(_utf8)]
+# Length bounds come before the validators, so that pydantic checks them as string lengths.
+TemplateText = Annotated[
+    str,
+    Field(
+        max_length=MAX_TEMPLATE_CHARS,
+        description=f"At most {MAX_TEMPLATE_CHARS} characters; each placeholder exactly once; "
+        "no private-use characters (U+E000-U+F8FF).",
+    ),
+    AfterValidator(_utf8),
+    AfterValidator(_no_private_use),
+]
+StopString = Annotated[
+    str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS), AfterValidator(_utf8)
+]
+StopList = Annotated[
+    list[StopString],
+    Field(
+        max_length=MAX_STOP_STRINGS,
+        description="Stop strings end a generation as soon as the decoded text contains one "
+        f"(not included): at most {MAX_STOP_STRINGS}, each 1-{MAX_STOP_STRING_CHARS} characters.",
+    ),
+]
 
 
 class RelevanceMode(StrEnum):
@@ -32,8 +88,8 @@ class GroundingMode(StrEnum):
     OFF = "off"
 
 
-def _placeholders(template: str) -> set[str]:
-    return set(PLACEHOLDER.findall(template))
+def _placeholders(template: str) -> Counter[str]:
+    return Counter(PLACEHOLDER.findall(template))
 
 
 class PromptTemplates(BaseModel):
@@ -41,44 +97,49 @@ class PromptTemplates(BaseModel):
 
     Placeholder values (document, query, margins) are inserted as plain text and tokenized with
     special-token strings kept literal, so user text can never act as template syntax or as a
-    chat control token.
+    chat control token. Template text itself is tokenized the same way (unless the operator
+    allows special tokens in templates): only the model's chat template adds control tokens.
+    Each template is at most `MAX_TEMPLATE_CHARS` characters, holds each of its placeholders
+    exactly once and no private-use character.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    system: str = (
+    system: TemplateText = (
         "You are a careful reader. You answer questions about a document using only what the "
         "document says."
     )
     # The document turn. Everything before {document} is shared by every request of a job.
-    document: str = "Here is a document.\n<document>\n{document}\n</document>\n\n{instruction}"
+    document: TemplateText = (
+        "Here is a document.\n<document>\n{document}\n</document>\n\n{instruction}"
+    )
     # Margin instruction for relevance modes `classifier` and `none`.
-    margin: str = (
+    margin: TemplateText = (
         "Question: {query}\n"
         "Do not answer the question yet. Write down, in one or two short sentences, only the facts "
         "stated in the document above that help answer it. If the document above states no such "
         "fact, write only: NO."
     )
     # Margin instruction for relevance mode `first_token`: the reply must open with YES or NO.
-    margin_first_token: str = (
+    margin_first_token: TemplateText = (
         "Question: {query}\n"
         "Is the answer to this question written in the document above? Reply YES or NO. If "
         "YES, also copy the sentence that gives the answer."
     )
     # The separate judging turn of relevance mode `classifier` (it sees no document).
-    classifier: str = (
+    classifier: TemplateText = (
         "Question: {query}\nNote: {margin}\n"
         "Does the note state a fact that helps answer the question? Reply YES or NO."
     )
     # The final step, after the whole document.
-    final: str = (
+    final: TemplateText = (
         "Notes taken while reading the document:\n{margins}\n\n"
         "Using the document and the notes, answer in one sentence: {query}"
     )
-    margin_entry: str = "[segment {segment}] {text}"
-    no_margins: str = "(none)"
-    yes: str = "YES"
-    no: str = "NO"
+    margin_entry: TemplateText = "[segment {segment}] {text}"
+    no_margins: TemplateText = "(none)"
+    yes: TemplateText = "YES"
+    no: TemplateText = "NO"
 
     @model_validator(mode="after")
     def _check_placeholders(self) -> PromptTemplates:
@@ -93,12 +154,19 @@ class PromptTemplates(BaseModel):
         allowed_extra = {"margin_entry": {"segment"}}
         for name, needed in required.items():
             found = _placeholders(getattr(self, name))
-            missing = needed - found
-            unknown = found - needed - allowed_extra.get(name, set())
+            missing = needed - found.keys()
+            unknown = found.keys() - needed - allowed_extra.get(name, set())
+            repeated = sorted(p for p, n in found.items() if n > 1)
             if missing:
                 raise ValueError(f"template {name!r} lacks placeholder(s) {sorted(missing)}")
             if unknown:
                 raise ValueError(f"template {name!r} has unknown placeholder(s) {sorted(unknown)}")
+            if repeated:
+                # Each slot is filled once: the prompt split and the KV sizing count it once.
+                raise ValueError(f"template {name!r} repeats placeholder(s) {repeated}")
+        if self.document.index("{instruction}") < self.document.index("{document}"):
+            # Everything before {document} must be the same for every request of a job.
+            raise ValueError("template 'document' must place {instruction} after {document}")
         for name in ("system", "no_margins", "yes", "no"):
             if _placeholders(getattr(self, name)):
                 raise ValueError(f"template {name!r} takes no placeholders")
@@ -132,19 +200,19 @@ class WiMOptions(BaseModel):
         le=1.0,
         description="Share of the query's content words a note must contain to be kept.",
     )
-    # Stop strings end a generation as soon as the decoded text contains one (not included).
-    margin_stop: list[str] = Field(default_factory=lambda: ["\n\n"])
-    answer_stop: list[str] = Field(default_factory=list)
-    # Extra token ids that end generations, besides the model's end-of-turn/EOS ids.
-    stop_token_ids: list[int] = Field(default_factory=list)
-    prompts: PromptTemplates = Field(default_factory=PromptTemplates)
-
-    @field_validator("margin_stop", "answer_stop")
-    @classmethod
-    def _non_empty_stops(cls, stops: list[str]) -> list[str]:
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return stops
+    margin_stop: StopList = Field(default_factory=lambda: ["\n\n"])
+    answer_stop: StopList = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="Extra token ids that end generations, besides the model's end-of-turn/EOS "
+        f"ids: at most {MAX_STOP_TOKEN_IDS}, each in the model's vocabulary.",
+    )
+    prompts: PromptTemplates = Field(
+        default_factory=PromptTemplates,
+        description=f"Prompt wording: each template at most {MAX_TEMPLATE_CHARS} characters, "
+        "each placeholder exactly once, no private-use characters (U+E000-U+F8FF).",
+    )
 
     @model_validator(mode="after")
     def _check_sizes(self) -> WiMOptions:

@@ -1,9 +1,13 @@
 """Turn templates + user text into token ids, rendering the model's chat template once per shape.
 
-Templates are filled with *sentinels* in place of user text, rendered through the model's chat
-template, then split at the sentinels: template pieces are tokenized with special tokens
-recognised, user pieces with special-token strings kept literal. User text therefore never
-passes through `str.format`, Jinja or the special-token parser.
+Templates are filled with *sentinels* in place of user text, and each chat turn's content is
+wrapped in turn markers; the model's chat template renders the turns, and the result is split
+at the markers and sentinels. Only the chat template's own scaffolding (turn openers, roles,
+turn ends) is tokenized with special tokens recognised; template wording and user text are
+tokenized with special-token strings kept literal, so neither a document nor a client's
+`options.prompts` can open or close a chat turn. (`Tokenizer.template_special_tokens`, an
+operator setting, lets template wording use control tokens.) User text never passes through
+`str.format`, Jinja or the special-token parser.
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ from functools import cached_property
 from wim_service.wim.options import PLACEHOLDER, PromptTemplates, RelevanceMode
 from wim_service.wim.tokenizer import Tokenizer
 
-# Private-use code points: never produced by a tokenizer's text, so a clean split marker.
+# Private-use code points (refused in templates, see `options.PRIVATE_USE`): clean split marks.
+# A placeholder's value (user text) ...
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\w+)\ue001")
+# ... and the content of a chat turn (template wording with sentinels in it).
+_TURN_OPEN, _TURN_CLOSE = "\ue002", "\ue003"
+_TURN_RE = re.compile("([\ue002\ue003])")
 
 
 def fill(template: str, values: Mapping[str, str]) -> str:
@@ -49,19 +57,36 @@ class PromptBuilder:
     def _chat(self, user_turn: str) -> str:
         return self.tokenizer.render_chat(
             [
-                {"role": "system", "content": self.templates.system},
-                {"role": "user", "content": user_turn},
+                {"role": "system", "content": _TURN_OPEN + self.templates.system + _TURN_CLOSE},
+                {"role": "user", "content": _TURN_OPEN + user_turn + _TURN_CLOSE},
             ]
         )
 
-    def _tokenize(self, rendered: str, values: Mapping[str, str]) -> list[int]:
-        """Tokenize rendered text: template pieces as templates, sentinels as their user text."""
+    def _tokenize(
+        self, rendered: str, values: Mapping[str, str], *, in_turn: bool = False
+    ) -> list[int]:
+        """Tokenize rendered chat text: the chat template's scaffolding with special tokens,
+        turn contents as wording and user text. `in_turn`: `rendered` starts inside a turn."""
         ids: list[int] = []
-        for index, piece in enumerate(_SENTINEL_RE.split(rendered)):
-            if index % 2:
-                ids.extend(self.tokenizer.encode_user_text(values[piece]).ids)
+        for piece in _TURN_RE.split(rendered):
+            if piece in (_TURN_OPEN, _TURN_CLOSE):
+                in_turn = piece == _TURN_OPEN
+            elif piece and in_turn:
+                ids.extend(self._turn_content(piece, values))
             elif piece:
                 ids.extend(self.tokenizer.encode_template_text(piece))
+        return ids
+
+    def _turn_content(self, text: str, values: Mapping[str, str]) -> list[int]:
+        """Template wording, with each sentinel replaced by the tokens of its user text."""
+        ids: list[int] = []
+        for index, piece in enumerate(_SENTINEL_RE.split(text)):
+            if index % 2:
+                ids.extend(self.tokenizer.encode_user_text(values[piece]).ids)
+            elif piece and self.tokenizer.template_special_tokens:
+                ids.extend(self.tokenizer.encode_template_text(piece))
+            elif piece:
+                ids.extend(self.tokenizer.encode_user_text(piece).ids)
         return ids
 
     def _document_turn(
@@ -75,7 +100,8 @@ class PromptBuilder:
         before, marker, after = self._chat(user_turn).partition(_sentinel("document"))
         if not marker or _sentinel("document") in after:
             raise ValueError("the document template must place {document} exactly once")
-        return self.tokenizer.encode_template_text(before), self._tokenize(after, values)
+        # The document sits inside the user turn: `after` starts in it.
+        return self._tokenize(before, {}), self._tokenize(after, values, in_turn=True)
 
     @cached_property
     def context_prefix(self) -> list[int]:

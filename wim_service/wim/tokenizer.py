@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,13 +18,18 @@ class EncodedText:
 
 class Tokenizer(Protocol):
     eos_token_ids: frozenset[int]
+    # Token ids are 0 .. vocab_size - 1.
+    vocab_size: int
+    # An operator setting: template wording (`options.prompts`) may contain control tokens.
+    # Off, only the chat template's own scaffolding does (see `wim.prompts`).
+    template_special_tokens: bool
 
     def encode_user_text(self, text: str) -> EncodedText:
         """Tokenize untrusted text: special-token strings stay plain text, no BOS is added."""
         ...
 
     def encode_template_text(self, text: str) -> list[int]:
-        """Tokenize our own rendered template text: special-token strings are special tokens."""
+        """Tokenize the chat template's scaffolding: special-token strings are special tokens."""
         ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -34,12 +40,25 @@ class Tokenizer(Protocol):
 
 
 class HFTokenizer:
-    """`Tokenizer` over a transformers fast tokenizer loaded from a local folder."""
+    """`Tokenizer` over a transformers fast tokenizer loaded from a local folder.
 
-    def __init__(self, model_dir: str | Path) -> None:
+    Safe to call from several threads at once (documents are tokenized off the event loop).
+    """
+
+    def __init__(self, model_dir: str | Path, *, template_special_tokens: bool = False) -> None:
         from transformers import AutoTokenizer, GenerationConfig
 
         self._tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
+        self.vocab_size = len(self._tok)
+        self.template_special_tokens = template_special_tokens
+        # transformers honours `split_special_tokens` by switching one flag on the shared Rust
+        # tokenizer per call: two threads tokenizing at once would race on it (user text could
+        # be tokenized with control tokens recognised). User text gets its own copy, flag fixed.
+        self._user_tok: Any = copy.deepcopy(self._tok.backend_tokenizer)
+        self._user_tok.encode_special_tokens = True
+        # Whatever tokenizer.json says, a document is never truncated or padded.
+        self._user_tok.no_truncation()
+        self._user_tok.no_padding()
         eos: set[int] = set()
         if self._tok.eos_token_id is not None:
             eos.add(self._tok.eos_token_id)
@@ -53,15 +72,10 @@ class HFTokenizer:
         self.eos_token_ids = frozenset(eos)
 
     def encode_user_text(self, text: str) -> EncodedText:
-        encoded = self._tok(
-            text,
-            add_special_tokens=False,
-            split_special_tokens=True,
-            return_offsets_mapping=True,
-        )
-        return EncodedText(
-            list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
-        )
+        # encode_batch releases the GIL while it runs (encode does not).
+        (encoded,) = self._user_tok.encode_batch([text], add_special_tokens=False)
+        # Both are new lists (of int tuples): building them holds the GIL, so build them once.
+        return EncodedText(encoded.ids, encoded.offsets)
 
     def encode_template_text(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
