@@ -1,0 +1,561 @@
+"""The OpenAI-compatible API: `GET /v1/models`, `POST /v1/chat/completions`,
+`POST /v1/completions` (docs/openai.md).
+
+How a request runs:
+
+* With `document_id` (the SDK's `extra_body`), the last user turn is a query on that document
+  session: WiM over its pinned KV.
+* Otherwise the prompt (chat template included) is tokenized with the engines' tokenizer. Below
+  `RouterConfig.plain_prompt_tokens` tokens it is one plain engine request. A longer prompt
+  with a document runs WiM: the document is the text of the last user turn between
+  `<document>` and `</document>`, or else the user turns before the last one (of each, its
+  delimited part if it has one); the rest of the last user turn is the query. A long prompt
+  without a document runs plain, if it fits the context window.
+* WiM options come from `extra_body` `wim` (the fields of `WiMOptions`); `max_tokens` and
+  `stop` apply to the answer. System and assistant turns take no part in WiM (its own prompts
+  are `wim.prompts`). Every request decodes greedily.
+* Streaming follows OpenAI's chunk format: the relevant margins as `reasoning_content` deltas,
+  the answer as `content` deltas, `data: [DONE]` at the end. Usage counts every engine
+  request of the job (`prompt_tokens_details.cached_tokens`: served from the KV cache;
+  `completion_tokens_details.reasoning_tokens`: the margins').
+* Errors are `{"error": {"message", "type", "param", "code"}}` with the status the SDK maps to
+  its exception classes; an error after the stream has started is one `data: {"error": ...}`
+  event before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import ValidationError
+
+from wim_service.assets.default_model import GGUF_FILE
+from wim_service.engine.config import EngineConfig
+from wim_service.serving.api import WiMRequest
+from wim_service.serving.auth import Capability, Tenant
+from wim_service.serving.errors import HTTPFailure, ServiceCode
+from wim_service.serving.openai_models import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionTokensDetails,
+    CompletionUsage,
+    ErrorResponse,
+    FinishReason,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+)
+from wim_service.serving.plain import PlainParams
+from wim_service.serving.responses import Item, first_item, with_late_errors
+from wim_service.wim.errors import ErrorCode
+from wim_service.wim.events import DoneEvent, ErrorEvent, MarginEvent, Usage
+from wim_service.wim.options import WiMOptions
+from wim_service.wim.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from wim_service.serving.router import WiMRouter
+
+DOCUMENT_BLOCK = re.compile(r"<document>(.*?)</document>", re.DOTALL)
+# Private-use code points around a turn's number: where the chat template put that turn's text.
+_TURN_MARK = "\ue010{}\ue011"
+_TURN_MARK_RE = re.compile("\ue010(\\d+)\ue011")
+SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+STREAMED = {200: {"content": {"text/event-stream": {}}}}
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+        self.param, self.retry_after = param, retry_after
+
+    @classmethod
+    def of(cls, failure: HTTPFailure) -> OpenAIError:
+        """The service's error as OpenAI clients expect it: a prompt too long for the window
+        is 400 `context_length_exceeded`, a malformed request 400."""
+        status, code = failure.status, failure.code
+        if code == ErrorCode.TOO_LONG:
+            status, code = 400, "context_length_exceeded"
+        elif status == 422:
+            status = 400
+        return cls(status, failure.message, code, retry_after=failure.retry_after)
+
+    @property
+    def type(self) -> str:
+        named = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+        return named.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse.of(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _invalid(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors
+    )
+    param = ".".join(str(p) for p in errors[0]["loc"][1:]) if errors else None
+    return OpenAIError(400, message, ServiceCode.INVALID_REQUEST, param or None)
+
+
+class OpenAIRoute(APIRoute):
+    """Answers every error of its routes (authentication included) in OpenAI's shape."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except OpenAIError as exc:
+                return exc.response()
+            except HTTPFailure as exc:
+                return OpenAIError.of(exc).response()
+            except RequestValidationError as exc:
+                return _invalid(exc).response()
+
+        return route
+
+
+# -- prompts --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # system, user or assistant
+    text: str
+
+
+def chat_turns(messages: list[ChatMessage]) -> list[Turn]:
+    turns = []
+    for index, message in enumerate(messages):
+        if message.role in ("tool", "function"):
+            raise OpenAIError(
+                400, "tool messages are not supported", "unsupported", f"messages.{index}"
+            )
+        content = message.content or ""
+        if not isinstance(content, str):
+            if any(part.type != "text" for part in content):
+                raise OpenAIError(
+                    400, "only text content is supported", "unsupported", f"messages.{index}"
+                )
+            content = "".join(part.text or "" for part in content)
+        turns.append(Turn("system" if message.role == "developer" else message.role, content))
+    if not any(turn.role == "user" for turn in turns):
+        raise OpenAIError(400, "the messages have no user turn", "invalid_request", "messages")
+    return turns
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, turns: list[Turn]) -> list[int]:
+    """The model's chat template over `turns`, rendered with a marker in place of each turn's
+    text. Only the template's own text is tokenized with special tokens recognised; the turns'
+    text is tokenized as text (`<|im_end|>` typed by a client stays text), as in `wim.prompts`.
+    """
+    rendered = tokenizer.render_chat(
+        [{"role": turn.role, "content": _TURN_MARK.format(i)} for i, turn in enumerate(turns)]
+    )
+    pieces = _TURN_MARK_RE.split(rendered)
+    if sorted(int(p) for p in pieces[1::2]) != list(range(len(turns))):
+        raise OpenAIError(
+            400,
+            "the model's chat template cannot render these messages",
+            "invalid_request",
+            "messages",
+        )
+    ids: list[int] = []
+    for index, piece in enumerate(pieces):
+        if index % 2:
+            ids += tokenizer.encode_user_text(turns[int(piece)].text).ids
+        elif piece:
+            ids += tokenizer.encode_template_text(piece)
+    return ids
+
+
+def split_document(text: str) -> tuple[str, str]:
+    """(the text between `<document>` delimiters, the rest of `text`)."""
+    document = "\n\n".join(block.strip() for block in DOCUMENT_BLOCK.findall(text))
+    return document, DOCUMENT_BLOCK.sub(" ", text).strip()
+
+
+def document_and_query(turns: list[Turn]) -> tuple[str, str]:
+    """The document and the query of a chat (see the module's docstring)."""
+    users = [turn.text for turn in turns if turn.role == "user"]
+    document, query = split_document(users[-1])
+    if not document:
+        document = "\n\n".join(split_document(text)[0] or text for text in users[:-1])
+    return document, query
+
+
+def served_model_name(engine: EngineConfig) -> str:
+    return Path(engine.model).name if engine.model else GGUF_FILE.partition(".")[0]
+
+
+# -- usage and output -----------------------------------------------------------------------
+
+
+def openai_usage(usage: Usage) -> CompletionUsage:
+    completion = usage.margin_tokens + usage.answer_tokens
+    return CompletionUsage(
+        prompt_tokens=usage.prompt_tokens_submitted,
+        completion_tokens=completion,
+        total_tokens=usage.prompt_tokens_submitted + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.prompt_tokens_cached),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.margin_tokens),
+    )
+
+
+def margin_line(event: MarginEvent) -> str:
+    return f"[segment {event.segment + 1}] {event.text}\n"
+
+
+@dataclass
+class Run:
+    """A started request: its events (the first already produced) and its answer budget."""
+
+    items: AsyncIterator[Item]
+    max_tokens: int
+
+    def finish_reason(self, done: DoneEvent) -> FinishReason:
+        return "length" if done.usage.answer_tokens >= self.max_tokens else "stop"
+
+
+@dataclass
+class Outcome:
+    answer: str
+    reasoning: str
+    usage: CompletionUsage
+    finish_reason: FinishReason
+
+
+async def collect(run: Run) -> Outcome:
+    margins: dict[int, str] = {}
+    async for _, event in run.items:
+        if isinstance(event, MarginEvent) and event.relevant:
+            margins[event.segment] = margin_line(event)
+        elif isinstance(event, ErrorEvent):
+            raise HTTPFailure(event.code, event.message, event.retry_after_s)
+        elif isinstance(event, DoneEvent):
+            return Outcome(
+                event.answer,
+                "".join(margins[k] for k in sorted(margins)),
+                openai_usage(event.usage),
+                run.finish_reason(event),
+            )
+    raise HTTPFailure(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
+
+
+def _data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _late_error(event: ErrorEvent) -> str:
+    return _data(OpenAIError.of(HTTPFailure(event.code, event.message)).body())
+
+
+@dataclass(frozen=True)
+class Head:
+    """What every object of one answer shares."""
+
+    id: str
+    created: int
+    model: str
+    include_usage: bool
+
+    def dump(self, chunk: ChatCompletionChunk | Completion) -> str:
+        return _data(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
+
+
+async def chat_stream(run: Run, head: Head) -> AsyncIterator[str]:
+    def chunk(delta: dict[str, str], finish: FinishReason | None = None) -> str:
+        choice = ChunkChoice(delta=delta, finish_reason=finish)
+        return head.dump(
+            ChatCompletionChunk(
+                id=head.id, created=head.created, model=head.model, choices=[choice]
+            )
+        )
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for _, event in run.items:
+        if isinstance(event, MarginEvent) and event.relevant:
+            yield chunk({"reasoning_content": margin_line(event)})
+        elif event.type == "answer":
+            yield chunk({"content": event.text})
+        elif isinstance(event, ErrorEvent):
+            yield _late_error(event)
+            break
+        elif isinstance(event, DoneEvent):
+            yield chunk({}, run.finish_reason(event))
+            if head.include_usage:
+                yield head.dump(
+                    ChatCompletionChunk(
+                        id=head.id,
+                        created=head.created,
+                        model=head.model,
+                        choices=[],
+                        usage=openai_usage(event.usage),
+                    )
+                )
+    yield "data: [DONE]\n\n"
+
+
+async def completion_stream(run: Run, head: Head) -> AsyncIterator[str]:
+    def chunk(choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> str:
+        return head.dump(
+            Completion(
+                id=head.id, created=head.created, model=head.model, choices=choices, usage=usage
+            )
+        )
+
+    async for _, event in run.items:
+        if event.type == "answer":
+            yield chunk([CompletionChoice(text=event.text)])
+        elif isinstance(event, ErrorEvent):
+            yield _late_error(event)
+            break
+        elif isinstance(event, DoneEvent):
+            yield chunk([CompletionChoice(text="", finish_reason=run.finish_reason(event))])
+            if head.include_usage:
+                yield chunk([], openai_usage(event.usage))
+    yield "data: [DONE]\n\n"
+
+
+# -- the service ----------------------------------------------------------------------------
+
+
+class OpenAIService:
+    """Turns OpenAI requests into WiM jobs or plain requests on a `WiMRouter`."""
+
+    def __init__(self, router: WiMRouter) -> None:
+        self.router = router
+        self.model = served_model_name(router.config.engine)
+        self.created = int(time.time())
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.router.dispatcher.sizer.tokenizer
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model, created=self.created, owned_by="wim")])
+
+    def _check(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        if body.model != self.model:
+            raise OpenAIError(
+                404, f"The model `{body.model}` does not exist.", "model_not_found", "model"
+            )
+        if body.n != 1:
+            raise OpenAIError(400, "only n=1 is supported", "unsupported", "n")
+
+    async def chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Run:
+        self._check(body)
+        turns = chat_turns(body.messages)
+        if body.document_id is not None:
+            query = [turn.text for turn in turns if turn.role == "user"][-1]
+            return await self._session_query(body, tenant, query, "messages")
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, turns)
+        if len(prompt_ids) >= self.router.config.router.plain_prompt_tokens:
+            document, query = document_and_query(turns)
+            if document:
+                return await self._wim(body, tenant, query, "messages", context=document)
+        return await self._plain(body, tenant, prompt_ids, "messages")
+
+    async def complete(self, body: CompletionRequest, tenant: Tenant) -> Run:
+        self._check(body)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise OpenAIError(400, "give exactly one prompt", "unsupported", "prompt")
+        if body.document_id is not None:
+            return await self._session_query(body, tenant, prompts[0], "prompt")
+        prompt_ids = await asyncio.to_thread(
+            lambda: self.tokenizer.encode_user_text(prompts[0]).ids
+        )
+        if len(prompt_ids) >= self.router.config.router.plain_prompt_tokens:
+            document, query = split_document(prompts[0])
+            if document:
+                return await self._wim(body, tenant, query, "prompt", context=document)
+        return await self._plain(body, tenant, prompt_ids, "prompt")
+
+    async def _session_query(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        tenant: Tenant,
+        text: str,
+        param: str,
+    ) -> Run:
+        if split_document(text)[0]:
+            raise OpenAIError(
+                400,
+                "give the document either in the prompt or as document_id, not both",
+                "invalid_request",
+                param,
+            )
+        return await self._wim(body, tenant, text.strip(), param, document_id=body.document_id)
+
+    def _options(self, body: ChatCompletionRequest | CompletionRequest) -> WiMOptions:
+        given = body.wim.model_dump(exclude_unset=True) if body.wim else {}
+        if body.answer_tokens:
+            given["answer_max_tokens"] = body.answer_tokens
+        if body.stops:
+            given["answer_stop"] = [*given.get("answer_stop", []), *body.stops]
+        try:
+            return WiMOptions.model_validate(given)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = "max_tokens" if first["loc"][0] == "answer_max_tokens" else "wim"
+            raise OpenAIError(400, first["msg"], "invalid_request", param) from exc
+
+    async def _wim(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        tenant: Tenant,
+        query: str,
+        param: str,
+        *,
+        context: str | None = None,
+        document_id: str | None = None,
+    ) -> Run:
+        if not query:
+            raise OpenAIError(
+                400, "the prompt asks nothing besides its document", "invalid_request", param
+            )
+        options = self._options(body)
+        job = WiMRequest(context=context, document_id=document_id, query=query, options=options)
+        _, items = await self.router.start_job(job, tenant)
+        return Run(items, options.answer_max_tokens)
+
+    async def _plain(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        tenant: Tenant,
+        prompt_ids: list[int],
+        param: str,
+    ) -> Run:
+        window = self.router.config.engine.max_model_len
+        max_tokens = body.answer_tokens or window - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > window or max_tokens < 1:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {window} tokens. However, you "
+                f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
+                f"{param}, {max_tokens} in the completion). Please reduce the length of the "
+                f"{param} or completion.",
+                "context_length_exceeded",
+                param,
+            )
+        tenant.require(Capability.JOBS)
+        router = self.router
+        await router._started()
+        params = PlainParams(max_tokens=max_tokens, stop=body.stops)
+        session_id = "plain-" + secrets.token_hex(8)
+        events = router._observed(router.dispatcher.plain(session_id, prompt_ids, params), tenant)
+        return Run(with_late_errors(await first_item(events), events), max_tokens)
+
+    # -- answers ----------------------------------------------------------------------------
+
+    def _head(self, body: ChatCompletionRequest | CompletionRequest, prefix: str) -> Head:
+        return Head(
+            prefix + secrets.token_hex(12), int(time.time()), self.model, body.include_usage
+        )
+
+    async def chat_response(self, body: ChatCompletionRequest, tenant: Tenant) -> Response:
+        run = await self.chat(body, tenant)
+        head = self._head(body, "chatcmpl-")
+        if body.stream:
+            return StreamingResponse(
+                chat_stream(run, head), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        outcome = await collect(run)
+        message = AssistantMessage(content=outcome.answer, reasoning_content=outcome.reasoning)
+        answer = ChatCompletion(
+            id=head.id,
+            created=head.created,
+            model=head.model,
+            choices=[ChatChoice(message=message, finish_reason=outcome.finish_reason)],
+            usage=outcome.usage,
+        )
+        return JSONResponse(answer.model_dump())
+
+    async def completion_response(self, body: CompletionRequest, tenant: Tenant) -> Response:
+        run = await self.complete(body, tenant)
+        head = self._head(body, "cmpl-")
+        if body.stream:
+            return StreamingResponse(
+                completion_stream(run, head), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        outcome = await collect(run)
+        answer = Completion(
+            id=head.id,
+            created=head.created,
+            model=head.model,
+            choices=[CompletionChoice(text=outcome.answer, finish_reason=outcome.finish_reason)],
+            usage=outcome.usage,
+        )
+        return JSONResponse(answer.model_dump())
+
+
+def _tenant(request: Request) -> Tenant:
+    """The caller, as the app's authentication dependency left it on the request."""
+    return request.state.tenant
+
+
+def openai_routes(router: WiMRouter) -> APIRouter:
+    """The `/v1` routes over `router`. Include them behind the app's authentication."""
+    service = OpenAIService(router)
+    api = APIRouter(prefix="/v1", route_class=OpenAIRoute, tags=["OpenAI-compatible"])
+
+    @api.get("/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        """The one model this service runs."""
+        return service.models()
+
+    @api.post("/chat/completions", response_model=ChatCompletion, responses=STREAMED)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """A chat completion; a long document in the messages is read with WiM."""
+        return await service.chat_response(body, _tenant(request))
+
+    @api.post("/completions", response_model=Completion, responses=STREAMED)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """A text completion; a long `<document>` in the prompt is read with WiM."""
+        return await service.completion_response(body, _tenant(request))
+
+    return api
