@@ -27,7 +27,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +98,16 @@ class Completion:
     token_ids: list[int]
     cost: PromptCost
     seconds: float
+
+
+@dataclass(frozen=True)
+class CompletionChunk:
+    """New output of a streamed ordinary request. `cost` is set on the first chunk."""
+
+    text: str  # decoded by vLLM (stop strings cut, incomplete characters held back)
+    token_ids: list[int]
+    cost: PromptCost | None
+    finish_reason: str | None
 
 
 class VLLMBackend:
@@ -221,34 +231,89 @@ class VLLMBackend:
         `exact_tokens` forces `max_tokens` tokens, for timing comparisons at a fixed answer
         length.
         """
+        started = time.perf_counter()
+        token_ids: list[int] = []
+        cost = None
+        async for chunk in self.stream_complete(
+            prompt_ids,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids,
+            exact_tokens=exact_tokens,
+            cache_salt=cache_salt,
+        ):
+            token_ids += chunk.token_ids
+            cost = cost or chunk.cost
+        assert cost is not None
+        return Completion(
+            text=self.tokenizer.decode(token_ids).strip(),
+            token_ids=token_ids,
+            cost=cost,
+            seconds=time.perf_counter() - started,
+        )
+
+    async def stream_complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        stop_token_ids: frozenset[int] = frozenset(),
+        stop: Sequence[str] = (),
+        exact_tokens: bool = False,
+        cache_salt: str | None = None,
+        reserve: bool = False,
+    ) -> AsyncIterator[CompletionChunk]:
+        """`complete`, streamed as it decodes. `stop` strings end the text (excluded).
+
+        `reserve` holds the request's worst-case KV blocks in admission control while it runs
+        (waiting for room like a WiM job): a service request beside parked WiM contexts must
+        not take blocks their reservations count on. Leaving early aborts the request.
+        """
         from vllm import SamplingParams
         from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
 
+        total = len(prompt_ids) + max_tokens
+        if total > self.limits.max_model_len:
+            raise WiMError(
+                ErrorCode.TOO_LONG,
+                f"the prompt and answer need {total} tokens; the model's context window is "
+                f"{self.limits.max_model_len}",
+            )
         params = SamplingParams(
             temperature=0.0,
             max_tokens=max_tokens,
             min_tokens=max_tokens if exact_tokens else 0,
             ignore_eos=exact_tokens,
             stop_token_ids=sorted(self.tokenizer.eos_token_ids | stop_token_ids),
-            detokenize=False,
+            stop=list(stop) or None,
+            output_kind=RequestOutputKind.DELTA,
         )
-        started = time.perf_counter()
-        final = None
-        async for output in self.engine.generate(
+        stream = self.engine.generate(  # starts on the first iteration
             tokens_input(prompt_ids, cache_salt=cache_salt),
             params,
             self.next_request_id("plain", "complete"),
             priority=PRIORITY[RequestKind.ANSWER],
-        ):
-            final = output
-        assert final is not None and final.finished
-        token_ids = list(final.outputs[0].token_ids)
-        return Completion(
-            text=self.tokenizer.decode(token_ids).strip(),
-            token_ids=token_ids,
-            cost=PromptCost(len(prompt_ids), final.num_cached_tokens or 0),
-            seconds=time.perf_counter() - started,
         )
+        blocks = -(-total // self.limits.block_size) if reserve else 0
+        if blocks:
+            await self.admission.acquire(blocks, session=False)
+        first = True
+        try:
+            async for output in stream:
+                completion = output.outputs[0]
+                yield CompletionChunk(
+                    text=completion.text,
+                    token_ids=list(completion.token_ids),
+                    cost=PromptCost(len(prompt_ids), output.num_cached_tokens or 0)
+                    if first
+                    else None,
+                    finish_reason=completion.finish_reason,
+                )
+                first = False
+        finally:
+            await stream.aclose()
+            if blocks:
+                self.admission.release(blocks, session=False)
 
 
 class VLLMContext:
