@@ -1,0 +1,256 @@
+"""The real router and HTTP app over scripted fake replicas, served by uvicorn on a free loopback
+port in a thread: for the OpenAI-client and browser tests (no Ray, no engine).
+
+The fakes answer from the document they are given: segments are sentence-aligned slices of
+its text (real character spans), a margin is the segment's first sentence sharing a word with
+the query, the answer is the first such sentence. Events come with a delay, so that a client can
+cancel mid-job; each replica counts the jobs it started, finished and saw cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+
+from tests.test_router_logic import FakeClient, FakeReplica
+from wim_service.serving.auth import ApiKeys, KeysConfig, TenantConfig, hash_key
+from wim_service.serving.contracts import DocumentOpened
+from wim_service.serving.http_app import build_http_app
+from wim_service.serving.plain import PlainParams
+from wim_service.serving.router import WiMRouter
+from wim_service.wim.events import (
+    AnswerEvent,
+    DoneEvent,
+    ErrorEvent,
+    MarginEvent,
+    SegmentEvent,
+    Timings,
+    Usage,
+    WiMEvent,
+)
+from wim_service.wim.options import WiMOptions
+
+API_KEY = "sk-test-wim"
+NO_ANSWER = "The document does not say."
+PLAIN_ANSWER = "Hello from a plain request."
+# A query with this word fails after its first margin (a late error).
+FAILING_WORD = "explode"
+
+
+def segment_spans(text: str, target_chars: int) -> list[tuple[int, int]]:
+    """Sentence-aligned (start, end) slices of about `target_chars` that tile `text`."""
+    spans, start = [], 0
+    for match in re.finditer(r"[.!?]\s+", text):
+        if match.end() - start >= target_chars:
+            spans.append((start, match.end()))
+            start = match.end()
+    if start < len(text):
+        spans.append((start, len(text)))
+    return spans
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in re.findall(r"\w+", text.lower()) if len(w) > 3}
+
+
+def scripted_job(text: str, query: str, options: WiMOptions, *, segments: bool) -> list[WiMEvent]:
+    """The events of a WiM job over `text` (with `segments`: a one-shot job's segment events)."""
+    spans = segment_spans(text, options.segment_tokens * 4)
+    asked = _words(query) - {"what", "which", "does", "that", "this", "there"}
+    events: list[WiMEvent] = []
+    notes = []
+    for index, (start, end) in enumerate(spans):
+        if segments:
+            events.append(
+                SegmentEvent(
+                    segment=index,
+                    segments=len(spans),
+                    tokens=(end - start) // 4,
+                    context_tokens=end // 4,
+                    char_start=start,
+                    char_end=end,
+                )
+            )
+        sentences = re.split(r"(?<=[.!?])\s+", text[start:end])
+        note = next((s.strip() for s in sentences if asked & _words(s)), "")
+        if note:
+            notes.append((index, note))
+        events.append(
+            MarginEvent(
+                segment=index,
+                text=note,
+                relevant=bool(note),
+                grounded=bool(note),
+                kept=bool(note),
+                char_start=start,
+                char_end=end,
+                elapsed_s=0.01,
+            )
+        )
+        if FAILING_WORD in asked:
+            events.append(ErrorEvent(code="engine_error", message="the engine failed"))
+            return events
+    answer = notes[0][1] if notes else NO_ANSWER
+    words = answer.split(" ")
+    events += [AnswerEvent(text=w if i == 0 else " " + w) for i, w in enumerate(words)]
+    margin_tokens = sum(len(n.split()) for _, n in notes) + len(spans)
+    events.append(
+        DoneEvent(
+            answer=answer,
+            notes=[i for i, _ in notes],
+            usage=Usage(
+                context_tokens=len(text) // 4,
+                segments=len(spans),
+                prompt_tokens_submitted=len(text) // 4 + 50 * len(spans),
+                prompt_tokens_cached=40 * len(spans),
+                prompt_tokens_computed=len(text) // 4 + 10 * len(spans),
+                minimal_prompt_tokens=len(text) // 4,
+                margin_tokens=margin_tokens,
+                answer_tokens=len(words),
+            ),
+            timings=Timings(answer_ttft_s=0.2, total_s=0.3),
+        )
+    )
+    return events
+
+
+def scripted_plain(prompt_ids: list[int], params: PlainParams) -> list[WiMEvent]:
+    words = PLAIN_ANSWER.split(" ")[: params.max_tokens]
+    text = " ".join(words)
+    return [
+        *(AnswerEvent(text=w if i == 0 else " " + w) for i, w in enumerate(words)),
+        DoneEvent(
+            answer=text,
+            usage=Usage(
+                prompt_tokens_submitted=len(prompt_ids),
+                prompt_tokens_cached=0,
+                prompt_tokens_computed=len(prompt_ids),
+                minimal_prompt_tokens=len(prompt_ids),
+                answer_tokens=len(words),
+            ),
+            timings=Timings(answer_ttft_s=0.01, total_s=0.02),
+        ),
+    ]
+
+
+class ScriptedReplica(FakeReplica):
+    def __init__(self, name: str, capacity: int = 100_000) -> None:
+        super().__init__(name, capacity)
+        self.texts: dict[str, str] = {}
+        self.started = self.finished = self.cancelled = 0
+        self.streams: list[tuple[str, tuple[Any, ...]]] = []  # (method, args) of each job
+
+    def open_document(self, document_id: str, text: str, options: WiMOptions, *_: Any):
+        self.documents[document_id] = options
+        self.texts[document_id] = text
+        spans = segment_spans(text, options.segment_tokens * 4)
+        return DocumentOpened(context_tokens=len(text) // 4, segments=len(spans))
+
+    def close_document(self, document_id: str) -> bool:
+        self.texts.pop(document_id, None)
+        return super().close_document(document_id)
+
+    def events(self, method: str, args: tuple[Any, ...]) -> list[WiMEvent]:
+        if method == "run":
+            context, query, options = args
+            return scripted_job(context, query, options, segments=True)
+        if method == "query_document":
+            document_id, query, _ = args
+            if document_id not in self.texts:
+                return [ErrorEvent(code="not_found", message="not on this replica")]
+            # Segment sizes were fixed when the document was read.
+            fixed = self.documents[document_id]
+            return scripted_job(self.texts[document_id], query, fixed, segments=False)
+        assert method == "complete"
+        return scripted_plain(*args)
+
+
+class ScriptedClient(FakeClient):
+    """`ReplicaClient` over scripted replicas; `delay_s` between events."""
+
+    def __init__(self, *replicas: ScriptedReplica, delay_s: float = 0.0) -> None:
+        super().__init__(*replicas)
+        self.delay_s = delay_s
+
+    async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
+        target = self._replica(replica)
+        assert isinstance(target, ScriptedReplica)
+        target.calls.append(method)
+        target.streams.append((method, args))
+        target.started += 1
+        done = False
+        try:
+            for event in target.events(method, args):
+                await asyncio.sleep(self.delay_s)
+                yield event
+            done = True
+            target.finished += 1
+        finally:
+            if not done:
+                target.cancelled += 1
+
+
+def keys() -> ApiKeys:
+    tenant = TenantConfig(keys=[hash_key(API_KEY)])
+    return ApiKeys(KeysConfig(tenants={"test": tenant}))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveService:
+    """The app on a real loopback port; `client` and `replica` for what the tests inspect."""
+
+    def __init__(self, router: dict[str, Any] | None = None, *, delay_s: float = 0.0) -> None:
+        self.replica = ScriptedReplica("a")
+        self.client = ScriptedClient(self.replica, delay_s=delay_s)
+        # Loads polled often: a test that fills the replica sees it soon.
+        config = {"router": {"replica_wait_s": 0, "load_poll_interval_s": 0.1, **(router or {})}}
+        self.router = WiMRouter(
+            None, config, client=self.client, keys=keys(), http_host="127.0.0.1"
+        )
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                build_http_app(self.router),
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                lifespan="off",
+            )
+        )
+
+    @contextmanager
+    def running(self) -> Iterator[LiveService]:
+        thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        try:
+            yield self
+        finally:
+            self.server.should_exit = True
+            thread.join(30)
+
+    def wait_for(self, predicate: Any, timeout_s: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.02)
+        return predicate()
