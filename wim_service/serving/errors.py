@@ -114,8 +114,9 @@ class RequestIdMiddleware:
     """Gives every request an id (the client's `X-Request-ID` if well-formed) and sends it
     back as a response header, so that a client's report finds the server's log lines."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, headers: dict[str, str] | None = None) -> None:
         self.app = app
+        self.headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -129,14 +130,16 @@ class RequestIdMiddleware:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 headers.append((REQUEST_ID_HEADER.lower().encode(), rid.encode()))
+                headers.extend(self.headers)
                 message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, send_with_id)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, headers: dict[str, str] | None = None) -> None:
+    """The error table's handlers, and request ids (plus `headers`) on every response."""
     app.add_exception_handler(HTTPFailure, _http_failure)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(Exception, _unexpected)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, headers=headers)

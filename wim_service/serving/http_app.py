@@ -46,7 +46,9 @@ def build_http_app(router: WiMRouter) -> FastAPI:
         version="0.1.0",
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=router.config.router.max_body_bytes)
-    install_error_handlers(app)  # its request-id middleware goes outermost
+    # Its request-id middleware goes outermost; it also names the router replica that
+    # answered (several share one address behind Serve's proxy).
+    install_error_handlers(app, {"X-WiM-Router": router.name})
     app.state.wim_router = router
     app.include_router(openai_routes(router), dependencies=[Depends(authenticate)])
     app.include_router(extract_routes(), dependencies=[Depends(authenticate)])

@@ -68,6 +68,7 @@ class WiMRouter:
         self.keys = keys or ApiKeys.from_env()
         check_open_mode(self.keys, http_host or _serve_http_host())
         self.gate = TenantGate(self.config.router.retry_after_s)
+        self.name = _replica_name()
         self.metrics = WiMMetrics()
         self.client = client or ServeReplicaClient(engine)
         self.fleet = ReplicaFleet(self.client, self.config.router, self.metrics)
@@ -280,3 +281,13 @@ def _serve_http_host() -> str:
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     return str(ray.get(controller.get_http_config.remote()).host)
+
+
+def _replica_name() -> str:
+    """This router's Serve replica id (sent as `X-WiM-Router`); "local" outside Serve."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # not in a Serve replica (tests, in-process use)
+        return "local"

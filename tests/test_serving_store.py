@@ -1,0 +1,224 @@
+"""Several routers over one Redis session store, on the real stack: local Ray Serve with two
+WiMRouter replicas, two vLLM engine replicas and a real redis-server, real HTTP.
+
+Serve's proxy spreads requests over the router replicas; each answer names its router
+(`X-WiM-Router`), so a test can tell which router served what.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.redis_server import RedisServer
+from tests.test_serving import ENGINE, OPTIONS, QUERY, metric, parse_sse, wait_for
+
+pytestmark = pytest.mark.serving
+
+PORT = 8768
+BASE = f"http://127.0.0.1:{PORT}"
+ROUTER = {
+    "session_ttl_s": 600,
+    "load_poll_interval_s": 1.0,
+    "replica_wait_s": 240,
+    "store": {"backend": "redis", "key_prefix": "wim-e2e:", "timeout_s": 1.0},
+}
+
+
+def deploy(redis_url: str, router: dict[str, Any]) -> None:
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": PORT},
+        "applications": [
+            {
+                "name": "wim",
+                "route_prefix": "/",
+                "import_path": "wim_service.serving.app:build_app",
+                "runtime_env": {"env_vars": {"WIM_REDIS_URL": redis_url}},
+                "args": {"engine": ENGINE, "router": router},
+                "deployments": [
+                    {"name": "WiMRouter", "num_replicas": 2},
+                    {"name": "EngineReplica", "num_replicas": 2},
+                ],
+            }
+        ],
+    }
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+
+
+def routers_running() -> list[str]:
+    from ray import serve
+
+    status = serve.status().applications["wim"].deployments["WiMRouter"]
+    return ["x"] * status.replica_states.get("RUNNING", 0)
+
+
+def ready(client: httpx.Client) -> bool:
+    response = client.get("/readyz")
+    return (
+        response.status_code == 200
+        and len(response.json()["replicas"]) == 2
+        and len(routers_running()) == 2
+    )
+
+
+@pytest.fixture(scope="module")
+def service(redis_server: RedisServer) -> Iterator[httpx.Client]:
+    os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
+    import ray
+    from ray import serve
+
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    deploy(redis_server.url, ROUTER)
+    client = httpx.Client(base_url=BASE, timeout=600)
+    wait_for(lambda: ready(client), "two routers and two engine replicas", 900)
+    yield client
+    client.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def open_document(client: httpx.Client, report: str) -> tuple[dict, str]:
+    response = client.post("/documents", json={"context": report, "options": OPTIONS})
+    assert response.status_code == 201, response.text
+    return response.json(), response.headers["X-WiM-Router"]
+
+
+def ask_until_router(
+    client: httpx.Client, document_id: str, wanted: Any, tries: int = 30
+) -> httpx.Response:
+    """Query until a router that `wanted(router)` accepts answers (the proxy picks)."""
+    for _ in range(tries):
+        response = client.post("/wim", json={"document_id": document_id, "query": QUERY})
+        assert response.status_code == 200, response.text
+        if wanted(response.headers["X-WiM-Router"]):
+            return response
+    pytest.fail("the proxy never chose the wanted router")
+
+
+def from_pinned_kv(body: dict, document: dict) -> bool:
+    return body["usage"]["prompt_tokens_cached"] >= (document["context_tokens"] // 32) * 32
+
+
+def _router_actor(name: str):
+    import ray
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    replica_id = ReplicaID(name, DeploymentID("WiMRouter", "wim"))
+    return ray.get_actor(replica_id.to_full_id_str(), namespace="serve")
+
+
+def test_a_session_opened_through_one_router_is_served_by_another(
+    service: httpx.Client, report: str
+) -> None:
+    document, opener = open_document(service, report)
+    response = ask_until_router(service, document["document_id"], lambda r: r != opener)
+    body = response.json()
+    assert body["replica"] == document["replica"] and from_pinned_kv(body, document)
+    # A DELETE through either router is seen by both at once.
+    deleted = service.delete(f"/documents/{document['document_id']}")
+    assert deleted.status_code == 204
+    for _ in range(6):
+        gone = service.get(f"/documents/{document['document_id']}")
+        assert gone.status_code == 404
+
+
+def test_a_killed_router_loses_no_session(service: httpx.Client, report: str) -> None:
+    import ray
+
+    document, _ = open_document(service, report)
+    # A stream through some router; then that router dies mid-stream.
+    result: dict[str, Any] = {}
+
+    def stream() -> None:
+        body = {"document_id": document["document_id"], "query": QUERY, "stream": True}
+        text = ""
+        try:
+            with httpx.stream("POST", f"{BASE}/wim", json=body, timeout=600) as response:
+                result["router"] = response.headers["X-WiM-Router"]
+                for chunk in response.iter_text():
+                    text += chunk
+                    result["events"] = parse_sse(text)
+        except httpx.HTTPError as exc:
+            result["error"] = exc
+        result["events"] = parse_sse(text)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    wait_for(lambda: "router" in result and result.get("events"), "the stream to start", 300)
+    ray.kill(_router_actor(result["router"]), no_restart=False)
+    thread.join(600)
+    kinds = [k for k, _ in result["events"]]
+    # The stream that was on the killed router ends without `done` (a clear failure)...
+    assert "done" not in kinds or "error" in result
+    # ... and the client's retry is answered from the pinned session by a live router.
+    retry = service.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
+    assert retry.status_code == 200, retry.text
+    assert retry.headers["X-WiM-Router"] != result["router"]
+    assert from_pinned_kv(retry.json(), document)
+    assert retry.json()["replica"] == document["replica"]
+    assert service.delete(f"/documents/{document['document_id']}").status_code == 204
+
+
+def test_a_router_redeploy_keeps_every_session(
+    service: httpx.Client, report: str, redis_server: RedisServer
+) -> None:
+    documents = [open_document(service, report)[0] for _ in range(2)]
+    before = {r for r in (service.get("/healthz").headers["X-WiM-Router"] for _ in range(8))}
+    deploy(redis_server.url, {**ROUTER, "load_poll_interval_s": 1.5})  # new router replicas
+    wait_for(
+        lambda: (
+            ready(service)
+            and not before & {service.get("/healthz").headers["X-WiM-Router"] for _ in range(6)}
+        ),
+        "the redeployed routers",
+        600,
+    )
+    for document in documents:
+        response = service.post(
+            "/wim", json={"document_id": document["document_id"], "query": QUERY}
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["replica"] == document["replica"]
+        assert from_pinned_kv(response.json(), document)
+        assert service.delete(f"/documents/{document['document_id']}").status_code == 204
+
+
+def test_redis_down_answers_503_and_recovers(
+    service: httpx.Client, report: str, redis_server: RedisServer
+) -> None:
+    document, _ = open_document(service, report)
+    redis_server.pause()
+    try:
+        for call in (
+            lambda: service.post(
+                "/wim", json={"document_id": document["document_id"], "query": QUERY}
+            ),
+            lambda: service.post("/documents", json={"context": report, "options": OPTIONS}),
+        ):
+            response = call()
+            assert response.status_code == 503, response.text
+            assert response.json()["code"] == "unavailable"
+            assert int(response.headers["Retry-After"]) >= 1
+    finally:
+        redis_server.resume()
+    response = service.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
+    assert response.status_code == 200, response.text
+    assert service.delete(f"/documents/{document['document_id']}").status_code == 204
+    # Nothing the refused requests started is left reserved on the engines.
+    wait_for(
+        lambda: (
+            metric(service, "wim_kv_reserved_blocks") == 0
+            and metric(service, "wim_sessions_active") == 0
+        ),
+        "no reservation left",
+        120,
+    )
