@@ -33,14 +33,27 @@ class WiMRequest(BaseModel):
 
 
 class MarginOut(BaseModel):
+    """A margin as `POST /wim` returns it (the `margin` event of a stream carries the same)."""
+
     segment: int
     text: str
     relevant: bool
+    grounded: bool = Field(False, description="Its own segment supports what it says.")
+    kept: bool = Field(False, description="It went on to the final prompt.")
+    evidence: str = Field("", description="The segment's sentence(s) that support it.")
+    evidence_start: int | None = None
+    evidence_end: int | None = None
 
 
 class WiMResponse(BaseModel):
     answer: str
     margins: list[MarginOut]
+    notes: list[int] = Field(
+        default_factory=list, description="Segments whose margins the final prompt held."
+    )
+    notes_dropped: list[int] = Field(
+        default_factory=list, description="Kept margins the context window had no room for."
+    )
     usage: Usage
     timings: Timings
     session_id: str

@@ -65,7 +65,10 @@ class WiMMetrics:
             "wim_request_seconds", "Whole request time.", buckets=_SECONDS, registry=r
         )
         self.margins = Counter(
-            "wim_margins", "Margins written, by relevance.", ["relevant"], registry=r
+            "wim_margins",
+            "Margins written, by relevance and by whether their own segment supports them.",
+            ["relevant", "grounded"],
+            registry=r,
         )
         self.failover = Counter(
             "wim_session_failover",
@@ -113,7 +116,9 @@ class JobObserver:
             self._last_segment = now
         elif event.type == "margin":
             self.metrics.margin_seconds.observe(event.elapsed_s)
-            self.metrics.margins.labels(str(event.relevant).lower()).inc()
+            self.metrics.margins.labels(
+                str(event.relevant).lower(), str(event.grounded).lower()
+            ).inc()
         elif event.type == "answer" and not self._answered:
             self._answered = True
             self.metrics.query_ttft_seconds.observe(now - self.started)

@@ -51,15 +51,15 @@ async def json_response(items: AsyncIterator[Item], session_id: str) -> Response
     margins: dict[int, MarginOut] = {}
     async for replica, event in items:
         if event.type == "margin":
-            margins[event.segment] = MarginOut(
-                segment=event.segment, text=event.text, relevant=event.relevant
-            )
+            margins[event.segment] = MarginOut.model_validate(event, from_attributes=True)
         elif isinstance(event, ErrorEvent):
             raise HTTPFailure(event.code, event.message, event.retry_after_s)
         elif isinstance(event, DoneEvent):
             body = WiMResponse(
                 answer=event.answer,
                 margins=[margins[k] for k in sorted(margins)],
+                notes=event.notes,
+                notes_dropped=event.notes_dropped,
                 usage=event.usage,
                 timings=event.timings,
                 session_id=session_id,
