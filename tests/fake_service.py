@@ -234,6 +234,14 @@ class LiveService:
 
     @contextmanager
     def running(self) -> Iterator[LiveService]:
+        # Load the router's tokenizer and sentence splitter now (seconds on a busy machine),
+        # not inside the first request a test times.
+        # (In a thread of its own: the caller may have a loop running, e.g. playwright's.)
+        sizer = self.router.dispatcher.sizer
+        warm = sizer.needed_blocks("Warm up. Twice.", WiMOptions(), "Why?")
+        warming = threading.Thread(target=asyncio.run, args=(warm,))
+        warming.start()
+        warming.join()
         thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         thread.start()
         deadline = time.monotonic() + 30

@@ -243,6 +243,12 @@ function markNotes(done) {
   }
 }
 
+// Once the answer is in, bring the first relevant segment into the text's view.
+function revealFirstRelevant() {
+  const first = ui.margins.querySelector(".margin.relevant");
+  if (first) view.reveal(Number(first.dataset.segment));
+}
+
 function showStats(done, clock) {
   const u = done.usage;
   const t = done.timings;
@@ -259,7 +265,13 @@ function showStats(done, clock) {
     ["Total (server)", seconds(t.total_s)],
     ["Replica", done.replica || "–"],
   ];
-  ui.stats.replaceChildren(...rows.flatMap(([name, value]) => [element("dt", name), element("dd", value)]));
+  ui.stats.replaceChildren(
+    ...rows.map(([name, value]) => {
+      const group = element("div");
+      group.append(element("dt", name), element("dd", value));
+      return group;
+    }),
+  );
 }
 
 function addHistory(question, answer) {
@@ -296,6 +308,7 @@ async function ask(question) {
         ui.answer.textContent = data.answer || "(no answer)";
         markNotes(data);
         showStats(data, clock);
+        revealFirstRelevant();
         addHistory(question, data.answer);
       } else if (type === "error") {
         showError(`The job failed: ${data.message} (${data.code})`);

@@ -1,0 +1,382 @@
+"""The reading page at `GET /` in headless Chromium (Debian's `chromium`, driven by playwright):
+upload, ask, margins linked to their segments, the streamed answer, cancel, another question on
+the same document session. Screenshots go to test-artifacts/ (desktop 1280x800, phone 390x844).
+
+The fast tests serve the real router and app over scripted fake replicas (tests/fake_service.py,
+with an API key configured). `test_page_on_the_real_service` runs the flow against Ray Serve
+with a real engine replica (marker `serving`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fake_service import API_KEY, LiveService, scripted_job
+from wim_service.wim.options import WiMOptions
+
+playwright_sync = pytest.importorskip("playwright.sync_api")
+expect = playwright_sync.expect
+
+ROOT = Path(__file__).parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+REPORT = (ROOT / "examples" / "harbor_report.txt").read_text()
+# Code points outside the BMP before the report: the server's character offsets count code
+# points, JavaScript strings UTF-16 units; the page must still cut the segments right.
+DOCUMENT = "Ünïcode préface: 𝐖𝐈𝐌 and 🚢 count once in Python, twice in JavaScript.\n\n" + REPORT
+QUESTION = "What is the access code for the night gate?"
+SECOND = "Who replaced Margaret Oyelaran?"
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+SEGMENT_TOKENS = 128
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:
+        reason = "Debian's chromium is not installed (apt-get install chromium)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI must run the browser tests; {reason}")
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    executable = _chromium()
+    with playwright_sync.sync_playwright() as playwright:
+        # Chromium's sandbox needs user namespaces that a root or container session lacks.
+        args = ["--no-sandbox"] if os.geteuid() == 0 else []
+        browser = playwright.chromium.launch(executable_path=executable, headless=True, args=args)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[LiveService]:
+    with LiveService(delay_s=0.03).running() as live:
+        yield live
+
+
+@pytest.fixture
+def page_at(browser) -> Iterator:
+    """page_at(base_url, viewport) -> a page on the reading page; fails on any script error."""
+    contexts, errors = [], []
+
+    def open_page(base_url: str, viewport: dict[str, int] = DESKTOP):
+        context = browser.new_context(viewport=viewport)
+        contexts.append(context)
+        page = context.new_page()
+        page.on("pageerror", lambda error: errors.append(error))
+        page.goto(base_url + "/")
+        return page
+
+    yield open_page
+    for context in contexts:
+        context.close()
+    assert not errors, errors
+
+
+def screenshot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / name), full_page=False)
+
+
+def read_document(page, path: Path, *, key: str | None = API_KEY, timeout_ms: int = 10_000):
+    if key is not None:
+        page.get_by_text("API key", exact=True).click()
+        page.get_by_label("API key, sent as").fill(key)
+    page.get_by_label("or open a file").set_input_files(str(path))
+    expect(page.get_by_label("Paste plain text or Markdown")).not_to_have_value("")
+    page.get_by_label("Segment size (tokens)").fill(str(SEGMENT_TOKENS))
+    page.get_by_role("button", name="Read document").click()
+    expect(page.locator("#document-status")).to_contain_text("Read in", timeout=timeout_ms)
+
+
+def ask(page, question: str) -> None:
+    page.get_by_label("Question", exact=True).fill(question)
+    page.get_by_label("Question", exact=True).press("Enter")
+
+
+def wait_for_answer(page, timeout_ms: int = 10_000) -> None:
+    expect(page.locator("#stats")).to_contain_text("Prompt tokens", timeout=timeout_ms)
+
+
+@pytest.fixture
+def document_file(tmp_path: Path) -> Path:
+    path = tmp_path / "harbor report.md"
+    path.write_text(DOCUMENT, encoding="utf-8")
+    return path
+
+
+def test_read_ask_cancel_and_ask_again(page_at, service: LiveService, document_file) -> None:
+    page = page_at(service.base_url)
+    read_document(page, document_file)
+    expect(page.get_by_label("Paste plain text or Markdown")).to_be_hidden()
+
+    ask(page, QUESTION)
+    wait_for_answer(page)
+    events = scripted_job(
+        DOCUMENT, QUESTION, WiMOptions(segment_tokens=SEGMENT_TOKENS), segments=False
+    )
+    margins = [e for e in events if e.type == "margin"]
+    relevant = [m for m in margins if m.relevant]
+    assert len(margins) > 5 and relevant
+    expect(page.locator("#answer")).to_have_text(events[-1].answer)
+    expect(page.locator("#margins > li")).to_have_count(len(margins))
+    expect(page.locator("#margins > li.relevant")).to_have_count(len(relevant))
+    assert page.locator("#progress").evaluate("p => [p.value, p.max]") == [len(margins)] * 2
+    # Each margin's segment is exactly the server's character span of the document.
+    for margin in margins:
+        segment = page.locator(f"#seg-{margin.segment}")
+        assert segment.text_content() == DOCUMENT[margin.char_start : margin.char_end]
+    # A relevant margin points at its segment: hover or keyboard focus highlights it.
+    first = relevant[0].segment
+    item = page.locator(f"#margins > li[data-segment='{first}']")
+    item.hover()
+    expect(page.locator(f"#seg-{first}")).to_have_class("segment relevant highlight")
+    page.mouse.move(0, 0)
+    expect(page.locator(f"#seg-{first}")).to_have_class("segment relevant")
+    item.get_by_role("link").focus()
+    expect(page.locator(f"#seg-{first}")).to_have_class("segment relevant highlight")
+    # Dropped margins are collapsed.
+    dropped = page.locator("#margins > li.dropped details").first
+    expect(dropped).not_to_have_attribute("open", "")
+    expect(page.locator("#stats")).to_contain_text("from the KV cache")
+    page.evaluate("window.scrollTo(0, 0)")
+    screenshot(page, "page-desktop.png")
+
+    # Cancel: the page aborts its request and the server cancels the job.
+    cancelled = service.replica.cancelled
+    service.client.delay_s = 0.5
+    try:
+        ask(page, "What did the harbour police do?")
+        expect(page.locator("#margins > li")).to_have_count(1, timeout=10_000)
+        page.get_by_role("button", name="Cancel").click()
+        expect(page.locator("#progress-text")).to_contain_text("Cancelled")
+        assert service.wait_for(lambda: service.replica.cancelled == cancelled + 1)
+    finally:
+        service.client.delay_s = 0.03
+    status_499 = 'wim_requests_total{status="499"}'
+    assert any(line.startswith(status_499) for line in metrics_lines(service.base_url))
+    expect(page.get_by_role("button", name="Cancel")).to_be_disabled()
+
+    # Another question on the same document session.
+    ask(page, SECOND)
+    wait_for_answer(page)
+    second = scripted_job(
+        DOCUMENT, SECOND, WiMOptions(segment_tokens=SEGMENT_TOKENS), segments=False
+    )
+    expect(page.locator("#answer")).to_have_text(second[-1].answer)
+    expect(page.locator("#history > li")).to_have_count(2)
+    expect(page.locator("#history > li").first).to_contain_text(SECOND)
+    asked = [args for method, args in service.replica.streams if method == "query_document"]
+    assert len({args[0] for args in asked[-3:]}) == 1  # all on one document session
+    # Close: the session ends on the server.
+    page.get_by_role("button", name="Close document").click()
+    expect(page.get_by_label("Paste plain text or Markdown")).to_be_visible()
+    assert service.wait_for(lambda: not service.replica.texts)
+
+
+def metrics_lines(base_url: str) -> list[str]:
+    return httpx.get(base_url + "/metrics").text.splitlines()
+
+
+def test_phone_width(page_at, service: LiveService, document_file) -> None:
+    page = page_at(service.base_url, PHONE)
+    read_document(page, document_file)
+    ask(page, QUESTION)
+    wait_for_answer(page)
+    # Nothing wider than the screen; the question comes before the long text.
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+    ask_box = page.locator("#reading-panel").bounding_box()
+    text_box = page.locator("#document-panel").bounding_box()
+    assert ask_box["y"] < text_box["y"]
+    page.locator("#answer-heading").scroll_into_view_if_needed()
+    screenshot(page, "page-phone.png")
+
+
+def test_controls_are_labelled_and_reachable_by_keyboard(page_at, service: LiveService) -> None:
+    page = page_at(service.base_url)
+    unlabelled = page.evaluate(
+        """[...document.querySelectorAll('input, select, textarea, progress')]
+           .filter(e => !e.labels?.length && !e.getAttribute('aria-labelledby'))
+           .map(e => e.id)"""
+    )
+    assert unlabelled == []
+    reached = []
+    for _ in range(12):
+        page.keyboard.press("Tab")
+        reached.append(page.evaluate("document.activeElement.id || document.activeElement.tagName"))
+    for target in ("document-text", "document-file", "segment-tokens", "read-button"):
+        assert target in reached, reached
+
+
+def test_a_wrong_key_is_reported(page_at, service: LiveService) -> None:
+    page = page_at(service.base_url)
+    page.get_by_text("API key", exact=True).click()
+    page.get_by_label("API key, sent as").fill("not-the-key")
+    page.get_by_label("Paste plain text or Markdown").fill("A short document.")
+    page.get_by_role("button", name="Read document").click()
+    expect(page.locator("#error")).to_contain_text("HTTP 401")
+    # The key lives in this tab's sessionStorage only.
+    assert page.evaluate("sessionStorage.getItem('wim.apiKey')") == "not-the-key"
+    assert page.evaluate("localStorage.length") == 0
+
+
+def tiny_pdf(text: str) -> bytes:
+    """A one-page PDF showing `text` (Helvetica), with a correct cross-reference table."""
+    content = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+        b"/Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(content), content),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out, offsets = b"%PDF-1.4\n", []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
+        len(objects) + 1,
+        xref,
+    )
+    return out
+
+
+def test_a_pdf_upload_fills_in_its_text(page_at, service: LiveService, tmp_path: Path) -> None:
+    path = tmp_path / "gate.pdf"
+    path.write_bytes(tiny_pdf("The night gate code is 4417."))
+    page = page_at(service.base_url)
+    page.get_by_text("API key", exact=True).click()
+    page.get_by_label("API key, sent as").fill(API_KEY)
+    page.get_by_label("or open a file").set_input_files(str(path))
+    expect(page.get_by_label("Paste plain text or Markdown")).to_have_value(
+        "The night gate code is 4417."
+    )
+    refused = httpx.post(
+        service.base_url + "/extract/pdf",
+        content=b"not a pdf",
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/pdf"},
+    )
+    assert refused.status_code == 400 and refused.json()["code"] == "invalid_input"
+
+
+# -- the real stack -------------------------------------------------------------------------
+
+REAL_PORT = 8766
+REAL_ENGINE = {
+    "dtype": "bfloat16",
+    "max_model_len": 4096,
+    "kv_cache_gib": 0.25,
+    "block_size": 32,
+    "max_num_seqs": 16,
+    "max_sessions": 4,
+    "admission_timeout_s": 5,
+}
+
+
+@pytest.fixture(scope="module")
+def served_base_url() -> Iterator[str]:
+    """Ray Serve on 127.0.0.1:8766 with one real engine replica (open mode: loopback)."""
+    os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    base_url = f"http://127.0.0.1:{REAL_PORT}"
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": REAL_PORT})
+        config = {
+            "http_options": {"host": "127.0.0.1", "port": REAL_PORT},
+            "applications": [
+                {
+                    "name": "wim",
+                    "route_prefix": "/",
+                    "import_path": "wim_service.serving.app:build_app",
+                    "args": {"engine": REAL_ENGINE, "router": {"load_poll_interval_s": 1.0}},
+                    "deployments": [{"name": "EngineReplica", "num_replicas": 1}],
+                }
+            ],
+        }
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base_url + "/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail("the service did not become ready")
+        yield base_url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def kv_usage(base_url: str) -> float:
+    """The engine replica's KV cache usage (0..1) as its vLLM metrics report it."""
+    for line in metrics_lines(base_url):
+        if line.startswith("vllm:kv_cache_usage_perc{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:kv_cache_usage_perc in /metrics")
+
+
+@pytest.mark.serving
+@pytest.mark.timeout(1800)
+def test_page_on_the_real_service(page_at, served_base_url: str, document_file) -> None:
+    page = page_at(served_base_url)
+    read_document(page, document_file, key=None, timeout_ms=300_000)
+    segments = int(page.locator("#progress").evaluate("p => p.max"))
+    ask(page, QUESTION)
+    wait_for_answer(page, timeout_ms=300_000)
+    expect(page.locator("#margins > li")).to_have_count(segments)
+    assert page.locator("#answer").text_content().strip()
+    screenshot(page, "page-desktop-real.png")
+
+    # Cancel mid-job: the engine's KV use returns to what the parked document holds.
+    baseline = kv_usage(served_base_url)
+    ask(page, SECOND)
+    expect(page.locator("#margins > li")).not_to_have_count(0, timeout=300_000)
+    page.get_by_role("button", name="Cancel").click()
+    expect(page.locator("#progress-text")).to_contain_text("Cancelled")
+    deadline = time.monotonic() + 60
+    while kv_usage(served_base_url) > baseline and time.monotonic() < deadline:
+        time.sleep(1)
+    assert kv_usage(served_base_url) <= baseline
+
+    ask(page, SECOND)
+    wait_for_answer(page, timeout_ms=300_000)
+    expect(page.locator("#history > li")).to_have_count(2)
+
+    # The OpenAI API on the same service: WiM over a long prompt, a plain short one.
+    import openai
+
+    client = openai.OpenAI(base_url=served_base_url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    wim = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": REPORT}, {"role": "user", "content": QUESTION}],
+        max_tokens=24,
+        extra_body={"wim": {"segment_tokens": 192, "margin_max_tokens": 16}},
+    )
+    assert wim.choices[0].message.content and wim.usage.prompt_tokens_details.cached_tokens > 0
+    plain = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8
+    )
+    assert plain.choices[0].message.content and plain.usage.completion_tokens <= 8
