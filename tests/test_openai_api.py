@@ -120,6 +120,7 @@ def test_short_prompts_pass_straight_through(client: openai.OpenAI, service: Liv
     method, (prompt_ids, params) = last_stream(service)
     assert method == "complete"
     assert completion.choices[0].message.content == PLAIN_ANSWER
+    assert completion.choices[0].message.reasoning_content is None  # no margins
     assert completion.usage.prompt_tokens == len(prompt_ids) < 64
     assert params.max_tokens == 8192 - len(prompt_ids)  # the rest of the window
     # A budget the answer reaches ends with finish_reason "length".
@@ -226,6 +227,12 @@ def test_errors_come_in_openai_shape(client: openai.OpenAI, service: LiveService
     with pytest.raises(openai.AuthenticationError) as denied:
         anonymous.models.list()
     assert denied.value.type == "authentication_error" and denied.value.code == "unauthorized"
+    garbled = httpx.post(
+        service.base_url + "/v1/completions",
+        content=b'{"model": ',
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    assert garbled.status_code == 400 and garbled.json()["error"]["param"] is None
     raw = httpx.post(service.base_url + "/v1/completions", json={"model": MODEL})
     assert raw.status_code == 401 and set(raw.json()["error"]) == {
         "message",

@@ -69,7 +69,7 @@ from wim_service.serving.openai_models import (
 from wim_service.serving.plain import PlainParams
 from wim_service.serving.responses import Item, first_item, with_late_errors
 from wim_service.wim.errors import ErrorCode
-from wim_service.wim.events import DoneEvent, ErrorEvent, MarginEvent, Usage
+from wim_service.wim.events import AnswerEvent, DoneEvent, ErrorEvent, MarginEvent, Usage
 from wim_service.wim.options import WiMOptions
 from wim_service.wim.tokenizer import Tokenizer
 
@@ -135,8 +135,10 @@ def _invalid(exc: RequestValidationError) -> OpenAIError:
     message = "; ".join(
         f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors
     )
-    param = ".".join(str(p) for p in errors[0]["loc"][1:]) if errors else None
-    return OpenAIError(400, message, ServiceCode.INVALID_REQUEST, param or None)
+    # The field at fault (a JSON syntax error's location is a character position: no field).
+    where = errors[0]["loc"][1:] if errors else ()
+    param = ".".join(str(p) for p in where) if where and isinstance(where[0], str) else None
+    return OpenAIError(400, message, ServiceCode.INVALID_REQUEST, param)
 
 
 class OpenAIRoute(APIRoute):
@@ -295,11 +297,9 @@ def _late_error(event: ErrorEvent) -> str:
 
 @dataclass(frozen=True)
 class Head:
-    """What every object of one answer shares."""
+    """What every object of one answer shares, and whether its stream reports usage."""
 
-    id: str
-    created: int
-    model: str
+    stamp: dict[str, Any]  # `Stamped`'s fields: id, created, model
     include_usage: bool
 
     def dump(self, chunk: ChatCompletionChunk | Completion) -> str:
@@ -307,48 +307,31 @@ class Head:
 
 
 async def chat_stream(run: Run, head: Head) -> AsyncIterator[str]:
-    def chunk(delta: dict[str, str], finish: FinishReason | None = None) -> str:
-        choice = ChunkChoice(delta=delta, finish_reason=finish)
-        return head.dump(
-            ChatCompletionChunk(
-                id=head.id, created=head.created, model=head.model, choices=[choice]
-            )
-        )
+    def chunk(choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> str:
+        return head.dump(ChatCompletionChunk(**head.stamp, choices=choices, usage=usage))
 
-    yield chunk({"role": "assistant", "content": ""})
+    yield chunk([ChunkChoice(delta={"role": "assistant", "content": ""})])
     async for _, event in run.items:
         if isinstance(event, MarginEvent) and event.relevant:
-            yield chunk({"reasoning_content": margin_line(event)})
-        elif event.type == "answer":
-            yield chunk({"content": event.text})
+            yield chunk([ChunkChoice(delta={"reasoning_content": margin_line(event)})])
+        elif isinstance(event, AnswerEvent):
+            yield chunk([ChunkChoice(delta={"content": event.text})])
         elif isinstance(event, ErrorEvent):
             yield _late_error(event)
             break
         elif isinstance(event, DoneEvent):
-            yield chunk({}, run.finish_reason(event))
+            yield chunk([ChunkChoice(delta={}, finish_reason=run.finish_reason(event))])
             if head.include_usage:
-                yield head.dump(
-                    ChatCompletionChunk(
-                        id=head.id,
-                        created=head.created,
-                        model=head.model,
-                        choices=[],
-                        usage=openai_usage(event.usage),
-                    )
-                )
+                yield chunk([], openai_usage(event.usage))
     yield "data: [DONE]\n\n"
 
 
 async def completion_stream(run: Run, head: Head) -> AsyncIterator[str]:
     def chunk(choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> str:
-        return head.dump(
-            Completion(
-                id=head.id, created=head.created, model=head.model, choices=choices, usage=usage
-            )
-        )
+        return head.dump(Completion(**head.stamp, choices=choices, usage=usage))
 
     async for _, event in run.items:
-        if event.type == "answer":
+        if isinstance(event, AnswerEvent):
             yield chunk([CompletionChoice(text=event.text)])
         elif isinstance(event, ErrorEvent):
             yield _late_error(event)
@@ -358,6 +341,17 @@ async def completion_stream(run: Run, head: Head) -> AsyncIterator[str]:
             if head.include_usage:
                 yield chunk([], openai_usage(event.usage))
     yield "data: [DONE]\n\n"
+
+
+def chat_answer(head: Head, outcome: Outcome) -> ChatCompletion:
+    message = AssistantMessage(content=outcome.answer, reasoning_content=outcome.reasoning or None)
+    choice = ChatChoice(message=message, finish_reason=outcome.finish_reason)
+    return ChatCompletion(**head.stamp, choices=[choice], usage=outcome.usage)
+
+
+def completion_answer(head: Head, outcome: Outcome) -> Completion:
+    choice = CompletionChoice(text=outcome.answer, finish_reason=outcome.finish_reason)
+    return Completion(**head.stamp, choices=[choice], usage=outcome.usage)
 
 
 # -- the service ----------------------------------------------------------------------------
@@ -492,45 +486,26 @@ class OpenAIService:
 
     # -- answers ----------------------------------------------------------------------------
 
-    def _head(self, body: ChatCompletionRequest | CompletionRequest, prefix: str) -> Head:
-        return Head(
-            prefix + secrets.token_hex(12), int(time.time()), self.model, body.include_usage
-        )
-
-    async def chat_response(self, body: ChatCompletionRequest, tenant: Tenant) -> Response:
-        run = await self.chat(body, tenant)
-        head = self._head(body, "chatcmpl-")
+    async def respond(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        run: Run,
+        prefix: str,
+        stream: Callable[[Run, Head], AsyncIterator[str]],
+        whole: Callable[[Head, Outcome], ChatCompletion | Completion],
+    ) -> Response:
+        """The answer as server-sent chunks (`stream`) or one object (`whole`)."""
+        stamp = {
+            "id": prefix + secrets.token_hex(12),
+            "created": int(time.time()),
+            "model": self.model,
+        }
+        head = Head(stamp, body.include_usage)
         if body.stream:
             return StreamingResponse(
-                chat_stream(run, head), media_type="text/event-stream", headers=SSE_HEADERS
+                stream(run, head), media_type="text/event-stream", headers=SSE_HEADERS
             )
-        outcome = await collect(run)
-        message = AssistantMessage(content=outcome.answer, reasoning_content=outcome.reasoning)
-        answer = ChatCompletion(
-            id=head.id,
-            created=head.created,
-            model=head.model,
-            choices=[ChatChoice(message=message, finish_reason=outcome.finish_reason)],
-            usage=outcome.usage,
-        )
-        return JSONResponse(answer.model_dump())
-
-    async def completion_response(self, body: CompletionRequest, tenant: Tenant) -> Response:
-        run = await self.complete(body, tenant)
-        head = self._head(body, "cmpl-")
-        if body.stream:
-            return StreamingResponse(
-                completion_stream(run, head), media_type="text/event-stream", headers=SSE_HEADERS
-            )
-        outcome = await collect(run)
-        answer = Completion(
-            id=head.id,
-            created=head.created,
-            model=head.model,
-            choices=[CompletionChoice(text=outcome.answer, finish_reason=outcome.finish_reason)],
-            usage=outcome.usage,
-        )
-        return JSONResponse(answer.model_dump())
+        return JSONResponse(whole(head, await collect(run)).model_dump())
 
 
 def _tenant(request: Request) -> Tenant:
@@ -551,11 +526,13 @@ def openai_routes(router: WiMRouter) -> APIRouter:
     @api.post("/chat/completions", response_model=ChatCompletion, responses=STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """A chat completion; a long document in the messages is read with WiM."""
-        return await service.chat_response(body, _tenant(request))
+        run = await service.chat(body, _tenant(request))
+        return await service.respond(body, run, "chatcmpl-", chat_stream, chat_answer)
 
     @api.post("/completions", response_model=Completion, responses=STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """A text completion; a long `<document>` in the prompt is read with WiM."""
-        return await service.completion_response(body, _tenant(request))
+        run = await service.complete(body, _tenant(request))
+        return await service.respond(body, run, "cmpl-", completion_stream, completion_answer)
 
     return api

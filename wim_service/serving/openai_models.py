@@ -130,11 +130,16 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason
 
 
-class ChatCompletion(BaseModel):
+class Stamped(BaseModel):
+    """What every object of one answer shares (each chunk of a stream too)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+
+
+class ChatCompletion(Stamped):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: CompletionUsage
 
@@ -147,11 +152,8 @@ class ChunkChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(Stamped):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
     # With `stream_options.include_usage` every chunk has the key: null but in the last one.
     usage: CompletionUsage | None = None
@@ -164,13 +166,10 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-class Completion(BaseModel):
+class Completion(Stamped):
     """A text completion; streamed chunks have the same shape (`finish_reason` null first)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: CompletionUsage | None = None
 
