@@ -7,6 +7,8 @@ cd "$(dirname "$0")"
 WIM_INSTALL_SYSTEM_TOOLS="${WIM_INSTALL_SYSTEM_TOOLS:-1}" scripts/bootstrap.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# Types: strict for wim_service/wim and wim_service/serving (pyproject's [tool.mypy]).
+.venv/bin/mypy wim_service
 status=0
 .venv/bin/python -m pytest -p no:cacheprovider "$@" || status=$?
 if [ "$status" -eq 5 ]; then

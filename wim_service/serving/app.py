@@ -12,7 +12,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.deployment import Application
+from ray.serve.deployment import Application, Deployment
 
 from wim_service.serving.config import ServiceConfig
 from wim_service.serving.replica import EngineReplica
@@ -20,15 +20,13 @@ from wim_service.serving.replica_client import ENGINE_DEPLOYMENT
 from wim_service.serving.router import WiMRouter
 
 # The ingress: the HTTP app is built by `WiMRouter.__serve_build_asgi_app__` in the replica.
-WiMRouterDeployment = serve.deployment(
-    serve.ingress()(WiMRouter),
+WiMRouterDeployment: Deployment = serve.deployment(
     name="WiMRouter",
     ray_actor_options={"num_cpus": 0},
     max_ongoing_requests=1000,
-)
+)(serve.ingress()(WiMRouter))
 
-EngineReplicaDeployment = serve.deployment(
-    EngineReplica,
+EngineReplicaDeployment: Deployment = serve.deployment(
     name=ENGINE_DEPLOYMENT,
     ray_actor_options={"num_cpus": 1},
     # Admission control lives in the engine (KV reservations); this only bounds concurrency.
@@ -37,9 +35,10 @@ EngineReplicaDeployment = serve.deployment(
     graceful_shutdown_timeout_s=300,
     health_check_period_s=10,
     request_router_config=RequestRouterConfig(
-        request_router_class="wim_service.serving.pinning:PinnedReplicaRouter"
+        # Serve takes an import path here and resolves it in each caller's process.
+        request_router_class="wim_service.serving.pinning:PinnedReplicaRouter"  # type: ignore[arg-type]
     ),
-)
+)(EngineReplica)
 
 
 def build_app(args: dict[str, Any]) -> Application:

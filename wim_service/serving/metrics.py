@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from wim_service.wim.events import WiMEvent
 
 # `*_created` timestamp series only double the exposition; nothing reads them.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # (untyped in prometheus_client)
 
 # Seconds buckets spanning a sub-second margin to a multi-minute document on CPU.
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)

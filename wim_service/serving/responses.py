@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -69,7 +70,7 @@ async def json_response(items: AsyncIterator[Item], session_id: str) -> Response
     raise HTTPFailure(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
 
 
-def sse_frame(event: str, data: dict) -> str:
+def sse_frame(event: str, data: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
 

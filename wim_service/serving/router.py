@@ -280,7 +280,8 @@ def _serve_http_host() -> str:
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    return str(ray.get(controller.get_http_config.remote()).host)
+    http_config: Any = ray.get(controller.get_http_config.remote())
+    return str(http_config.host)
 
 
 def _replica_name() -> str:

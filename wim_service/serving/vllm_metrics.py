@@ -42,5 +42,5 @@ def merge_replica_metrics(texts: dict[str, str]) -> str:
     if not merged:
         return ""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Static(list(merged.values())))  # type: ignore[arg-type]
+    registry.register(_Static(list(merged.values())))
     return generate_latest(registry).decode()

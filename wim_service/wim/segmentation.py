@@ -14,8 +14,12 @@ import bisect
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from wim_service.wim.tokenizer import EncodedText
+
+if TYPE_CHECKING:
+    from nltk.tokenize.punkt import PunktTokenizer
 
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 
@@ -36,7 +40,7 @@ class Segment:
 
 
 @lru_cache(maxsize=1)
-def _punkt():
+def _punkt() -> PunktTokenizer:
     from nltk.tokenize.punkt import PunktTokenizer
 
     from wim_service.assets.punkt import install_punkt

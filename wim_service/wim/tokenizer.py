@@ -81,7 +81,9 @@ class HFTokenizer:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return str(self._tok.decode(ids, skip_special_tokens=True))
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return str(
+            self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
