@@ -32,6 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         action="store_true",
         help="benchmark the HTTP service instead (local Ray, REST vs in-process, sessions)",
     )
+    parser.add_argument(
+        "--store",
+        action="store_true",
+        help="benchmark the session store instead (in-process vs Redis, routers agreeing)",
+    )
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(main=main)
 
@@ -47,6 +52,10 @@ def main(args: argparse.Namespace) -> int:
         json_out=args.json_out,
         engine=EngineConfig.from_cli_args(args),
     )
+    if args.store:
+        from wim_service.benchmarks.store import run_store_bench
+
+        return asyncio.run(run_store_bench())
     if args.serving:
         from wim_service.benchmarks.service import run_serving_bench
 
