@@ -24,6 +24,9 @@ WiMRouterDeployment: Deployment = serve.deployment(
     name="WiMRouter",
     ray_actor_options={"num_cpus": 0},
     max_ongoing_requests=1000,
+    # Past this many waiting requests Serve's proxy answers 503 at once instead of queueing
+    # without bound (serve config: `deployments[].max_queued_requests`).
+    max_queued_requests=2000,
 )(serve.ingress()(WiMRouter))
 
 EngineReplicaDeployment: Deployment = serve.deployment(
@@ -31,6 +34,8 @@ EngineReplicaDeployment: Deployment = serve.deployment(
     ray_actor_options={"num_cpus": 1},
     # Admission control lives in the engine (KV reservations); this only bounds concurrency.
     max_ongoing_requests=64,
+    # A full queue answers the router at once (429 overloaded to the client), never hangs.
+    max_queued_requests=256,
     # A leaving replica lets its running jobs finish before it stops (scale-down drain).
     graceful_shutdown_timeout_s=300,
     health_check_period_s=10,

@@ -14,9 +14,12 @@ from typing import Any, Protocol
 
 from pydantic import TypeAdapter
 
+from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import WiMEvent
 
 ENGINE_DEPLOYMENT = "EngineReplica"
+# Retry-After for a replica whose request queue is full.
+RETRY_AFTER_S = 5.0
 _EVENT: TypeAdapter[WiMEvent] = TypeAdapter(WiMEvent)
 
 
@@ -75,6 +78,8 @@ class ServeReplicaClient:
             return await self._handle(replica, method).remote(*args)
         except _lost_errors() as exc:
             raise _lost(replica, exc) from exc
+        except _backpressure() as exc:
+            raise _full(replica) from exc
         finally:
             self.in_flight[replica] -= 1
 
@@ -86,6 +91,8 @@ class ServeReplicaClient:
                 yield _EVENT.validate_python(item)
         except _lost_errors() as exc:
             raise _lost(replica, exc) from exc
+        except _backpressure() as exc:
+            raise _full(replica) from exc
         finally:
             # A client gone mid-stream cancels the replica's job: it closes its context.
             response.cancel()
@@ -102,6 +109,21 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
     # RayActorError covers ActorDiedError and ActorUnavailableError; Ray re-raises the
     # replica's EngineDead as an instance of EngineDead.
     return (ReplicaGone, RayActorError, EngineDead)
+
+
+def _backpressure() -> type[BaseException]:
+    from ray.serve.exceptions import BackPressureError
+
+    return BackPressureError
+
+
+def _full(replica: str) -> WiMError:
+    """The replica's request queue is full (`max_queued_requests`): overloaded, retry."""
+    return WiMError(
+        ErrorCode.OVERLOADED,
+        f"engine replica {replica} has too many queued requests; retry later",
+        retry_after_s=RETRY_AFTER_S,
+    )
 
 
 def _lost(replica: str, exc: BaseException) -> ReplicaLost:
