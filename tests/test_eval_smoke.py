@@ -86,11 +86,14 @@ async def test_smoke_evaluation_produces_sane_reports(engine, tmp_path) -> None:
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
-def test_largest_length_leaves_room_for_margins_and_answer() -> None:
+def test_largest_length_leaves_room_for_the_worst_request(tokenizer) -> None:
     options = WiMOptions()
-    longest = largest_length(8192, options)
-    assert 6000 <= longest < 8192 and longest % 256 == 0
-    assert largest_length(4096, options) < 4096 - options.answer_max_tokens
+    longest = largest_length(8192, options, tokenizer)
+    # Notes are budgeted to the window, so WiM reads what a plain call reads, minus prompts.
+    assert 7168 <= longest < 8192 and longest % 256 == 0
+    assert largest_length(4096, options, tokenizer) < 4096 - options.answer_max_tokens
+    bigger = WiMOptions(margin_max_tokens=1000)
+    assert largest_length(8192, bigger, tokenizer) < longest
 
 
 async def test_complete_reports_tokens_and_cache_hits(engine) -> None:

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from wim_service.assets.default_model import default_model_dir
 from wim_service.engine.config import EngineConfig
 from wim_service.eval.methods import METHODS, MethodSettings
 from wim_service.eval.report import write_report
@@ -21,6 +22,7 @@ from wim_service.eval.runner import RunRecord, evaluate
 from wim_service.eval.sizing import largest_length
 from wim_service.eval.tasks import TaskKind, generate_tasks
 from wim_service.wim.options import WiMOptions
+from wim_service.wim.tokenizer import HFTokenizer, Tokenizer
 
 # The default model's practical lengths: at 6.6k tokens every method degenerates on it.
 FULL_LENGTHS = [1024, 2048, 4096]
@@ -79,8 +81,10 @@ def _options(args: argparse.Namespace) -> WiMOptions:
     return WiMOptions.model_validate(extra)
 
 
-def _lengths(args: argparse.Namespace, max_model_len: int, options: WiMOptions) -> list[int]:
-    longest = largest_length(max_model_len, options)
+def _lengths(
+    args: argparse.Namespace, max_model_len: int, options: WiMOptions, tokenizer: Tokenizer
+) -> list[int]:
+    longest = largest_length(max_model_len, options, tokenizer)
     if args.lengths:
         too_long = [n for n in args.lengths if n > longest]
         if too_long:
@@ -116,7 +120,8 @@ async def _run(args: argparse.Namespace) -> int:
 
     options = _options(args)
     config = EngineConfig.from_cli_args(args)
-    lengths = _lengths(args, config.max_model_len, options)
+    tokenizer = HFTokenizer(config.model or default_model_dir())
+    lengths = _lengths(args, config.max_model_len, options, tokenizer)
     samples = args.samples or (FULL_SAMPLES if args.full else 1)
     seeds = args.seeds or (FULL_SEEDS if args.full else [0])
     settings = MethodSettings(options, args.rag_chunk_tokens, args.rag_top_k)
