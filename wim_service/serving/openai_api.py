@@ -81,7 +81,7 @@ DOCUMENT_BLOCK = re.compile(r"<document>(.*?)</document>", re.DOTALL)
 _TURN_MARK = "\ue010{}\ue011"
 _TURN_MARK_RE = re.compile("\ue010(\\d+)\ue011")
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-STREAMED = {200: {"content": {"text/event-stream": {}}}}
+STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}}}
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -510,7 +510,8 @@ class OpenAIService:
 
 def _tenant(request: Request) -> Tenant:
     """The caller, as the app's authentication dependency left it on the request."""
-    return request.state.tenant
+    tenant: Tenant = request.state.tenant
+    return tenant
 
 
 def openai_routes(router: WiMRouter) -> APIRouter:
