@@ -17,6 +17,7 @@ from enum import StrEnum
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wim_service.serving.api import ErrorBody
@@ -32,6 +33,7 @@ class ServiceCode(StrEnum):
     """Codes of the HTTP layer, beside the job codes of `wim.errors.ErrorCode`."""
 
     INVALID_REQUEST = "invalid_request"  # the body does not match the API's schema
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # the route exists, not with this method
     OPTIONS_FIXED = "options_fixed"  # a query changes options fixed when its document was read
     BODY_TOO_LARGE = "body_too_large"
     UNAUTHORIZED = "unauthorized"  # no API key, or an unknown one
@@ -45,6 +47,7 @@ STATUS: dict[str, int] = {
     ServiceCode.UNAUTHORIZED: 401,
     ServiceCode.FORBIDDEN: 403,
     ErrorCode.NOT_FOUND: 404,
+    ServiceCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.TOO_LONG: 413,
     ServiceCode.BODY_TOO_LARGE: 413,
     ServiceCode.INVALID_REQUEST: 422,
@@ -102,6 +105,22 @@ async def _invalid(_: Request, exc: Exception) -> JSONResponse:
     return HTTPFailure(ServiceCode.INVALID_REQUEST, problems).response()
 
 
+# What the web framework refuses itself (a body it cannot decode, an unknown route, a wrong
+# method), as codes of the table.
+_FRAMEWORK_CODES = {
+    400: ServiceCode.INVALID_REQUEST,
+    404: ErrorCode.NOT_FOUND,
+    405: ServiceCode.METHOD_NOT_ALLOWED,
+}
+
+
+async def _framework(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    fallback = ServiceCode.INVALID_REQUEST if exc.status_code < 500 else ServiceCode.INTERNAL_ERROR
+    code = _FRAMEWORK_CODES.get(exc.status_code, fallback)
+    return HTTPFailure(code, str(exc.detail)).response(exc.headers)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     rid = request_id(request)
     logger.error("request %s failed", rid, exc_info=exc)
@@ -122,7 +141,8 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(REQUEST_ID_HEADER.lower().encode(), b"").decode()
+        raw = dict(scope["headers"]).get(REQUEST_ID_HEADER.lower().encode(), b"")
+        given = raw.decode("latin-1")  # any bytes decode; an id not of the form is replaced
         rid = given if _CLIENT_REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
         scope.setdefault("state", {})["request_id"] = rid
 
@@ -141,5 +161,6 @@ def install_error_handlers(app: FastAPI, headers: dict[str, str] | None = None) 
     """The error table's handlers, and request ids (plus `headers`) on every response."""
     app.add_exception_handler(HTTPFailure, _http_failure)
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _framework)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(RequestIdMiddleware, headers=headers)
