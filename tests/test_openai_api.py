@@ -18,6 +18,7 @@ from tests.fake_service import (
     LiveService,
     scripted_job,
 )
+from wim_service.serving.api import MAX_QUERY_CHARS
 from wim_service.serving.openai_api import Turn, chat_prompt_ids, document_and_query
 from wim_service.wim.options import WiMOptions
 
@@ -218,6 +219,15 @@ def test_errors_come_in_openai_shape(client: openai.OpenAI, service: LiveService
             model=MODEL, messages=[{"role": "user", "content": "word " * 9000}]
         )
     assert too_long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as rambling:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "user", "content": REPORT},
+                {"role": "user", "content": "why " * (MAX_QUERY_CHARS // 4 + 1)},
+            ],
+        )
+    assert rambling.value.param == "messages" and rambling.value.code == "invalid_request"
     with pytest.raises(openai.NotFoundError) as gone:
         client.chat.completions.create(
             model=MODEL, messages=user, extra_body={"document_id": "doc-nope"}

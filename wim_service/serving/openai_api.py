@@ -185,7 +185,9 @@ def chat_turns(messages: list[ChatMessage]) -> list[Turn]:
             content = "".join(part.text or "" for part in content)
         turns.append(Turn("system" if message.role == "developer" else message.role, content))
     if not any(turn.role == "user" for turn in turns):
-        raise OpenAIError(400, "the messages have no user turn", "invalid_request", "messages")
+        raise OpenAIError(
+            400, "the messages have no user turn", ServiceCode.INVALID_REQUEST, "messages"
+        )
     return turns
 
 
@@ -202,7 +204,7 @@ def chat_prompt_ids(tokenizer: Tokenizer, turns: list[Turn]) -> list[int]:
         raise OpenAIError(
             400,
             "the model's chat template cannot render these messages",
-            "invalid_request",
+            ServiceCode.INVALID_REQUEST,
             "messages",
         )
     ids: list[int] = []
@@ -420,7 +422,7 @@ class OpenAIService:
             raise OpenAIError(
                 400,
                 "give the document either in the prompt or as document_id, not both",
-                "invalid_request",
+                ServiceCode.INVALID_REQUEST,
                 param,
             )
         return await self._wim(body, tenant, text.strip(), param, document_id=body.document_id)
@@ -436,7 +438,7 @@ class OpenAIService:
         except ValidationError as exc:
             first = exc.errors()[0]
             param = "max_tokens" if first["loc"][0] == "answer_max_tokens" else "wim"
-            raise OpenAIError(400, first["msg"], "invalid_request", param) from exc
+            raise OpenAIError(400, first["msg"], ServiceCode.INVALID_REQUEST, param) from exc
 
     async def _wim(
         self,
@@ -450,10 +452,17 @@ class OpenAIService:
     ) -> Run:
         if not query:
             raise OpenAIError(
-                400, "the prompt asks nothing besides its document", "invalid_request", param
+                400,
+                "the prompt asks nothing besides its document",
+                ServiceCode.INVALID_REQUEST,
+                param,
             )
         options = self._options(body)
-        job = WiMRequest(context=context, document_id=document_id, query=query, options=options)
+        try:
+            job = WiMRequest(context=context, document_id=document_id, query=query, options=options)
+        except ValidationError as exc:  # e.g. a query longer than /wim takes
+            message = "; ".join(e["msg"] for e in exc.errors())
+            raise OpenAIError(400, message, ServiceCode.INVALID_REQUEST, param) from exc
         _, items = await self.router.start_job(job, tenant)
         return Run(items, options.answer_max_tokens)
 
