@@ -45,9 +45,11 @@ class ReplicaFleet:
         self.table.update_replicas(set(replicas), loads)
         self.metrics.sessions_active.clear()
         self.metrics.resident_kv_tokens.clear()
+        self.metrics.kv_reserved_blocks.clear()
         for load in loads:
             self.metrics.sessions_active.labels(load.replica).set(load.sessions)
             self.metrics.resident_kv_tokens.labels(load.replica).set(load.resident_kv_tokens)
+            self.metrics.kv_reserved_blocks.labels(load.replica).set(load.reserved_blocks)
         # A replica that left the routing set while calls of ours still run on it is draining:
         # Serve lets those calls finish before it stops the replica.
         self.metrics.replica_draining.clear()
