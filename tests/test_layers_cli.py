@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import pytest
 
@@ -270,30 +271,33 @@ def _parser() -> argparse.ArgumentParser:
     return EngineConfig.add_cli_args(argparse.ArgumentParser(exit_on_error=False))
 
 
-def test_every_settable_field_has_a_flag_that_reaches_the_config() -> None:
+def _other_value(name: str) -> tuple[list[str], object]:
+    """Flags that set field `name` to a value other than its default, and that value."""
+    field = EngineConfig.model_fields[name]
+    flag, default = "--" + name.replace("_", "-"), field.default
+    if isinstance(default, bool):
+        return [flag if not default else "--no-" + flag[2:]], not default
+    if get_origin(field.annotation) is Literal:
+        choice = next(c for c in get_args(field.annotation) if c != default)
+        return [flag, choice], choice
+    if isinstance(default, int | float):
+        return [flag, str(2 * default)], 2 * default  # doubling keeps every bound and rule
+    if default is None or isinstance(default, str):
+        return [flag, "value-from-cli"], "value-from-cli"
+    raise AssertionError(f"no test value for {name}: {field.annotation}")
+
+
+def test_every_field_but_the_seed_is_a_flag() -> None:
     assert set(EngineConfig.cli_fields()) == set(EngineConfig.model_fields) - {"seed"}
-    argv = [
-        "--model=/models/m",
-        "--dtype=float32",
-        "--max-model-len=4096",
-        "--kv-cache-gib=0.25",
-        "--block-size=64",
-        "--max-num-batched-tokens=512",
-        "--max-num-seqs=40",
-        "--no-enable-prefix-caching",
-        "--cpu-threads-bind=rank",
-        "--no-enforce-eager",
-        "--max-sessions=20",
-        "--admission-timeout-s=5",
-    ]
+
+
+@pytest.mark.parametrize("name", EngineConfig.cli_fields())
+def test_each_flag_reaches_its_field(name: str) -> None:
+    argv, value = _other_value(name)
     config = EngineConfig.from_cli_args(_parser().parse_args(argv))
-    changed = {
-        name
-        for name in EngineConfig.model_fields
-        if getattr(config, name) != EngineConfig.model_fields[name].default
-    }
-    assert changed == set(EngineConfig.cli_fields())
-    assert (config.max_model_len, config.kv_cache_gib, config.dtype) == (4096, 0.25, "float32")
+    fields = EngineConfig.model_fields
+    changed = {n: getattr(config, n) for n in fields if getattr(config, n) != fields[n].default}
+    assert changed == {name: value}
 
 
 def test_defaults_and_overrides() -> None:
