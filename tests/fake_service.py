@@ -2,9 +2,9 @@
 port in a thread: for the OpenAI-client and browser tests (no Ray, no engine).
 
 The fakes answer from the document they are given: segments are sentence-aligned slices of
-its text (real character spans), a margin is the segment's first sentence sharing a word with
-the query, the answer is the first such sentence. Events come with a delay, so that a client can
-cancel mid-job; each replica counts the jobs it started, finished and saw cancelled.
+its text (real character spans), a margin is the segment's sentence sharing most words with the
+query, the answer is the best of those. Events come with a delay, so that a client can cancel
+mid-job; each replica counts the jobs it started, finished and saw cancelled.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def scripted_job(text: str, query: str, options: WiMOptions, *, segments: bool) 
                 )
             )
         sentences = re.split(r"(?<=[.!?])\s+", text[start:end])
-        note = next((s.strip() for s in sentences if asked & _words(s)), "")
+        best = max(sentences, key=lambda s: len(asked & _words(s)))
+        note = best.strip() if asked & _words(best) else ""
         if note:
             notes.append((index, note))
         events.append(
@@ -98,7 +99,7 @@ def scripted_job(text: str, query: str, options: WiMOptions, *, segments: bool) 
         if FAILING_WORD in asked:
             events.append(ErrorEvent(code="engine_error", message="the engine failed"))
             return events
-    answer = notes[0][1] if notes else NO_ANSWER
+    answer = max(notes, key=lambda n: len(asked & _words(n[1])))[1] if notes else NO_ANSWER
     words = answer.split(" ")
     events += [AnswerEvent(text=w if i == 0 else " " + w) for i, w in enumerate(words)]
     margin_tokens = sum(len(n.split()) for _, n in notes) + len(spans)
