@@ -114,11 +114,15 @@ _FRAMEWORK_CODES = {
 }
 
 
+def framework_failure(exc: StarletteHTTPException) -> HTTPFailure:
+    """A refusal of the web framework as the table's code."""
+    fallback = ServiceCode.INVALID_REQUEST if exc.status_code < 500 else ServiceCode.INTERNAL_ERROR
+    return HTTPFailure(_FRAMEWORK_CODES.get(exc.status_code, fallback), str(exc.detail))
+
+
 async def _framework(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    fallback = ServiceCode.INVALID_REQUEST if exc.status_code < 500 else ServiceCode.INTERNAL_ERROR
-    code = _FRAMEWORK_CODES.get(exc.status_code, fallback)
-    return HTTPFailure(code, str(exc.detail)).response(exc.headers)
+    return framework_failure(exc).response(exc.headers)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -41,12 +41,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from wim_service.assets.default_model import GGUF_FILE
 from wim_service.engine.config import EngineConfig
 from wim_service.serving.api import WiMRequest
 from wim_service.serving.auth import Capability, Tenant
-from wim_service.serving.errors import HTTPFailure, ServiceCode
+from wim_service.serving.errors import HTTPFailure, ServiceCode, framework_failure
 from wim_service.serving.openai_models import (
     AssistantMessage,
     ChatChoice,
@@ -156,6 +157,8 @@ class OpenAIRoute(APIRoute):
                 return OpenAIError.of(exc).response()
             except RequestValidationError as exc:
                 return _invalid(exc).response()
+            except StarletteHTTPException as exc:  # e.g. a body that is not UTF-8
+                return OpenAIError.of(framework_failure(exc)).response()
 
         return route
 
