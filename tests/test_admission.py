@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from wim_service.engine.admission import KVAdmission
+from wim_service.engine.admission import AdmissionLoad, KVAdmission
 from wim_service.wim.errors import ErrorCode, WiMError
 
 
@@ -57,3 +58,63 @@ async def test_a_timed_out_head_unblocks_the_queue() -> None:
         await head
     await asyncio.wait_for(second, 1)
     assert gate.load().reserved_blocks == 10
+
+
+async def test_fills_to_capacity_and_reports_its_load() -> None:
+    gate = KVAdmission(capacity_blocks=10, max_sessions=4, timeout_s=5)
+    await gate.acquire(10)  # exactly the capacity fits
+    assert gate.load() == AdmissionLoad(
+        sessions=1, reserved_blocks=10, capacity_blocks=10, waiting=0
+    )
+    gate.release(10)
+    assert gate.load() == AdmissionLoad(0, 0, 10, 0)
+    with pytest.raises(WiMError) as info:
+        await gate.acquire(11)
+    assert info.value.message == (
+        "the job needs up to 11 KV blocks but this engine holds 10; send a shorter document"
+    )
+
+
+async def test_a_waiter_is_admitted_when_room_comes_within_its_timeout() -> None:
+    gate = KVAdmission(capacity_blocks=10, max_sessions=4, timeout_s=0.5)
+    await gate.acquire(8)
+    waiter = asyncio.create_task(gate.acquire(5))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    gate.release(8)
+    await asyncio.wait_for(waiter, 1)
+    assert gate.load().reserved_blocks == 5
+
+
+async def test_refusal_comes_after_the_timeout_and_says_why() -> None:
+    gate = KVAdmission(capacity_blocks=10, max_sessions=4, timeout_s=0.2)
+    await gate.acquire(8)
+    started = time.monotonic()
+    waiter = asyncio.create_task(gate.acquire(5))
+    await asyncio.sleep(0.05)
+    gate.timeout_s = 3  # the deadline stays; Retry-After follows the current setting
+    with pytest.raises(WiMError) as info:
+        await waiter
+    assert time.monotonic() - started >= 0.2
+    assert info.value.retry_after_s == 1.5
+    assert info.value.message == (
+        "no KV capacity for this document now (1 sessions hold 8/10 blocks); retry later"
+    )
+    # Not below one second, however short the timeout.
+    gate.timeout_s = 0.05
+    with pytest.raises(WiMError) as info:
+        await gate.acquire(5)
+    assert info.value.retry_after_s == 1.0
+
+
+async def test_a_running_session_reserves_more_blocks_beyond_the_session_limit() -> None:
+    gate = KVAdmission(capacity_blocks=10, max_sessions=1, timeout_s=0.1)
+    await gate.acquire(4)
+    await gate.acquire(3, session=False)  # a query's extra room: no new session
+    assert gate.load() == AdmissionLoad(1, 7, 10, 0)
+    with pytest.raises(WiMError):
+        await gate.acquire(4, session=False)  # 11 blocks: waits, then is refused
+    gate.release(3, session=False)
+    assert gate.load() == AdmissionLoad(1, 4, 10, 0)
+    gate.release(4)
+    assert gate.load() == AdmissionLoad(0, 0, 10, 0)
