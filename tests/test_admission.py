@@ -97,8 +97,10 @@ async def test_refusal_comes_after_the_timeout_and_says_why() -> None:
         await waiter
     assert time.monotonic() - started >= 0.2
     assert info.value.retry_after_s == 1.5
-    assert info.value.message == (
-        "no KV capacity for this document now (1 sessions hold 8/10 blocks); retry later"
+    assert (
+        str(info.value)
+        == info.value.message
+        == ("no KV capacity for this document now (1 sessions hold 8/10 blocks); retry later")
     )
     # Not below one second, however short the timeout.
     gate.timeout_s = 0.05

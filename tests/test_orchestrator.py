@@ -18,10 +18,20 @@ from wim_service.wim.backend import (
     RequestKind,
 )
 from wim_service.wim.errors import ErrorCode
-from wim_service.wim.options import RelevanceMode, WiMOptions
+from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import open_document, run_wim
+from wim_service.wim.prompts import PromptBuilder
 
 Script = Callable[[GenerationParams, int], str]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A generation request as the engine got it: the context prefix it reads, then `suffix`."""
+
+    kind: RequestKind
+    prefix: int
+    suffix: list[int]
 
 
 def _open_gate() -> asyncio.Event:
@@ -39,6 +49,7 @@ class FakeContext:
     closed: bool = False
     reserved_blocks: int = 0
     extra_reserved: list[int] = field(default_factory=list)  # reserve_more calls
+    concluded: int = 0
 
     @property
     def context_tokens(self) -> int:
@@ -72,12 +83,15 @@ class FakeContext:
     def branch(self, prefix_tokens: int, suffix_ids: list[int], params: GenerationParams):
         if self.backend.fail_on == params.kind:
             raise RuntimeError("engine exploded")
+        self.backend.requests.append(Request(params.kind, prefix_tokens, suffix_ids))
         return self._stream(params, prefix_tokens, prefix_tokens + len(suffix_ids))
 
     def conclude(self, suffix_ids: list[int], params: GenerationParams):
+        self.concluded += 1
         return self.branch(len(self.ids), suffix_ids, params)
 
     def generate(self, prompt_ids: list[int], params: GenerationParams):
+        self.backend.requests.append(Request(params.kind, 0, prompt_ids))
         return self._stream(params, 0, len(prompt_ids))
 
     @contextlib.asynccontextmanager
@@ -102,6 +116,7 @@ class FakeBackend:
     concurrent: bool = True
     fail_on: RequestKind | None = None
     log: list[tuple] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
     contexts: list[FakeContext] = field(default_factory=list)
     # Generations emit tokens only while the gate is open (a closed gate stalls them).
     gate: asyncio.Event = field(default_factory=_open_gate)
@@ -215,6 +230,7 @@ async def test_classifier_mode_asks_a_separate_turn(tokenizer) -> None:
     def script(params: GenerationParams, prefix: int) -> str:
         if params.kind is RequestKind.CLASSIFIER:
             assert params.max_tokens == 1 and params.first_token_ids
+            assert params.stop_token_ids == tokenizer.eos_token_ids
             return next(verdicts)
         return "Some fact." if params.kind is RequestKind.MARGIN else "Answer."
 
@@ -222,7 +238,20 @@ async def test_classifier_mode_asks_a_separate_turn(tokenizer) -> None:
     events = await collect(backend, opts=options(relevance=RelevanceMode.CLASSIFIER))
     margins = sorted((e for e in events if e.type == "margin"), key=lambda e: e.segment)
     assert [m.relevant for m in margins] == [i % 2 == 0 for i in range(len(margins))]
-    assert events[-1].usage.margin_tokens > 0
+    # Usage accounts for every request: the context, margins, classifier turns, the answer.
+    usage, context = events[-1].usage, backend.contexts[0]
+    assert [r.kind for r in backend.requests].count(RequestKind.CLASSIFIER) == len(margins)
+    assert usage.prompt_tokens_submitted == len(context.ids) + sum(
+        r.prefix + len(r.suffix) for r in backend.requests
+    )
+    assert usage.prompt_tokens_cached == sum(r.prefix for r in backend.requests) > 0
+    written = {
+        kind: sum(s.sent for s in requests(backend.log, kind))
+        for kind in (RequestKind.MARGIN, RequestKind.CLASSIFIER, RequestKind.ANSWER)
+    }
+    assert usage.margin_tokens == written[RequestKind.MARGIN] + written[RequestKind.CLASSIFIER]
+    assert usage.answer_tokens == written[RequestKind.ANSWER] > 0
+    assert context.concluded == 1  # a one-shot job appends its final prompt to the context
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
@@ -315,3 +344,42 @@ async def test_bad_input_is_refused_before_engine_work(tokenizer, document, quer
     events = [e async for e in run_wim(backend, tokenizer, document, query, options())]
     assert [e.type for e in events] == ["error"] and events[0].code == code.value
     assert backend.contexts == []
+
+
+async def test_document_session_answers_each_query_as_a_branch_with_its_notes(tokenizer) -> None:
+    def script(params: GenerationParams, prefix: int) -> str:
+        return "YES: the harbour has boats." if params.kind is RequestKind.MARGIN else "Here."
+
+    backend = FakeBackend(tokenizer, script)
+    opts = options(grounding=GroundingMode.OFF)  # every YES margin becomes a note
+    session = await open_document(backend, tokenizer, DOC, opts)
+    context = backend.contexts[0]
+    read = len(context.ids)
+    builder = PromptBuilder(tokenizer, opts.prompts)
+    for query in ("Where is the gate?", "Which boats are in the harbour today? " * 60):
+        backend.requests.clear()
+        events = [e async for e in session.query(query)]
+        done = events[-1]
+        assert done.type == "done", done
+        segments = done.usage.segments
+        assert done.notes == sorted(e.segment for e in events if e.type == "margin" and e.kept)
+        assert done.notes == list(range(segments))
+        # Margins carry this query's instruction; the answer reads the whole document as a
+        # branch, so the context stays the document for the next query.
+        margins = [r for r in backend.requests if r.kind is RequestKind.MARGIN]
+        assert [r.suffix for r in margins] == [builder.margin_suffix(query, opts.relevance)] * (
+            segments
+        )
+        assert [
+            (r.kind, r.prefix) for r in backend.requests if r.kind is not RequestKind.MARGIN
+        ] == [(RequestKind.ANSWER, read)]
+        assert len(context.ids) == read and context.concluded == 0
+        assert 0 < done.timings.margins_s <= done.timings.total_s
+    # The short query fits the room reserved at open; the long one reserves more, for itself.
+    assert context.extra_reserved[0] == 0 < context.extra_reserved[1]
+    await session.close()
+    assert backend.reserved_blocks == 0
+    events = [e async for e in session.query("Where is the gate?")]
+    assert [(e.type, e.code, e.message) for e in events] == [
+        ("error", ErrorCode.INVALID_INPUT.value, "the document session is closed")
+    ]
