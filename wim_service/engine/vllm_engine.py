@@ -27,7 +27,8 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,35 @@ PRIORITY = {
 }
 # How long a closing context waits for its last push before aborting it outright.
 CLOSE_TIMEOUT_S = 30.0
+# Request spans kept in `VLLMBackend.timeline` (the most recent ones).
+TIMELINE_SPANS = 4096
+
+
+@dataclass
+class RequestSpan:
+    """One engine request of a context as this layer saw it: what overlapped, what was cut.
+
+    `kind` is "push" (a context input) or the `RequestKind` of a branch, stand-alone turn or
+    conclusion. `context_tokens` is, for a push, the context's length after it; for a branch,
+    the context prefix it reads; for a conclusion, the whole context; 0 for a stand-alone turn.
+    Times are `time.monotonic()`. A span that `ended` without `finished` was abandoned (aborted,
+    or its caller stopped waiting).
+    """
+
+    context: str  # the context's cache salt
+    kind: str
+    context_tokens: int
+    started: float
+    first_output: float | None = None
+    ended: float | None = None
+    finished: bool = False
+    output_tokens: int = 0
+
+    def output(self, token_ids: list[int], finished: bool) -> None:
+        if self.first_output is None:
+            self.first_output = time.monotonic()
+        self.output_tokens += len(token_ids)
+        self.finished = finished
 
 
 @dataclass(frozen=True)
@@ -127,6 +157,8 @@ class VLLMBackend:
         capacity = (cache.num_gpu_blocks or 0) - 1
         self.admission = KVAdmission(capacity, config.max_sessions, config.admission_timeout_s)
         self._ids = itertools.count()
+        # Every context request's span, for tests and debugging (a deque append per request).
+        self.timeline: deque[RequestSpan] = deque(maxlen=TIMELINE_SPANS)
 
     @classmethod
     def start(cls, config: EngineConfig, *, rank: int = 0) -> VLLMBackend:
@@ -335,6 +367,15 @@ class VLLMContext:
     def context_tokens(self) -> int:
         return len(self._ids)
 
+    @contextlib.contextmanager
+    def _span(self, kind: str, context_tokens: int) -> Iterator[RequestSpan]:
+        span = RequestSpan(self.salt, kind, context_tokens, time.monotonic())
+        self.backend.timeline.append(span)
+        try:
+            yield span
+        finally:
+            span.ended = time.monotonic()
+
     # -- the session (spine) ------------------------------------------------------------
 
     def _check_room(self, total: int, what: str) -> None:
@@ -398,44 +439,49 @@ class VLLMContext:
     async def extend(self, token_ids: list[int]) -> PromptCost:
         # +1: the session samples one token per push before the next push replaces it.
         self._check_room(len(self._ids) + len(token_ids) + 1, "the document")
-        await self._push(token_ids, None)
-        while True:
-            output = await self._next_output()
-            if output.outputs and output.outputs[0].finish_reason is not None:
-                # The session's own KV is never shared with a cache hit: all pushed tokens
-                # are computed (a resumed push reports the earlier chunks as "cached").
-                return PromptCost(submitted=len(token_ids), cached=0)
+        with self._span("push", len(self._ids) + len(token_ids)) as span:
+            await self._push(token_ids, None)
+            while True:
+                output = await self._next_output()
+                if output.outputs and output.outputs[0].finish_reason is not None:
+                    span.output([], finished=True)
+                    # The session's own KV is never shared with a cache hit: all pushed tokens
+                    # are computed (a resumed push reports the earlier chunks as "cached").
+                    return PromptCost(submitted=len(token_ids), cached=0)
 
     async def conclude(
         self, suffix_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[GenerationChunk]:
         self._check_room(len(self._ids) + len(suffix_ids) + params.max_tokens, "the final prompt")
-        await self._push(suffix_ids, self.backend.sampling_params(params))
-        self._concluded = True
-        first, done = True, False
-        try:
-            while True:
-                output = await self._next_output()
-                completion = output.outputs[0]
-                done = completion.finish_reason is not None
-                yield GenerationChunk(
-                    token_ids=list(completion.token_ids),
-                    finished=done,
-                    cost=PromptCost(len(suffix_ids), 0) if first else None,
-                    finish_reason=completion.finish_reason,
-                )
-                first = False
-                if done:
-                    return
-        finally:
-            # Stopped early (stop string, cancellation): abort the session now instead of
-            # letting it decode to max_tokens first.
-            await self.close(abort=not done)
+        with self._span(params.kind.value, len(self._ids)) as span:
+            await self._push(suffix_ids, self.backend.sampling_params(params))
+            self._concluded = True
+            first, done = True, False
+            try:
+                while True:
+                    output = await self._next_output()
+                    completion = output.outputs[0]
+                    done = completion.finish_reason is not None
+                    token_ids = list(completion.token_ids)
+                    span.output(token_ids, done)
+                    yield GenerationChunk(
+                        token_ids=token_ids,
+                        finished=done,
+                        cost=PromptCost(len(suffix_ids), 0) if first else None,
+                        finish_reason=completion.finish_reason,
+                    )
+                    first = False
+                    if done:
+                        return
+            finally:
+                # Stopped early (stop string, cancellation): abort the session now instead of
+                # letting it decode to max_tokens first.
+                await self.close(abort=not done)
 
     # -- branches ------------------------------------------------------------------------
 
     async def _request(
-        self, prompt_ids: list[int], params: GenerationParams, kind: str
+        self, prompt_ids: list[int], params: GenerationParams, kind: str, context_tokens: int
     ) -> AsyncIterator[GenerationChunk]:
         from vllm.inputs import tokens_input
 
@@ -449,33 +495,38 @@ class VLLMContext:
             priority=PRIORITY[params.kind],
         )
         first = True
-        try:
-            async for output in stream:
-                completion = output.outputs[0]
-                cost = None
-                if first:
-                    cost = PromptCost(len(prompt_ids), output.num_cached_tokens or 0)
-                    first = False
-                yield GenerationChunk(
-                    token_ids=list(completion.token_ids),
-                    finished=output.finished,
-                    cost=cost,
-                    finish_reason=completion.finish_reason,
-                )
-        finally:
-            await stream.aclose()
+        with self._span(params.kind.value, context_tokens) as span:
+            try:
+                async for output in stream:
+                    completion = output.outputs[0]
+                    cost = None
+                    if first:
+                        cost = PromptCost(len(prompt_ids), output.num_cached_tokens or 0)
+                        first = False
+                    token_ids = list(completion.token_ids)
+                    span.output(token_ids, output.finished)
+                    yield GenerationChunk(
+                        token_ids=token_ids,
+                        finished=output.finished,
+                        cost=cost,
+                        finish_reason=completion.finish_reason,
+                    )
+            finally:
+                await stream.aclose()
 
     def branch(
         self, prefix_tokens: int, suffix_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[GenerationChunk]:
         if prefix_tokens > len(self._ids):
             raise ValueError("a branch cannot start past the context's end")
-        return self._request(self._ids[:prefix_tokens] + suffix_ids, params, "branch")
+        return self._request(
+            self._ids[:prefix_tokens] + suffix_ids, params, "branch", prefix_tokens
+        )
 
     def generate(
         self, prompt_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[GenerationChunk]:
-        return self._request(prompt_ids, params, "gen")
+        return self._request(prompt_ids, params, "gen", 0)
 
     # -- end of life ---------------------------------------------------------------------
 
