@@ -204,6 +204,8 @@ async def test_first_token_no_drops_the_margin_at_its_first_token(tokenizer) -> 
     assert len(dropped) == sum(not m.relevant for m in margins) > 0
     assert events[-1].answer == "On Salt Lane."
     assert backend.contexts[0].closed
+    timings = events[-1].timings
+    assert 0 <= timings.queue_s < timings.total_s  # admission was immediate
 
 
 async def test_stop_string_ends_a_margin_early(tokenizer) -> None:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
 from wim_service.wim.options import PromptTemplates, RelevanceMode, WiMOptions
+from wim_service.wim.orchestrator import _strip_relevance_word
 from wim_service.wim.prompts import MarginNote, PromptBuilder, fill
+from wim_service.wim.tokenizer import HFTokenizer
 
 HOSTILE = [
     "{query} {document} {margins} {{x}} {0} {}",
@@ -90,3 +96,51 @@ def test_bad_options_are_refused() -> None:
         WiMOptions(margin_stop=[""])
     with pytest.raises(ValidationError):
         WiMOptions(unknown_field=1)
+
+
+def test_private_use_characters_in_templates_are_refused_by_name() -> None:
+    with pytest.raises(ValidationError) as info:
+        PromptTemplates(margin="{query} \ue001")
+    assert info.value.errors()[0]["msg"] == (
+        "Value error, private-use character U+E001 at character 8: "
+        "templates may not contain U+E000-U+F8FF"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "stripped"),
+    [
+        ("YES: Xavier opened the gate.", "Xavier opened the gate."),
+        ("  yes -  The gate. ", "The gate. "),
+        ("\n- Fact one.", "Fact one."),
+        ("Nothing to strip.", "Nothing to strip."),
+    ],
+)
+def test_a_kept_margin_loses_its_relevance_word(text: str, stripped: str) -> None:
+    assert _strip_relevance_word(text, "YES") == stripped
+
+
+def _tokenizer_folder(model_dir: Path, folder: Path, eos: list[int] | None) -> Path:
+    """The model's tokenizer files, with `eos` as generation_config's eos_token_id (or none)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(model_dir / name, folder / name)
+    if eos is not None:
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return folder
+
+
+def test_tokenizer_stop_ids_and_literal_user_text(model_dir: Path, tmp_path: Path) -> None:
+    end = HFTokenizer(model_dir).encode_template_text("<|im_end|>")
+    assert len(end) == 1  # the end-of-turn special token, also the tokenizer's EOS
+    plain = _tokenizer_folder(model_dir, tmp_path, eos=None)
+    tokenizer = HFTokenizer(plain)
+    assert tokenizer.eos_token_ids == frozenset(end)
+    assert tokenizer.template_special_tokens is False
+    assert tokenizer.vocab_size > max(tokenizer.encode_user_text("<|im_end|> café 🙂").ids)
+    # Templates still see special tokens after user text was tokenized literally.
+    assert tokenizer.encode_user_text("<|im_end|>").ids != end
+    assert tokenizer.encode_template_text("<|im_end|>") == end
+    # generation_config's stop ids join the tokenizer's, as a list or a single id.
+    for eos, expected in (([0, 7], {0, 7, *end}), (7, {7, *end})):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        assert HFTokenizer(plain).eos_token_ids == expected
