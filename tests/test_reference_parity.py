@@ -6,7 +6,8 @@ import pytest
 
 from wim_service.engine.hf_backend import HFBackend
 from wim_service.wim.options import RelevanceMode, WiMOptions
-from wim_service.wim.orchestrator import run_wim
+from wim_service.wim.orchestrator import plan_document, run_wim
+from wim_service.wim.prompts import PromptBuilder
 
 from .conftest import TEST_ENGINE
 
@@ -43,3 +44,10 @@ async def test_vllm_equals_reference(engine, reference, short_report, relevance)
     assert fast["answer"] == slow["answer"]
     # Same work, different cost: the engine served most context tokens from its cache.
     assert fast["usage"].minimal_prompt_tokens == slow["usage"].minimal_prompt_tokens
+    # Every margin read every full KV block of the context before it from the cache.
+    plan = plan_document(
+        PromptBuilder(engine.tokenizer, options.prompts), short_report, options, engine.limits
+    )
+    block = engine.limits.block_size
+    margin_hits = sum((len(plan.prefix_ids) + s.token_end) // block * block for s in plan.segments)
+    assert fast["usage"].prompt_tokens_cached >= margin_hits
