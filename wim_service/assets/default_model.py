@@ -90,7 +90,7 @@ def _convert(source: Path, target: Path) -> None:
     # The GGUF metadata carries no architecture name; vLLM needs it to pick the model class.
     config.architectures = ["LlamaForCausalLM"]
     config.dtype = torch.bfloat16
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     plain.load_state_dict(
         {name: tensor.to(torch.bfloat16) for name, tensor in packed.state_dict().items()},
         strict=True,

@@ -72,7 +72,14 @@ async def _collect(events: AsyncIterator[WiMEvent]) -> dict[str, Any]:
     async for event in events:
         if event.type == "margin":
             result["margins"].append(
-                {"segment": event.segment, "text": event.text, "relevant": event.relevant}
+                {
+                    "segment": event.segment,
+                    "text": event.text,
+                    "relevant": event.relevant,
+                    "grounded": event.grounded,
+                    "kept": event.kept,
+                    "evidence": event.evidence,
+                }
             )
         elif event.type == "done":
             result.update(
@@ -105,7 +112,7 @@ async def _show(events: AsyncIterator[WiMEvent]) -> int:
                     task = progress.add_task("segments", total=event.segments)
                 progress.update(task, completed=event.segment + 1)
             elif event.type == "margin":
-                mark = "[green]kept[/]" if event.relevant else "[dim]dropped[/]"
+                mark = "[green]kept[/]" if event.kept else "[dim]dropped[/]"
                 text = event.text or "(no relevant fact)"
                 progress.console.print(f"[bold]margin {event.segment + 1}[/] {mark}: {text}")
             elif event.type == "answer":

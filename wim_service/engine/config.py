@@ -73,6 +73,18 @@ class EngineConfig(BaseModel):
         description="admission control: how long a new job may wait for KV room before it is "
         "refused with OVERLOADED",
     )
+    zero_purged_blocks: bool = Field(
+        False,
+        description="overwrite a closed session's KV blocks with zeros when they are purged, so "
+        "no document data stays in KV memory (helm/wim-service/values-gpu.yaml turns it on for "
+        "GPU images; off by default, as on CPU test and development setups)",
+    )
+    template_special_tokens: bool = Field(
+        False,
+        description="let prompt templates sent by clients (options.prompts) contain the model's "
+        "control tokens such as <|im_start|>; off, they are plain text and only the chat "
+        "template itself opens and closes turns",
+    )
 
     # Not flags: every request decodes greedily, so the seed changes nothing a user sees (and
     # `wim eval --seed` is the task generator's).
@@ -133,7 +145,9 @@ def _is_union(annotation: Any) -> bool:
 def _checked(name: str, field: FieldInfo) -> Callable[[str], Any]:
     """Parse one flag's value with the field's own type and bounds: `--max-model-len 10` is an
     argparse error naming the flag, not a traceback."""
-    checked = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    checked: Any = (
+        Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    )
     adapter: TypeAdapter[Any] = TypeAdapter(checked)
 
     def parse(text: str) -> Any:

@@ -94,7 +94,7 @@ async def _iterate(items: Iterator[int], cost: PromptCost) -> AsyncIterator[Gene
     sentinel = object()
     while True:
         token = await asyncio.to_thread(next, items, sentinel)
-        if token is sentinel:
+        if not isinstance(token, int):  # the sentinel: the generation ended
             yield GenerationChunk([], True, cost if first else None, "stop")
             return
         yield GenerationChunk([token], False, cost if first else None)
@@ -167,4 +167,4 @@ class HFContext:
         yield  # the reference backend has no shared KV pool to reserve from
 
     async def close(self) -> None:
-        self.cache = None
+        self.cache = None  # type: ignore[assignment]  # frees the KV; the context is over

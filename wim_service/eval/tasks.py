@@ -296,11 +296,9 @@ class _World:
         empty_handed = [p for p in self.people if p not in self.holder.values()]
         person = self.rng.choice(empty_handed) if empty_handed else None
         # A thing can be taken where it lies, or anywhere before it was first mentioned.
+        room = self.room_of.get(person) if person is not None else None
         free = [
-            t
-            for t in self.things
-            if t not in self.holder
-            and self.lies_in.get(t, self.room_of.get(person)) == (self.room_of.get(person))
+            t for t in self.things if t not in self.holder and self.lies_in.get(t, room) == room
         ]
         roll = self.rng.random()
         if person and free and roll < 0.3:

@@ -122,7 +122,7 @@ def framework_failure(exc: StarletteHTTPException) -> HTTPFailure:
 
 async def _framework(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return framework_failure(exc).response(exc.headers)
+    return framework_failure(exc).response(dict(exc.headers or {}))
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

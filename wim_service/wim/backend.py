@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from wim_service.wim.tokenizer import Tokenizer
+
 
 class RequestKind(StrEnum):
     """Why a request exists; engines use it for priorities (margins and answers first)."""
@@ -94,6 +96,11 @@ class ContextSession(Protocol):
 
 class Backend(Protocol):
     limits: EngineLimits
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's own tokenizer: segments and prompts are cut with it."""
+        ...
 
     async def open_context(self, *, reserve_blocks: int) -> ContextSession:
         """Start an empty session; its first `extend` carries the prompt prefix and segment 0.
