@@ -97,7 +97,18 @@ def test_run_json_with_model_relevance_and_segment_size(model_dir: Path, tokeniz
     assert segments == segment_count(tokenizer, segment_tokens)
     assert segments > segment_count(tokenizer, WiMOptions().segment_tokens)
     assert [m["segment"] for m in result["margins"]] == list(range(segments))
-    # --relevance classifier: a margin judged irrelevant keeps the text it was judged on
-    # (first_token drops it at its first token; none judges nothing).
-    assert any(not m["relevant"] and m["text"] for m in result["margins"]), result["margins"]
+    # --relevance classifier: every written margin was judged in a turn of its own, whose
+    # prompt the job's minimal prompt tokens count (first_token and none have no such turn).
+    builder = PromptBuilder(tokenizer, WiMOptions().prompts)
+    usage = result["usage"]
+    without_judges = (
+        usage["context_tokens"]
+        + segments * len(builder.margin_suffix(QUERY, RelevanceMode.CLASSIFIER))
+        + len(builder.final_suffix(QUERY, []))
+    )
+    judges = sum(
+        len(builder.classifier_prompt(QUERY, m["text"])) for m in result["margins"] if m["text"]
+    )
+    assert judges > 0
+    assert usage["minimal_prompt_tokens"] >= without_judges + judges
     assert result["timings"]["total_s"] > 0
