@@ -256,7 +256,7 @@ class LiveService:
             self.server.should_exit = True
             thread.join(30)
 
-    def wait_for(self, predicate: Any, timeout_s: float = 10.0) -> bool:
+    def wait_for(self, predicate: Any, timeout_s: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if predicate():
