@@ -11,13 +11,14 @@ docs/reliability.md lists what these tests found and the commands that reproduce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,9 @@ def quiet(client: httpx.Client) -> bool:
 @pytest.fixture(scope="module")
 def service() -> Iterator[httpx.Client]:
     os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
+    # Ray kills actors when the *machine* passes 95% memory; on a shared machine other
+    # processes' memory would kill this service's controller and proxy mid-test.
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112
     import ray
     from ray import serve
 
@@ -167,7 +171,7 @@ class Bad:
     path: str = "/wim"
     method: str = "POST"
     tenant: str | None = "alpha"  # whose key goes with it; None: no Authorization header
-    headers: dict[str, str | bytes] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def status(self) -> int:
@@ -314,7 +318,8 @@ BAD_INPUT = [
     # Routes and methods that do not exist.
     Bad("unknown route", None, ErrorCode.NOT_FOUND, "/admin", "GET"),
     Bad("wrong method", None, ServiceCode.METHOD_NOT_ALLOWED, "/wim", "PUT"),
-    Bad("X-Request-ID not UTF-8", {"query": QUERY}, INVALID, headers={"X-Request-ID": b"\xff"}),
+    Bad("X-Request-ID of 200 characters", {"query": QUERY}, INVALID,
+        headers={"X-Request-ID": "r" * 200}),
 ]
 
 # Valid requests that look hostile: they must simply be answered.
@@ -442,7 +447,7 @@ def test_another_tenants_document_is_as_unknown_as_a_missing_one(
 # -- schemathesis --------------------------------------------------------------------------
 
 # Examples per operation and generation mode, and a bound on the whole run (seconds).
-FUZZ_EXAMPLES = 12
+FUZZ_EXAMPLES = 25
 FUZZ_SECONDS = 900
 # Positive examples run real jobs: keep their generation short (the options' upper bounds are
 # covered by the matrix above).
@@ -470,6 +475,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
 ) -> None:
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
     from schemathesis.checks import not_a_server_error
     from schemathesis.core.failures import FailureGroup
     from schemathesis.specs.openapi.checks import (
@@ -486,9 +492,10 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
         response_headers_conformance,
         response_schema_conformance,
     ]
+    schemathesis.serializer.alias("application/pdf", "application/octet-stream")  # /extract/pdf
     schema = schemathesis.openapi.from_url(f"{BASE}/openapi.json")
     deadline = time.monotonic() + FUZZ_SECONDS
-    failures: list[str] = []
+    failures: dict[str, str] = {}  # what failed (operation, status, check): an example
     statuses: Counter[int] = Counter()
 
     def run(case: Any, positive: bool) -> None:
@@ -504,10 +511,10 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
                 client.delete(f"/documents/{document_id}")
         try:
             case.validate_response(response, checks=checks, headers=auth("alpha"))
-        except FailureGroup as exc:
-            failures.append(f"{case.operation.label}: {exc}"[:2000])
-        except AssertionError as exc:
-            failures.append(f"{case.operation.label}: {exc}"[:2000])
+        except FailureGroup as group:
+            for failure in group.exceptions:
+                what = f"{case.operation.label} [{response.status_code}] {failure.title}"
+                failures.setdefault(what, str(group)[:1500])
 
     bounded = settings(
         max_examples=FUZZ_EXAMPLES,
@@ -516,20 +523,22 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
         phases=[Phase.explicit, Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
+
+    def fuzzer(operation: Any, mode: schemathesis.GenerationMode) -> Callable[[], None]:
+        @bounded
+        @given(case=operation.as_strategy(generation_mode=mode))
+        def fuzz(case: Any) -> None:
+            run(case, positive=mode == schemathesis.GenerationMode.POSITIVE)
+
+        return fuzz
+
     for result in schema.get_all_operations():
-        operation = result.ok()
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            positive = mode == schemathesis.GenerationMode.POSITIVE
-
-            @bounded
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def fuzz(case: Any, positive: bool = positive) -> None:
-                run(case, positive)
-
-            fuzz()
+            with contextlib.suppress(Unsatisfiable):  # nothing to make invalid: no parameters
+                fuzzer(result.ok(), mode)()
     print(f"schemathesis statuses: {dict(sorted(statuses.items()))}")
     assert sum(statuses.values()) >= 50, statuses
-    assert not failures, "\n\n".join(failures[:10])
+    assert not failures, "\n".join(failures) + "\n\n" + "\n\n".join(failures.values())
     assert_recovered(client)
 
 
