@@ -77,9 +77,10 @@ class EngineReplica:
             if orphans:
                 logger.info("closed %d document sessions no router claims", len(orphans))
 
-    def claim(self, document_ids: list[str], orphan_timeout_s: float) -> int:
+    async def claim(self, document_ids: list[str], orphan_timeout_s: float) -> int:
         """A router holds these sessions (sent every load poll); unclaimed ones are reaped.
-        Returns how many of them this replica has."""
+        Returns how many of them this replica has. Async: Serve runs a sync method in a worker
+        thread, where the reaper could not be started (no running event loop)."""
         self._ensure_reaper()
         self.orphan_timeout_s = orphan_timeout_s
         now = time.monotonic()
