@@ -19,7 +19,7 @@ from wim_service.wim.backend import (
 )
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
-from wim_service.wim.orchestrator import open_document, run_wim
+from wim_service.wim.orchestrator import _consume, open_document, run_wim
 from wim_service.wim.prompts import PromptBuilder
 
 Script = Callable[[GenerationParams, int], str]
@@ -205,7 +205,7 @@ async def test_first_token_no_drops_the_margin_at_its_first_token(tokenizer) -> 
     assert events[-1].answer == "On Salt Lane."
     assert backend.contexts[0].closed
     timings = events[-1].timings
-    assert 0 <= timings.queue_s < timings.total_s  # admission was immediate
+    assert 0 <= timings.queue_s < timings.total_s < 60  # admission was immediate
 
 
 async def test_stop_string_ends_a_margin_early(tokenizer) -> None:
@@ -247,6 +247,13 @@ async def test_classifier_mode_asks_a_separate_turn(tokenizer) -> None:
         r.prefix + len(r.suffix) for r in backend.requests
     )
     assert usage.prompt_tokens_cached == sum(r.prefix for r in backend.requests) > 0
+    assert (
+        usage.prompt_tokens_computed == usage.prompt_tokens_submitted - usage.prompt_tokens_cached
+    )
+    # At least once: the context, each margin/classifier instruction, the final prompt.
+    assert usage.minimal_prompt_tokens == len(context.ids) + sum(
+        len(r.suffix) for r in backend.requests
+    )
     written = {
         kind: sum(s.sent for s in requests(backend.log, kind))
         for kind in (RequestKind.MARGIN, RequestKind.CLASSIFIER, RequestKind.ANSWER)
@@ -385,3 +392,40 @@ async def test_document_session_answers_each_query_as_a_branch_with_its_notes(to
     assert [(e.type, e.code, e.message) for e in events] == [
         ("error", ErrorCode.INVALID_INPUT.value, "the document session is closed")
     ]
+
+
+async def _chunks(ids: list[int]) -> AsyncIterator[GenerationChunk]:
+    for i, token in enumerate(ids):
+        yield GenerationChunk([token], i == len(ids) - 1, PromptCost(1, 0) if i == 0 else None)
+
+
+@pytest.mark.parametrize(
+    ("written", "stop", "kept"),
+    [
+        ("The gate is on Salt Lane.", [], "The gate is on Salt Lane."),
+        ("The gate.\n\nMore text after the stop.", ["\n\n"], "The gate."),
+        ("A.\n\nB.\n\nC.", ["\n\n"], "A."),
+        ("\n\nAll of it after the stop.", ["\n\n"], ""),
+        ("Smile 🙂 now, 日本.", [], "Smile 🙂 now, 日本."),
+        ("", [], ""),
+    ],
+)
+async def test_streamed_text_stops_at_the_first_stop_string(
+    tokenizer, written: str, stop: list[str], kept: str
+) -> None:
+    ids = tokenizer.encode_user_text(written).ids
+    deltas: list[str] = []
+    generated = await _consume(_chunks(ids), tokenizer, stop=stop, on_text=deltas.append)
+    assert generated.text == kept
+    # The deltas are the kept text, in non-empty pieces, never a half character or a piece
+    # of a stop string.
+    assert "".join(deltas) == kept and all(deltas)
+    assert not any("\ufffd" in d or "\n" in d for d in deltas)
+    # Reading stops at the stop string (the request is then aborted).
+    assert (generated.token_ids == ids) == (not stop)
+    if not stop and kept.isascii():
+        # Nothing to hold back: each token's text goes out as soon as it arrives.
+        assert deltas == [
+            tokenizer.decode(ids[: i + 1])[len(tokenizer.decode(ids[:i])) :]
+            for i in range(len(ids))
+        ]
