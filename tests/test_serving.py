@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-pytestmark = pytest.mark.serving
+# Real engines start and move in minutes on a busy 2-core machine.
+pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800)]
 
 PORT = 8765
 BASE = f"http://127.0.0.1:{PORT}"

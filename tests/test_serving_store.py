@@ -18,7 +18,8 @@ import pytest
 from tests.redis_server import RedisServer
 from tests.test_serving import ENGINE, OPTIONS, QUERY, metric, parse_sse, wait_for
 
-pytestmark = pytest.mark.serving
+# Real engines start and move in minutes on a busy 2-core machine.
+pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800)]
 
 PORT = 8768
 BASE = f"http://127.0.0.1:{PORT}"
