@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from wim_service.wim.backend import (
     PromptCost,
     RequestKind,
 )
+from wim_service.wim.capacity import JobShape
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import (
     AnswerEvent,
@@ -39,7 +39,8 @@ from wim_service.wim.events import (
     Usage,
     WiMEvent,
 )
-from wim_service.wim.options import RelevanceMode, WiMOptions
+from wim_service.wim.grounding import SegmentText, query_overlap
+from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
 from wim_service.wim.prompts import MarginNote, PromptBuilder
 from wim_service.wim.segmentation import Segment, segment_document
 from wim_service.wim.tokenizer import EncodedText, Tokenizer
@@ -47,9 +48,6 @@ from wim_service.wim.tokenizer import EncodedText, Tokenizer
 logger = logging.getLogger(__name__)
 
 Emit = Callable[[WiMEvent], None]
-
-# Room kept for a query's tokens when a document session is opened before any query is known.
-QUERY_RESERVE_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -68,6 +66,20 @@ class DocumentPlan:
     def context_ids(self, end: int) -> list[int]:
         """Prompt tokens up to document token `end` (the prefix included)."""
         return self.prefix_ids + self.encoded.ids[:end]
+
+    def shape(self, builder: PromptBuilder, options: WiMOptions, query: str | None) -> JobShape:
+        """The worst case of a job on this document (`query=None`: a query not known yet)."""
+        try:
+            return JobShape.of(
+                builder,
+                context_tokens=self.context_tokens,
+                document_tokens=len(self.encoded.ids),
+                segments=len(self.segments),
+                options=options,
+                query=query,
+            )
+        except ValueError as exc:  # templates the chat template renders inconsistently
+            raise WiMError(ErrorCode.INVALID_INPUT, f"options.prompts: {exc}") from exc
 
 
 def plan_document(
@@ -94,34 +106,62 @@ def plan_document(
     return DocumentPlan(document, encoded, prefix, segments)
 
 
-def check_fits(
+def relevance_ids(builder: PromptBuilder) -> tuple[frozenset[int], frozenset[int]]:
+    """The YES and NO first tokens; templates whose words cannot be told apart are refused."""
+    try:
+        return builder.relevance_token_ids()
+    except ValueError as exc:
+        raise WiMError(ErrorCode.INVALID_INPUT, f"prompts.yes / prompts.no: {exc}") from exc
+
+
+def check_options(builder: PromptBuilder, options: WiMOptions) -> None:
+    """Refuse options that validate but cannot run with this tokenizer, before any engine work."""
+    relevance_ids(builder)
+    vocab = builder.tokenizer.vocab_size
+    outside = sorted({i for i in options.stop_token_ids if i >= vocab})
+    if outside:
+        raise WiMError(
+            ErrorCode.INVALID_INPUT,
+            f"stop_token_ids {outside} are outside the model's vocabulary (ids 0-{vocab - 1})",
+        )
+
+
+def check_query(
     plan: DocumentPlan,
     builder: PromptBuilder,
     limits: EngineLimits,
     query: str,
     options: WiMOptions,
-) -> None:
-    """Refuse a query whose worst case cannot fit the context window, before any engine work."""
-    _check_query(query)
-    margin_suffix = builder.margin_suffix(query, options.relevance)
-    worst_margin = plan.context_tokens + len(margin_suffix) + options.margin_max_tokens
-    per_margin = builder.margin_entry_overhead() + options.margin_max_tokens
-    worst_final = (
-        plan.context_tokens
-        + len(builder.final_suffix(query, []))
-        + len(plan.segments) * per_margin
-        + options.answer_max_tokens
-    )
-    worst = max(worst_margin, worst_final)
-    if worst > limits.max_model_len:
-        raise WiMError(
-            ErrorCode.TOO_LONG,
-            f"document ({plan.context_tokens} tokens with the prompt prefix) + query + "
-            f"{len(plan.segments)} margins of up to {options.margin_max_tokens} tokens + "
-            f"{options.answer_max_tokens} answer tokens needs up to {worst} tokens; the model's "
-            f"context window is {limits.max_model_len}. Send a shorter document, or lower "
-            "margin_max_tokens / answer_max_tokens.",
-        )
+) -> JobShape:
+    """Refuse a query that cannot run, before any engine work; returns its worst case."""
+    if not query.strip():
+        raise WiMError(ErrorCode.INVALID_INPUT, "the query is empty")
+    check_options(builder, options)
+    shape = plan.shape(builder, options, query)
+    shape.check_window(limits.max_model_len)
+    return shape
+
+
+def prepare_job(
+    builder: PromptBuilder,
+    document: str,
+    options: WiMOptions,
+    limits: EngineLimits,
+    query: str | None = None,
+) -> tuple[DocumentPlan, JobShape]:
+    """Everything before engine work: plan the document, refuse what cannot run, size the job
+    (`query=None`: a document session, its queries not known yet).
+
+    Tokenizing and segmenting a long document is CPU work: the entry points run this in a
+    thread, so that the event loop keeps serving other jobs (and an engine replica's load polls).
+    """
+    plan = plan_document(builder, document, options, limits)
+    if query is not None:
+        return plan, check_query(plan, builder, limits, query, options)
+    check_options(builder, options)
+    shape = plan.shape(builder, options, None)
+    shape.check_window(limits.max_model_len)
+    return plan, shape
 
 
 @dataclass
@@ -210,6 +250,24 @@ def _strip_relevance_word(text: str, word: str) -> str:
     return body.lstrip(" \t\n:#-,.;")
 
 
+@dataclass(frozen=True)
+class FinalAnswer:
+    """The answer, and which kept notes the final prompt held (segment indexes)."""
+
+    text: str
+    notes: list[int]
+    notes_dropped: list[int]
+
+    def done(self, usage: Usage, timings: Timings) -> DoneEvent:
+        return DoneEvent(
+            answer=self.text,
+            notes=self.notes,
+            notes_dropped=self.notes_dropped,
+            usage=usage,
+            timings=timings,
+        )
+
+
 class WiMSession:
     """One document in one engine context, answering one or many queries."""
 
@@ -226,7 +284,14 @@ class WiMSession:
         self.plan = plan
         self.options = options
         self.context = context
-        self.yes_ids, self.no_ids = builder.relevance_token_ids()
+        self.yes_ids, self.no_ids = relevance_ids(builder)
+        # KV blocks reserved for one query beyond the context (a document session); a query
+        # that may need more reserves the difference while it runs.
+        self.query_blocks = plan.shape(builder, options, None).query_blocks(
+            backend.limits.block_size, backend.limits.max_model_len
+        )
+        # Each segment's sentences, parsed on first use and kept for every later query.
+        self.segment_texts = [SegmentText(plan.text, s) for s in plan.segments]
         self._closed = False
         self._lock = asyncio.Lock()  # one query at a time per session
 
@@ -277,17 +342,35 @@ class WiMSession:
         else:
             relevant = True
         relevant = relevant and bool(text)
+        grounding = self.segment_texts[segment.index].ground(
+            text,
+            min_coverage=options.grounding_min_coverage,
+            max_sentences=options.grounding_max_sentences,
+        )
+        evidence = grounding.evidence if grounding.grounded else None
+        note = evidence.text if evidence and options.grounding is GroundingMode.SNAP else text
+        overlap = query_overlap(query, note)
+        kept = (
+            relevant
+            and (grounding.grounded or options.grounding is GroundingMode.OFF)
+            and overlap >= options.note_min_query_overlap
+        )
         emit(
             MarginEvent(
                 segment=segment.index,
                 text=text,
                 relevant=relevant,
+                grounded=grounding.grounded,
+                kept=kept,
+                evidence=evidence.text if evidence else "",
+                evidence_start=evidence.char_start if evidence else None,
+                evidence_end=evidence.char_end if evidence else None,
                 char_start=segment.char_start,
                 char_end=segment.char_end,
                 elapsed_s=time.perf_counter() - submitted,
             )
         )
-        return MarginNote(segment.index, text) if relevant else None
+        return MarginNote(segment.index, note, rank=overlap) if kept else None
 
     async def _classify(
         self, query: str, margin: str, options: WiMOptions, ledger: _Ledger
@@ -396,13 +479,18 @@ class WiMSession:
         started: float,
         *,
         conclude: bool,
-    ) -> str:
-        """Generate the answer after the whole document and the relevant margins.
+    ) -> FinalAnswer:
+        """Generate the answer after the whole document and the kept margins.
 
+        The notes get what the window leaves after the document and the answer, most relevant
+        first; with no note the final prompt is exactly the plain long-context prompt.
         `conclude` appends the final prompt to the context itself (no recompute at all; the
         session takes no further query); otherwise the answer is a branch over the context.
         """
-        suffix = self.builder.final_suffix(query, notes)
+        budget = (
+            self.backend.limits.max_model_len - self.plan.context_tokens - options.answer_max_tokens
+        )
+        suffix, shown = self.builder.final_suffix_within(query, notes, budget)
         params = GenerationParams(
             kind=RequestKind.ANSWER,
             max_tokens=options.answer_max_tokens,
@@ -424,7 +512,12 @@ class WiMSession:
         )
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.answer_tokens += len(generated.token_ids)
-        return generated.text.strip()
+        held = {note.segment for note in shown}
+        return FinalAnswer(
+            generated.text.strip(),
+            notes=sorted(held),
+            notes_dropped=sorted(n.segment for n in notes if n.segment not in held),
+        )
 
     async def close(self) -> None:
         if not self._closed:
@@ -441,44 +534,21 @@ class WiMSession:
             async with self._lock:
                 if self._closed:
                     raise WiMError(ErrorCode.INVALID_INPUT, "the document session is closed")
-                check_fits(self.plan, self.builder, self.backend.limits, query, options)
-                started = time.perf_counter()
-                ledger, timings = _Ledger(), Timings()
-                notes = await self.ask_margins(query, options, emit, ledger)
-                timings.margins_s = time.perf_counter() - started
-                answer = await self.answer(
-                    query, notes, options, emit, ledger, timings, started, conclude=False
-                )
-                timings.total_s = time.perf_counter() - started
-                emit(DoneEvent(answer=answer, usage=ledger.usage(self.plan), timings=timings))
+                limits = self.backend.limits
+                shape = check_query(self.plan, self.builder, limits, query, options)
+                needed = shape.query_blocks(limits.block_size, limits.max_model_len)
+                async with self.context.reserve_more(max(0, needed - self.query_blocks)):
+                    started = time.perf_counter()
+                    ledger, timings = _Ledger(), Timings()
+                    notes = await self.ask_margins(query, options, emit, ledger)
+                    timings.margins_s = time.perf_counter() - started
+                    answer = await self.answer(
+                        query, notes, options, emit, ledger, timings, started, conclude=False
+                    )
+                    timings.total_s = time.perf_counter() - started
+                    emit(answer.done(ledger.usage(self.plan), timings))
 
         return _event_stream(job)
-
-
-def _check_query(query: str) -> None:
-    if not query.strip():
-        raise WiMError(ErrorCode.INVALID_INPUT, "the query is empty")
-
-
-def reserve_blocks(
-    context_tokens: int,
-    num_segments: int,
-    options: WiMOptions,
-    limits: EngineLimits,
-    query_tokens: int = QUERY_RESERVE_TOKENS,
-) -> int:
-    """Worst-case KV blocks of a job: its context with the final prompt and answer, plus every
-    margin in flight at once (each holds its partial block, instruction and margin tokens)."""
-    block = limits.block_size
-    per_margin = options.margin_max_tokens + 2 * query_tokens + 64
-    final = context_tokens + num_segments * per_margin + options.answer_max_tokens
-    branch = block + query_tokens + 128 + options.margin_max_tokens
-    return min(
-        math.ceil(final / block) + num_segments * math.ceil(branch / block),
-        # Never more than the window itself plus one branch each: the cap keeps a long
-        # document admissible on an engine that can hold it.
-        math.ceil(limits.max_model_len / block) * 2 + num_segments,
-    )
 
 
 async def _open(
@@ -486,13 +556,20 @@ async def _open(
     builder: PromptBuilder,
     plan: DocumentPlan,
     options: WiMOptions,
-    query_tokens: int,
+    reserve_blocks: int,
 ) -> WiMSession:
-    reserve = reserve_blocks(
-        plan.context_tokens, len(plan.segments), options, backend.limits, query_tokens
-    )
-    context = await backend.open_context(reserve_blocks=reserve)
-    return WiMSession(backend, builder, plan, options, context)
+    """A session over a new context holding `reserve_blocks` of KV.
+
+    Everything that can refuse the job is checked before the reservation is taken; from the
+    reservation on, any failure closes the context, which gives it back.
+    """
+    relevance_ids(builder)
+    context = await backend.open_context(reserve_blocks=reserve_blocks)
+    try:
+        return WiMSession(backend, builder, plan, options, context)
+    except BaseException:
+        await context.close()
+        raise
 
 
 def run_wim(
@@ -509,11 +586,13 @@ def run_wim(
     builder = PromptBuilder(tokenizer, options.prompts)
 
     async def job(emit: Emit) -> None:
-        plan = plan_document(builder, document, options, backend.limits)
-        check_fits(plan, builder, backend.limits, query, options)
+        limits = backend.limits
+        plan, shape = await asyncio.to_thread(
+            prepare_job, builder, document, options, limits, query
+        )
         started = time.perf_counter()
-        query_tokens = len(tokenizer.encode_user_text(query).ids)
-        session = await _open(backend, builder, plan, options, query_tokens)
+        reserve = shape.one_shot_blocks(limits.block_size, limits.max_model_len)
+        session = await _open(backend, builder, plan, options, reserve)
         try:
             timings, ledger = Timings(), _Ledger()
             timings.queue_s = time.perf_counter() - started
@@ -525,7 +604,7 @@ def run_wim(
                 query, notes, options, emit, ledger, timings, started, conclude=True
             )
             timings.total_s = time.perf_counter() - started
-            emit(DoneEvent(answer=answer, usage=ledger.usage(session.plan), timings=timings))
+            emit(answer.done(ledger.usage(session.plan), timings))
         finally:
             await session.close()
 
@@ -543,8 +622,10 @@ async def open_document(
     """Read a document into a pinned context for later queries (a document session)."""
     options = options or WiMOptions()
     builder = PromptBuilder(tokenizer, options.prompts)
-    plan = plan_document(builder, document, options, backend.limits)
-    session = await _open(backend, builder, plan, options, QUERY_RESERVE_TOKENS)
+    limits = backend.limits
+    plan, shape = await asyncio.to_thread(prepare_job, builder, document, options, limits)
+    reserve = shape.session_blocks(limits.block_size, limits.max_model_len)
+    session = await _open(backend, builder, plan, options, reserve)
     try:
         started = time.perf_counter()
         await session.read(emit or (lambda _: None), _Ledger(), Timings(), started)
