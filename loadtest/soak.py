@@ -4,8 +4,9 @@ every engine replica sampled, to show that nothing grows without bound.
     .venv/bin/python loadtest/soak.py                  # starts the service on 127.0.0.1:8768
     .venv/bin/python loadtest/soak.py --url http://127.0.0.1:8000 --key sk-...   # targets one
 
-The load: one-shot jobs on the sample report, document sessions (open, two queries, delete),
-deletes and reads of unknown documents, and malformed requests. Each RSS figure is a whole
+The load: job users send one-shot jobs (the sample report and a short text, some streamed)
+and document sessions (open, two queries, delete); one more thread sends malformed requests
+and reads and deletes of unknown documents at `--edge-rate` per second. Each RSS figure is a whole
 process tree (an engine replica's Ray worker with its vLLM EngineCore), found from the process
 that listens on the URL's port: its raylet's descendants titled `ray::ServeReplica:<app>:...`.
 Growth compares the median of the first samples after the warm-up with the median of the last.
@@ -45,6 +46,7 @@ QUESTIONS = (
     "Who replaced Margaret Oyelaran?",
     "How many boats are registered?",
 )
+SHORT = "The night gate of the harbour opens with the access code 4417. The day gate has none."
 OPTIONS = {"segment_tokens": 192, "margin_max_tokens": 16, "answer_max_tokens": 16}
 # Refused before any engine work (4xx): each must leave nothing behind.
 BAD_BODIES = (
@@ -108,6 +110,10 @@ class Load:
         body = {"context": DOCUMENT, "query": query, "options": OPTIONS}
         self.call("one-shot", "POST", "/wim", json=body)
 
+    def short_one_shot(self) -> None:
+        body = {"context": SHORT, "query": QUESTIONS[0], "stream": self.random.random() < 0.5}
+        self.call("short one-shot", "POST", "/wim", json=body)
+
     def session(self) -> None:
         opened = self.call(
             "open", "POST", "/documents", json={"context": DOCUMENT, "options": OPTIONS}
@@ -128,16 +134,25 @@ class Load:
     def unknown(self) -> None:
         self.call("unknown-document", self.random.choice(("GET", "DELETE")), "/documents/doc-0")
 
-    def run(self, deadline: float, budget: int) -> None:
-        steps: list[tuple[Callable[[], None], int]] = [
-            (self.one_shot, 4),
-            (self.session, 3),
-            (self.bad, 2),
-            (self.unknown, 1),
-        ]
+    def jobs(self) -> list[tuple[Callable[[], None], int]]:
+        """Engine work: the mix of a job user."""
+        return [(self.one_shot, 2), (self.short_one_shot, 2), (self.session, 1)]
+
+    def edge(self) -> list[tuple[Callable[[], None], int]]:
+        """Requests refused at the edge: many of them, while the jobs run."""
+        return [(self.bad, 3), (self.unknown, 1)]
+
+    def run(
+        self,
+        steps: list[tuple[Callable[[], None], int]],
+        deadline: float,
+        budget: int,
+        pause_s: float,
+    ) -> None:
         actions, weights = zip(*steps, strict=True)
         while time.monotonic() < deadline and self.tally.take(budget):
             self.random.choices(actions, weights)[0]()
+            time.sleep(pause_s)
         self.client.close()
 
 
@@ -287,7 +302,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--app", default="wim", help="the Serve application's name")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--warmup-minutes", type=float, default=2.0)
-    parser.add_argument("--users", type=int, default=3, help="concurrent client threads")
+    parser.add_argument("--users", type=int, default=3, help="client threads sending jobs")
+    parser.add_argument(
+        "--edge-rate", type=float, default=4.0, help="refused requests per second (one thread)"
+    )
     parser.add_argument("--max-requests", type=int, default=5000)
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--max-growth", type=float, default=0.10)
@@ -328,10 +346,12 @@ def soak(args: argparse.Namespace, url: str, port: int, replicas: int) -> int:
     tally = Tally()
     begin = time.monotonic()
     deadline = begin + args.minutes * 60
-    loads = [Load(url, args.key, tally, seed) for seed in range(args.users)]
-    threads = [
-        threading.Thread(target=load.run, args=(deadline, args.max_requests)) for load in loads
-    ]
+    budget = args.max_requests
+    users = [Load(url, args.key, tally, seed) for seed in range(args.users)]
+    threads = [threading.Thread(target=u.run, args=(u.jobs(), deadline, budget, 0)) for u in users]
+    edge = Load(url, args.key, tally, seed=args.users)
+    pause = 1 / args.edge_rate
+    threads.append(threading.Thread(target=edge.run, args=(edge.edge(), deadline, budget, pause)))
     for thread in threads:
         thread.start()
     for thread in threads:
