@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from wim_service.engine import kv_memory
 from wim_service.engine.admission import AdmissionLoad, KVAdmission
 from wim_service.engine.config import EngineConfig
 from wim_service.engine.scheduler import SALT_PREFIX
@@ -185,6 +186,7 @@ class VLLMBackend:
             max_num_seqs=config.max_num_seqs,
             scheduling_policy="priority",
             scheduler_cls="wim_service.engine.scheduler.WiMScheduler",
+            worker_extension_cls=kv_memory.EXTENSION,
             logits_processors=["wim_service.engine.first_token:FirstTokenChoice"],
             kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30),
             enforce_eager=config.enforce_eager,
@@ -192,7 +194,8 @@ class VLLMBackend:
             disable_log_stats=False,
         )
         engine = AsyncLLM.from_engine_args(args)
-        return cls(engine, config, HFTokenizer(model))
+        tokenizer = HFTokenizer(model, template_special_tokens=config.template_special_tokens)
+        return cls(engine, config, tokenizer)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -226,8 +229,25 @@ class VLLMBackend:
             parked_sessions=stats["parked_sessions"],
         )
 
+    async def peak_blocks(self, salt: str) -> int:
+        """The most KV blocks the requests of `salt` held at once."""
+        return await self.engine.engine_core.call_utility_async("wim_peak_blocks", salt)
+
     async def purge(self, salt: str) -> dict[str, int]:
-        return await self.engine.engine_core.call_utility_async("wim_purge_salt", salt)
+        """Purge `salt`'s KV from the prefix cache and close it: its blocks still busy are
+        purged when they are freed. Zeroes the blocks if `config.zero_purged_blocks`."""
+        return await self.engine.engine_core.call_utility_async(
+            "wim_purge_salt", salt, self.config.zero_purged_blocks
+        )
+
+    async def salt_blocks(self, salt: str) -> list[int]:
+        """The KV blocks `salt`'s live requests hold, and those recorded for its purge."""
+        return await self.engine.engine_core.call_utility_async("wim_salt_blocks", salt)
+
+    async def block_magnitudes(self, block_ids: list[int]) -> list[float]:
+        """Each block's largest absolute KV value, read in the (first) worker."""
+        results = await self.engine.collective_rpc(kv_memory.BLOCK_MAGNITUDES, args=(block_ids,))
+        return results[0]
 
     def sampling_params(self, params: GenerationParams) -> SamplingParams:
         from vllm import SamplingParams
@@ -356,6 +376,8 @@ class VLLMContext:
         self.engine = backend.engine
         self.salt = SALT_PREFIX + secrets.token_hex(16)
         self._reserved_blocks = reserved_blocks
+        # The most this context ever had reserved (its reservation plus a query's extra).
+        self.most_reserved_blocks = reserved_blocks
         self._ids: list[int] = []
         self._inputs: asyncio.Queue[Any] = asyncio.Queue()
         self._outputs: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
@@ -528,17 +550,33 @@ class VLLMContext:
     ) -> AsyncIterator[GenerationChunk]:
         return self._request(prompt_ids, params, "gen", 0)
 
+    @contextlib.asynccontextmanager
+    async def reserve_more(self, blocks: int) -> AsyncIterator[None]:
+        if blocks <= 0:
+            yield
+            return
+        await self.backend.admission.acquire(blocks, session=False)
+        self.most_reserved_blocks = max(self.most_reserved_blocks, self._reserved_blocks + blocks)
+        try:
+            yield
+        finally:
+            self.backend.admission.release(blocks, session=False)
+
     # -- end of life ---------------------------------------------------------------------
 
     async def close(self, *, abort: bool = False) -> None:
         """End the session (frees its KV), purge its cache entries, release its reservation.
 
         Normally the input stream is closed and vLLM ends the session after its current push;
-        `abort` (or a push that does not finish in time) aborts the request outright.
+        `abort` (or a push that does not finish in time) aborts the request outright. A caller
+        cancelled meanwhile does not cut this short: the rest runs on in the background.
         """
         if self._closed:
             return
         self._closed = True
+        await asyncio.shield(self._end(abort))
+
+    async def _end(self, abort: bool) -> None:
         try:
             if self._spine is not None and not self._spine.done():
                 self._inputs.put_nowait(None)
@@ -556,10 +594,13 @@ class VLLMContext:
 
     async def _purge(self) -> None:
         # Branches of this salt may still be finishing their abort in the engine core; their
-        # blocks show up as busy for a step or two.
+        # blocks show up as busy for a step or two. The scheduler purges them when they are
+        # freed (the salt is closed now); waiting a little keeps the reservation until then.
         for _ in range(50):
             result = await self.backend.purge(self.salt)
             if not result["busy"]:
                 return
             await asyncio.sleep(0.02)
-        logger.warning("context %s: %s blocks still busy after purge", self.salt[:12], result)
+        logger.debug(
+            "context %s: %d blocks busy at close, purged when freed", self.salt[:12], result["busy"]
+        )
