@@ -29,7 +29,8 @@ from tests.test_serving import ENGINE, OPTIONS, QUERY, metric, wait_for
 from wim_service.serving.errors import STATUS, ServiceCode
 from wim_service.wim.errors import ErrorCode
 
-pytestmark = pytest.mark.serving
+# The first test also waits for the engine to start (minutes on a busy 2-core machine).
+pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800)]
 
 PORT = 8767
 BASE = f"http://127.0.0.1:{PORT}"
@@ -341,7 +342,6 @@ VALID = [
 # fmt: on
 
 
-@pytest.mark.timeout(1800)
 def test_bad_input_matrix_gets_4xx_from_the_one_table(client: httpx.Client) -> None:
     assert len(BAD_INPUT) >= 40
     problems: dict[str, list[str]] = {}
@@ -469,7 +469,6 @@ def tame(body: Any) -> None:
                     holder[name] = min(holder[name], FUZZ_MAX_TOKENS)
 
 
-@pytest.mark.timeout(FUZZ_SECONDS + 600)
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(
     client: httpx.Client,
 ) -> None:
@@ -548,7 +547,6 @@ FLOOD_JOBS = 60
 FLOOD_CLIENT_DEADLINE_S = 45
 
 
-@pytest.mark.timeout(1200)
 def test_a_flood_beyond_capacity_gets_only_2xx_429_503(client: httpx.Client, report: str) -> None:
     """60 concurrent one-shot jobs on the report (one replica holds 4 sessions): each is
     answered, refused for capacity (429) or for waiting too long (503), or given up by its
