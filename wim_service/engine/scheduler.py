@@ -189,23 +189,30 @@ class WiMScheduler(Scheduler):
         }
 
 
+def _scheduler(core: EngineCore) -> WiMScheduler:
+    """The engine core's scheduler: ours, as `scheduler_cls` names it."""
+    scheduler = core.scheduler
+    assert isinstance(scheduler, WiMScheduler)
+    return scheduler
+
+
 def _engine_wim_purge_salt(self: EngineCore, salt: str, zero: bool = False) -> dict[str, int]:
     if zero:
         # The scheduler zeroes through the workers, which only the engine core can reach.
-        self.scheduler.bind_zeroing(lambda ids: self.collective_rpc(ZERO_BLOCKS, args=(ids,)))
-    return self.scheduler.wim_purge_salt(salt, zero)
+        _scheduler(self).bind_zeroing(lambda ids: self.collective_rpc(ZERO_BLOCKS, args=(ids,)))
+    return _scheduler(self).wim_purge_salt(salt, zero)
 
 
 def _engine_wim_kv_stats(self: EngineCore) -> dict[str, int]:
-    return self.scheduler.wim_kv_stats()
+    return _scheduler(self).wim_kv_stats()
 
 
 def _engine_wim_peak_blocks(self: EngineCore, salt: str) -> int:
-    return self.scheduler.wim_peak_blocks(salt)
+    return _scheduler(self).wim_peak_blocks(salt)
 
 
 def _engine_wim_salt_blocks(self: EngineCore, salt: str) -> list[int]:
-    return self.scheduler.wim_salt_blocks(salt)
+    return _scheduler(self).wim_salt_blocks(salt)
 
 
 EngineCore.wim_purge_salt = _engine_wim_purge_salt  # type: ignore[attr-defined]

@@ -28,7 +28,7 @@ import os
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -408,7 +408,7 @@ class VLLMContext:
                 f"{what} would need {total} tokens; the model's context window is {limit}",
             )
 
-    async def _input_stream(self) -> AsyncIterator[Any]:
+    async def _input_stream(self) -> AsyncGenerator[Any, None]:
         while (item := await self._inputs.get()) is not None:
             yield item
 
