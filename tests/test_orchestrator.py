@@ -32,6 +32,7 @@ class Request:
     kind: RequestKind
     prefix: int
     suffix: list[int]
+    params: GenerationParams
 
 
 def _open_gate() -> asyncio.Event:
@@ -83,7 +84,7 @@ class FakeContext:
     def branch(self, prefix_tokens: int, suffix_ids: list[int], params: GenerationParams):
         if self.backend.fail_on == params.kind:
             raise RuntimeError("engine exploded")
-        self.backend.requests.append(Request(params.kind, prefix_tokens, suffix_ids))
+        self.backend.requests.append(Request(params.kind, prefix_tokens, suffix_ids, params))
         return self._stream(params, prefix_tokens, prefix_tokens + len(suffix_ids))
 
     def conclude(self, suffix_ids: list[int], params: GenerationParams):
@@ -91,7 +92,7 @@ class FakeContext:
         return self.branch(len(self.ids), suffix_ids, params)
 
     def generate(self, prompt_ids: list[int], params: GenerationParams):
-        self.backend.requests.append(Request(params.kind, 0, prompt_ids))
+        self.backend.requests.append(Request(params.kind, 0, prompt_ids, params))
         return self._stream(params, 0, len(prompt_ids))
 
     @contextlib.asynccontextmanager
@@ -177,6 +178,23 @@ def options(**kw) -> WiMOptions:
     return WiMOptions(segment_tokens=128, margin_max_tokens=32, answer_max_tokens=32, **kw)
 
 
+def assert_request_params(backend: FakeBackend, opts: WiMOptions) -> None:
+    """Each request asks for what the options say: token limits, stop ids, YES/NO first."""
+    tokenizer = backend.tokenizer
+    yes, no = PromptBuilder(tokenizer, opts.prompts).relevance_token_ids()
+    first_token = opts.relevance is RelevanceMode.FIRST_TOKEN
+    assert backend.requests
+    for request in backend.requests:
+        params = request.params
+        assert params.stop_token_ids == tokenizer.eos_token_ids
+        if request.kind is RequestKind.MARGIN:
+            assert params.max_tokens == opts.margin_max_tokens
+            assert params.first_token_ids == (yes | no if first_token else None)
+        elif request.kind is RequestKind.ANSWER:
+            assert params.max_tokens == opts.answer_max_tokens
+            assert params.first_token_ids is None
+
+
 async def collect(backend, query="Where is the gate?", opts=None, **kw) -> list:
     return [
         e async for e in run_wim(backend, backend.tokenizer, DOC, query, opts or options(), **kw)
@@ -206,6 +224,11 @@ async def test_first_token_no_drops_the_margin_at_its_first_token(tokenizer) -> 
     assert backend.contexts[0].closed
     timings = events[-1].timings
     assert 0 <= timings.queue_s < timings.total_s < 60  # admission was immediate
+    assert 0 < timings.answer_ttft_s <= timings.total_s
+    assert all(0 <= m.elapsed_s < timings.total_s for m in margins)
+    # The answer streamed as it was written, and the deltas make up the answer.
+    assert "".join(e.text for e in events if e.type == "answer") == events[-1].answer
+    assert_request_params(backend, options())
 
 
 async def test_stop_string_ends_a_margin_early(tokenizer) -> None:
@@ -224,6 +247,7 @@ async def test_stop_string_ends_a_margin_early(tokenizer) -> None:
     spans = requests(backend.log, RequestKind.MARGIN)
     assert len(spans) == len(margins)
     assert all(0 < span.sent < span.total for span in spans)
+    assert_request_params(backend, options(relevance=RelevanceMode.NONE))
 
 
 async def test_classifier_mode_asks_a_separate_turn(tokenizer) -> None:
