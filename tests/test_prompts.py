@@ -67,7 +67,7 @@ def test_every_step_shares_the_context_prefix(tokenizer) -> None:
 def test_relevance_tokens_are_distinct(tokenizer) -> None:
     yes, no = PromptBuilder(tokenizer, PromptTemplates()).relevance_token_ids()
     assert yes and no and not yes & no
-    with pytest.raises(ValueError, match="same token"):
+    with pytest.raises(ValueError, match=r"^the YES and NO words start with the same token$"):
         PromptBuilder(tokenizer, PromptTemplates(yes="Nope", no="Nah")).relevance_token_ids()
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import re
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -102,3 +104,29 @@ def test_one_huge_sentence_is_cut_on_block_boundaries(tokenizer) -> None:
 def test_short_document_is_one_segment(tokenizer) -> None:
     encoded, segments = _segment(tokenizer, "Only one sentence here.", target=64, cap=96)
     assert len(segments) == 1 and segments[0].num_tokens == len(encoded.ids)
+
+
+def test_a_document_of_exactly_the_cap_is_one_segment(tokenizer) -> None:
+    for text in ("Hi", " ".join(["word"] * 50)):
+        n = len(tokenizer.encode_user_text(text).ids)
+        _encoded, segments = _segment(tokenizer, text, target=max(n // 2, 1), cap=n)
+        assert [(s.token_start, s.token_end) for s in segments] == [(0, n)]
+
+
+def test_the_smallest_target_is_one_token(tokenizer) -> None:
+    text = "One. Two. Three."
+    encoded, segments = _segment(tokenizer, text, target=1, cap=1)
+    assert len(segments) == len(encoded.ids)
+
+
+@pytest.mark.parametrize(
+    ("text", "target", "cap", "message"),
+    [
+        ("Some text.", 0, 10, "need 0 < target_tokens <= max_tokens"),
+        ("Some text.", 11, 10, "need 0 < target_tokens <= max_tokens"),
+        ("", 8, 10, "the document has no tokens"),
+    ],
+)
+def test_impossible_requests_are_refused(tokenizer, text, target, cap, message) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _segment(tokenizer, text, target, cap)
