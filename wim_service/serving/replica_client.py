@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -65,17 +66,37 @@ class ServeReplicaClient:
             replicas = live_replicas(ENGINE_DEPLOYMENT)
         return replicas
 
-    def _handle(self, replica: str, method: str, *, stream: bool = False) -> Any:
+    def _remote(self, replica: str, method: str, args: tuple[Any, ...], stream: bool) -> Any:
+        """Send one call pinned to `replica`, under an internal request id of its own.
+
+        Serve gives a handle call the internal request id of the request it is made in, and its
+        request router matches the replica it picked back to the pending call *by that id*.
+        Concurrent calls from one request (load polls of every replica, claims, metrics) then
+        share one id: a replica chosen for one call could be handed to another, and calls sat
+        unanswered for minutes although their replica was idle. A fresh id per call keeps each
+        pinned call and its replica together.
+        """
+        from ray.serve._private.utils import generate_request_id
+        from ray.serve.context import _get_serve_request_context, _serve_request_context
+
         from wim_service.serving.pinning import target_key
 
-        return self.engine.options(
+        handle = self.engine.options(
             method_name=method, stream=stream, session_id=target_key(replica)
         )
+        own = dataclasses.replace(
+            _get_serve_request_context(), _internal_request_id=generate_request_id()
+        )
+        token = _serve_request_context.set(own)  # type: ignore[arg-type]  # (typed None in Ray)
+        try:
+            return handle.remote(*args)
+        finally:
+            _serve_request_context.reset(token)
 
     async def call(self, replica: str, method: str, *args: Any) -> Any:
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
         try:
-            return await self._handle(replica, method).remote(*args)
+            return await self._remote(replica, method, args, stream=False)
         except _lost_errors() as exc:
             raise _lost(replica, exc) from exc
         except _backpressure() as exc:
@@ -85,7 +106,7 @@ class ServeReplicaClient:
 
     async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
-        response = self._handle(replica, method, stream=True).remote(*args)
+        response = self._remote(replica, method, args, stream=True)
         try:
             async for item in response:
                 yield _EVENT.validate_python(item)
