@@ -306,3 +306,36 @@ def test_readyz_without_replicas_is_503() -> None:
     client, _ = make_service()
     response = client.get("/readyz")
     assert response.status_code == 503 and response.json()["ready"] is False
+
+
+def test_each_pinned_call_gets_its_own_serve_request_id() -> None:
+    """Serve matches a routed replica back to its pending call by the internal request id;
+    calls made from one request must not share it (they were crossed or left waiting)."""
+    from ray.serve.context import _get_serve_request_context, _set_request_context
+
+    from wim_service.serving.replica_client import ServeReplicaClient
+
+    seen: list[tuple[str, str]] = []
+
+    class Handle:
+        def options(self, **kwargs: Any) -> Handle:
+            self.session = kwargs["session_id"]
+            return self
+
+        def remote(self, *args: Any) -> Any:
+            seen.append((self.session, _get_serve_request_context()._internal_request_id))
+
+            async def answer() -> str:
+                return "ok"
+
+            return answer()
+
+    async def calls() -> None:
+        _set_request_context(request_id="outer", _internal_request_id="outer-internal")
+        client = ServeReplicaClient(Handle())
+        await asyncio.gather(*(client.call(r, "load") for r in ("a", "b", "c")))
+        assert _get_serve_request_context()._internal_request_id == "outer-internal"
+
+    asyncio.run(calls())
+    ids = [internal for _, internal in seen]
+    assert len(set(ids)) == 3 and "outer-internal" not in ids
