@@ -60,3 +60,14 @@ def test_a_missed_poll_keeps_the_last_load_and_a_gone_replica_is_dropped() -> No
     assert table.loads["b"].reserved_blocks == 7 and table.is_live("b")
     table.update_replicas({"a"}, [load("a", 6)])  # b left the deployment
     assert not table.is_live("b") and set(table.loads) == {"a"}
+
+
+def test_a_replica_without_a_free_session_slot_takes_no_new_session() -> None:
+    table = BindingTable()
+    full = ReplicaLoad(
+        replica="a", capacity_blocks=100, reserved_blocks=0, sessions=4, max_sessions=4
+    )
+    table.update_replicas({"a", "b"}, [full, load("b", 90)])
+    assert table.place("s", 5) == "b"
+    with pytest.raises(NoCapacity):
+        table.place("t", 50)

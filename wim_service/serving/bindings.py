@@ -65,7 +65,13 @@ class BindingTable:
             for load in self.loads.values()
             if load.healthy and not load.draining and load.replica not in (exclude or set())
         ]
-        fitting = [load for load in candidates if load.room_blocks >= needed_blocks]
+        # Room in KV and a free session slot: a replica at max_sessions would only queue the
+        # session in its admission control and refuse it after a wait.
+        fitting = [
+            load
+            for load in candidates
+            if load.room_blocks >= needed_blocks and load.sessions < load.max_sessions
+        ]
         if not fitting:
             raise NoCapacity(needed_blocks, len(candidates))
         best = max(fitting, key=lambda load: (load.room_blocks, -load.sessions, load.replica))

@@ -19,6 +19,8 @@ class ReplicaLoad(BaseModel):
     capacity_blocks: int
     reserved_blocks: int
     sessions: int
+    # Sessions the replica's admission control takes at once (its `max_sessions`).
+    max_sessions: int = 1 << 30
     documents: int = 0
     resident_kv_tokens: int = 0
     healthy: bool = True

@@ -168,6 +168,7 @@ class EngineReplica:
             capacity_blocks=admission.capacity_blocks,
             reserved_blocks=admission.reserved_blocks,
             sessions=admission.sessions,
+            max_sessions=self.config.max_sessions,
             documents=len(self.documents),
             resident_kv_tokens=sum(
                 d.session.context.context_tokens for d in self.documents.values()
