@@ -320,7 +320,8 @@ def test_metrics_are_exported_and_move(client: httpx.Client, report: str) -> Non
 
 
 def test_client_disconnect_cancels_the_job(client: httpx.Client, report: str) -> None:
-    aborted = metric(client, "vllm:request_success_total", finished_reason="abort")
+    margins = metric(client, "wim_margins_total")
+    prompt_tokens = metric(client, "vllm:prompt_tokens_total")
     body = {"context": report * 2, "query": QUERY, "options": OPTIONS, "stream": True}
     with client.stream("POST", "/wim", json=body) as response:
         for block in response.iter_text():
@@ -328,8 +329,10 @@ def test_client_disconnect_cancels_the_job(client: httpx.Client, report: str) ->
                 break  # leave after the first segment: the job is far from done
     wait_for(lambda: metric(client, "wim_requests_total", status="499") >= 1, "a 499", 120)
     wait_for(lambda: settled(client), "the cancelled job's KV returned", 120)
-    # It stopped early: the engine aborted its context (and any margin in flight).
-    assert metric(client, "vllm:request_success_total", finished_reason="abort") > aborted
+    # It stopped early: a full run reads ~7,300 document tokens in ~38 segments, each with a
+    # margin; the cancelled one wrote at most a margin or two and read far less of the document.
+    assert metric(client, "wim_margins_total") - margins <= 2
+    assert metric(client, "vllm:prompt_tokens_total") - prompt_tokens < 4000
 
 
 def _replica_actor(replica: str):
