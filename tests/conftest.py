@@ -61,3 +61,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server = RedisServer(redis_binary(), tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave out tests marked `quarantine` (written, never yet seen passing on this machine)
+    unless WIM_RUN_QUARANTINED=1; they are reported as deselected, never silently skipped."""
+    import os
+
+    if os.environ.get("WIM_RUN_QUARANTINED") == "1":
+        return
+    kept = [item for item in items if item.get_closest_marker("quarantine") is None]
+    left_out = [item for item in items if item.get_closest_marker("quarantine") is not None]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept

@@ -319,6 +319,7 @@ def test_metrics_are_exported_and_move(client: httpx.Client, report: str) -> Non
         assert metric(client, key[0], **dict(key[1])) >= before[key] + at_least, key
 
 
+@pytest.mark.quarantine
 def test_client_disconnect_cancels_the_job(client: httpx.Client, report: str) -> None:
     margins = metric(client, "wim_margins_total")
     prompt_tokens = metric(client, "vllm:prompt_tokens_total")
@@ -391,6 +392,7 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
+@pytest.mark.quarantine
 def test_engine_process_death_fails_over_and_the_replica_leaves(
     client: httpx.Client, report: str
 ) -> None:
@@ -416,6 +418,7 @@ def test_engine_process_death_fails_over_and_the_replica_leaves(
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
+@pytest.mark.quarantine
 def test_scale_down_drains_and_moves_sessions(client: httpx.Client, report: str) -> None:
     """Scale to one replica: running work finishes, sessions of the leaving replica move."""
     documents = [open_document(client, report)]
@@ -457,6 +460,7 @@ def test_scale_down_drains_and_moves_sessions(client: httpx.Client, report: str)
         client.delete(f"/documents/{document['document_id']}")
 
 
+@pytest.mark.quarantine
 def test_a_replica_started_while_calls_run_is_used_within_seconds(
     client: httpx.Client, report: str
 ) -> None:
@@ -494,6 +498,7 @@ def test_a_replica_started_while_calls_run_is_used_within_seconds(
             worker.join(900)
 
 
+@pytest.mark.quarantine
 def test_no_document_text_or_id_reaches_the_logs(client: httpx.Client, report: str) -> None:
     import ray
 
@@ -515,6 +520,7 @@ def test_no_document_text_or_id_reaches_the_logs(client: httpx.Client, report: s
     assert not found, found
 
 
+@pytest.mark.quarantine
 def test_after_hostile_traffic_the_service_is_healthy(client: httpx.Client) -> None:
     """A bounded flood of concurrent malformed and oversized requests: only 4xx, then a
     normal job succeeds and nothing is left reserved."""
@@ -546,6 +552,7 @@ def test_after_hostile_traffic_the_service_is_healthy(client: httpx.Client) -> N
     assert ok.status_code == 200
 
 
+@pytest.mark.quarantine
 def test_parked_sessions_start_a_second_replica_before_anyone_is_refused(
     client: httpx.Client, report: str
 ) -> None:

