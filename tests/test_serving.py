@@ -319,7 +319,6 @@ def test_metrics_are_exported_and_move(client: httpx.Client, report: str) -> Non
         assert metric(client, key[0], **dict(key[1])) >= before[key] + at_least, key
 
 
-@pytest.mark.quarantine
 def test_client_disconnect_cancels_the_job(client: httpx.Client, report: str) -> None:
     margins = metric(client, "wim_margins_total")
     prompt_tokens = metric(client, "vllm:prompt_tokens_total")
@@ -393,7 +392,6 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
-@pytest.mark.quarantine
 def test_engine_process_death_fails_over_and_the_replica_leaves(
     client: httpx.Client, report: str
 ) -> None:
