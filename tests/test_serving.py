@@ -417,7 +417,6 @@ def test_engine_process_death_fails_over_and_the_replica_leaves(
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
-@pytest.mark.quarantine
 def test_scale_down_drains_and_moves_sessions(client: httpx.Client, report: str) -> None:
     """Scale to one replica: running work finishes, sessions of the leaving replica move."""
     documents = [open_document(client, report)]
@@ -497,7 +496,6 @@ def test_a_replica_started_while_calls_run_is_used_within_seconds(
             worker.join(900)
 
 
-@pytest.mark.quarantine
 def test_no_document_text_or_id_reaches_the_logs(client: httpx.Client, report: str) -> None:
     import ray
 
@@ -519,7 +517,6 @@ def test_no_document_text_or_id_reaches_the_logs(client: httpx.Client, report: s
     assert not found, found
 
 
-@pytest.mark.quarantine
 def test_after_hostile_traffic_the_service_is_healthy(client: httpx.Client) -> None:
     """A bounded flood of concurrent malformed and oversized requests: only 4xx, then a
     normal job succeeds and nothing is left reserved."""
