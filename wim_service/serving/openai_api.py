@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from wim_service.assets.default_model import GGUF_FILE
 from wim_service.engine.config import EngineConfig
 from wim_service.serving.api import WiMRequest
-from wim_service.serving.auth import Capability, Tenant
+from wim_service.serving.auth import Tenant
 from wim_service.serving.errors import HTTPFailure, ServiceCode, framework_failure
 from wim_service.serving.openai_models import (
     AssistantMessage,
@@ -68,7 +68,7 @@ from wim_service.serving.openai_models import (
     PromptTokensDetails,
 )
 from wim_service.serving.plain import PlainParams
-from wim_service.serving.responses import Item, first_item, with_late_errors
+from wim_service.serving.responses import Item
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.events import AnswerEvent, DoneEvent, ErrorEvent, MarginEvent, Usage
 from wim_service.wim.options import WiMOptions
@@ -488,13 +488,8 @@ class OpenAIService:
                 "context_length_exceeded",
                 param,
             )
-        tenant.require(Capability.JOBS)
-        router = self.router
-        await router._started()
         params = PlainParams(max_tokens=max_tokens, stop=body.stops)
-        session_id = "plain-" + secrets.token_hex(8)
-        events = router._observed(router.dispatcher.plain(session_id, prompt_ids, params), tenant)
-        return Run(with_late_errors(await first_item(events), events), max_tokens)
+        return Run(await self.router.start_plain(prompt_ids, params, tenant), max_tokens)
 
     # -- answers ----------------------------------------------------------------------------
 

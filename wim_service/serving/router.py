@@ -34,6 +34,7 @@ from wim_service.serving.failover import Dispatcher
 from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.metrics import JobObserver, WiMMetrics
+from wim_service.serving.plain import PlainParams
 from wim_service.serving.replica_client import ReplicaClient, ServeReplicaClient
 from wim_service.serving.responses import (
     Item,
@@ -221,6 +222,17 @@ class WiMRouter:
             tenant,
         )
         return session_id, with_late_errors(await first_item(events), events)
+
+    async def start_plain(
+        self, prompt_ids: list[int], params: PlainParams, tenant: Tenant
+    ) -> AsyncIterator[Item]:
+        """Start one plain completion of `prompt_ids` (no WiM): its events, the first one
+        already produced, with errors before it raised as `HTTPFailure`."""
+        tenant.require(Capability.JOBS)
+        await self._started()
+        session_id = "plain-" + secrets.token_hex(8)
+        events = self._observed(self.dispatcher.plain(session_id, prompt_ids, params), tenant)
+        return with_late_errors(await first_item(events), events)
 
     # -- documents -------------------------------------------------------------------------
 
