@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,10 +34,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import psutil
-import yaml
+from local_service import ROOT, settled, start_service, stop_service, wait_ready, write_config
 from loopback import require_loopback
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCUMENT = (ROOT / "examples" / "harbor_report.txt").read_text()
 QUESTIONS = (
     "What is the access code for the night gate?",
@@ -230,66 +227,6 @@ def growth(samples: list[tuple[float, int]], after: float) -> tuple[int, int, fl
     return int(baseline), int(end), (end - baseline) / baseline
 
 
-# -- the service ---------------------------------------------------------------------------
-
-
-def start_service(port: int, replicas: int, log: Path) -> subprocess.Popen[bytes]:
-    """`wim serve` on the repository's serve config, on `port`, with `replicas` engines."""
-    config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
-    config["http_options"] = {"host": "127.0.0.1", "port": port}
-    for deployment in config["applications"][0]["deployments"]:
-        if deployment["name"] == "EngineReplica":
-            deployment.pop("autoscaling_config", None)
-            deployment["num_replicas"] = replicas
-    path = Path(tempfile.mkdtemp(prefix="wim-soak-")) / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    wim = Path(sys.executable).with_name("wim")
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [str(wim), "serve", "--config", str(path)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stopped as one at the end
-        )
-
-
-def stop_service(process: subprocess.Popen[bytes]) -> None:
-    process.send_signal(signal.SIGINT)  # `serve run` shuts Serve and its Ray down
-    try:
-        process.wait(120)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(30)
-
-
-def wait_ready(client: httpx.Client, replicas: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            response = client.get("/readyz")
-            if response.status_code == 200 and len(response.json()["replicas"]) >= replicas:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise SystemExit(f"the service was not ready within {timeout_s:g} s")
-
-
-def metric(client: httpx.Client, name: str) -> float:
-    lines = client.get("/metrics").text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
-
-
-def settled(client: httpx.Client, timeout_s: float) -> bool:
-    """No session and no reserved KV on any replica within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if metric(client, "wim_sessions_active") == 0 == metric(client, "wim_kv_reserved_blocks"):
-            return True
-        time.sleep(1)
-    return False
-
-
 # -- main ----------------------------------------------------------------------------------
 
 
@@ -325,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         replicas = args.replicas
         log = Path(tempfile.gettempdir()) / f"wim-soak-{args.port}.log"
         print(f"starting the service on 127.0.0.1:{args.port} (log: {log})", flush=True)
-        started = start_service(args.port, args.replicas, log)
+        config = Path(tempfile.mkdtemp(prefix="wim-soak-")) / "serve_config.yaml"
+        write_config(config, args.port, args.replicas)
+        started = start_service(config, log)
         args.url = f"http://127.0.0.1:{args.port}"
     url = require_loopback(args.url)
     port = urlsplit(url).port or 80
