@@ -34,9 +34,11 @@ from loopback import NotLoopbackError, require_loopback
 from workload import (
     DEFAULT_RATE,
     DOCUMENT,
+    MAX_RATE,
     QUERIES_PER_SESSION,
     QUESTION_NAMES,
     QUESTIONS,
+    REFUSALS,
     WEIGHTS,
 )
 
@@ -48,8 +50,6 @@ REQUEST_TIMEOUT_S = 600
 METRICS_EVERY_S = 5
 # The entry type of the time from sending a streamed request to its first margin event.
 TTFM = "TTFM"
-# Refusals the service is designed to give under load, each reported under its own name.
-REFUSALS = {429: "429 overloaded", 503: "503 unavailable"}
 ANSWER_TOKENS = 64  # the OpenAI user's `max_tokens`: WiM's default answer_max_tokens
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,8 @@ def _rate(value: str) -> float:
         rate = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not 0 < rate <= 100:
-        raise argparse.ArgumentTypeError(f"{value} is not a rate in (0, 100] per second")
+    if not 0 < rate <= MAX_RATE:
+        raise argparse.ArgumentTypeError(f"{value} is not a rate in (0, {MAX_RATE}] per second")
     return rate
 
 
@@ -176,7 +176,8 @@ class _MetricsSampler:
     def sample(self) -> None:
         url = require_loopback(self.environment.host).rstrip("/") + "/metrics"
         try:
-            response = requests.get(url, headers=_auth(self.environment), timeout=10)
+            # The router gathers every replica's metrics: slow on a saturated machine.
+            response = requests.get(url, headers=_auth(self.environment), timeout=30)
             response.raise_for_status()
             row = snapshot(response.text)
         except (requests.RequestException, ValueError) as exc:
@@ -253,18 +254,22 @@ class WiMUser(HttpUser):
             raise StopUser() from None
         self.client.headers.update(_auth(self.environment))
 
+    def post(self, path: str, body: dict[str, Any], name: str, stream: bool = False) -> Any:
+        """POST `body` as JSON; the caller decides success (Locust's catch_response)."""
+        return self.client.post(
+            path,
+            json=body,
+            name=name,
+            timeout=REQUEST_TIMEOUT_S,
+            stream=stream,
+            catch_response=True,
+        )
+
     def ask(self, request: dict[str, Any], name: str) -> None:
         """POST /wim streamed. The whole request is one entry; the time to its first margin
         event another (type TTFM). It fails on an error event or without a done event."""
         sent = time.perf_counter()
-        with self.client.post(
-            "/wim",
-            json={**request, "stream": True},
-            name=name,
-            timeout=REQUEST_TIMEOUT_S,
-            stream=True,
-            catch_response=True,
-        ) as response:
+        with self.post("/wim", {**request, "stream": True}, name, stream=True) as response:
             if response.status_code != 200:
                 response.failure(_describe(response))
                 return
@@ -331,12 +336,7 @@ class SessionUser(WiMUser):
         self._close()
 
     def _open(self) -> bool:
-        with self.client.post(
-            "/documents",
-            json={"context": DOCUMENT},
-            timeout=REQUEST_TIMEOUT_S,
-            catch_response=True,
-        ) as response:
+        with self.post("/documents", {"context": DOCUMENT}, "/documents") as response:
             self.document_id = _json(response).get("document_id")
             if self.document_id is None:
                 response.failure(_describe(response))
@@ -375,13 +375,7 @@ class OpenAIUser(WiMUser):
             ],
             "max_tokens": ANSWER_TOKENS,
         }
-        with self.client.post(
-            "/v1/chat/completions",
-            json=body,
-            name=QUESTION_NAMES["OpenAIUser"],
-            timeout=REQUEST_TIMEOUT_S,
-            catch_response=True,
-        ) as response:
+        with self.post("/v1/chat/completions", body, QUESTION_NAMES["OpenAIUser"]) as response:
             if response.status_code != 200:
                 response.failure(_describe(response))
                 return

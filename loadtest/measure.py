@@ -7,8 +7,8 @@ Locust users of locustfile.py at a constant arrival rate for a bounded time, and
 It writes the effective serve config beside the service's log, waits for every replica, runs
 Locust headless (`--csv`, `--html`, the /metrics sampler's CSV) into `--out`, checks that no
 session or reserved KV is left, stops the service and writes `summary.md` there: per request
-name the requests, failures, achieved and offered rates and p50/p95/p99; time to first margin;
-failures by reason; sessions and KV over the run; the commands; load average and `nproc`.
+name the requests, failures, rates sent, answered and offered, and p50/p95/p99; time to first
+margin; failures by reason; sessions and KV over the run; the commands; load average, `nproc`.
 
 Exit status 0 only if every failure was a designed refusal (429, 503) and the service settled.
 Loopback only; at most 30 minutes of load (the locustfile's own cap).
@@ -39,12 +39,12 @@ from local_service import (
     write_config,
 )
 from loopback import require_loopback
-from workload import DEFAULT_RATE, QUESTION_NAMES, WEIGHTS
+from workload import DEFAULT_RATE, MAX_RATE, QUESTION_NAMES, REFUSALS, WEIGHTS
 
 HARD_MAX_MINUTES = 30
 STOP_TIMEOUT_S = 120  # Locust lets running requests finish this long after the run time
 SETTLE_TIMEOUT_S = 120
-DESIGNED = ("429 overloaded", "503 unavailable")  # refusals the service gives by design
+DESIGNED = tuple(REFUSALS.values())
 CSV_PREFIX = "locust"
 
 
@@ -102,29 +102,32 @@ def unexpected_failures(out: Path) -> list[dict[str, str]]:
 
 
 def _requests_table(stats: list[dict[str, str]], run: Run) -> list[str]:
+    """Rates over the load time: every request is sent within it (after it no task starts)."""
     offer = offered(run)
     lines = [
-        "| type | name | requests | failures | req/s achieved | req/s offered "
+        "| type | name | requests | failures | sent/s | answered/s | offered/s "
         "| p50 s | p95 s | p99 s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    sent = answered = 0
     for row in stats:
         if row["Type"] == "TTFM" or row["Name"] == "Aggregated":  # the latter counts TTFM too
             continue
+        count, failures = int(row["Request Count"]), int(row["Failure Count"])
         rate = f"{offer[row['Name']]:.3f}" if row["Name"] in offer else "-"
         lines.append(
-            f"| {row['Type']} | `{row['Name']}` | {row['Request Count']} | "
-            f"{row['Failure Count']} | {float(row['Requests/s']):.3f} | {rate} | "
+            f"| {row['Type']} | `{row['Name']}` | {count} | {failures} | "
+            f"{count / run.seconds:.3f} | {(count - failures) / run.seconds:.3f} | {rate} | "
             f"{as_seconds(row['50%'])} | {as_seconds(row['95%'])} | {as_seconds(row['99%'])} |"
         )
-    asked = [row for row in stats if row["Type"] != "TTFM" and row["Name"] in offer]
-    achieved = sum(float(row["Requests/s"]) for row in asked)
+        if row["Name"] in offer:
+            sent, answered = sent + count, answered + count - failures
     lines += [
         "",
         f"Questions: offered {sum(offer.values()):.3f}/s ({run.users} users x {run.rate:g}/s), "
-        f"achieved {achieved:.3f}/s (Locust's requests/s: requests over the time from the "
-        "start to the last one). Locust is closed-loop: a user asks again only when its answer "
-        "is back, so a saturated service lowers the achieved rate instead of queueing more.",
+        f"sent {sent / run.seconds:.3f}/s, answered {answered / run.seconds:.3f}/s. Locust is "
+        "closed-loop: a user asks again only when its answer is back, so a saturated service "
+        "lowers the rate sent instead of queueing more. Latencies count failed requests too.",
     ]
     return lines
 
@@ -313,8 +316,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--minutes must be in (0, {HARD_MAX_MINUTES}]")
     if args.users <= 0 or args.users % weights:
         parser.error(f"--users must be a positive multiple of {weights}: one user class each")
-    if not 0 < args.rate <= 100:
-        parser.error("--rate must be in (0, 100] per second")
+    if not 0 < args.rate <= MAX_RATE:  # as the locustfile checks it, but before the service starts
+        parser.error(f"--rate must be in (0, {MAX_RATE}] per second")
     if port_taken(args.port):
         parser.error(f"something already listens on 127.0.0.1:{args.port}; pick --port")
     args.out = args.out.resolve()

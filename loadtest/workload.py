@@ -27,3 +27,6 @@ QUESTION_NAMES = {
 }
 WEIGHTS = {"OneShotUser": 1, "SessionUser": 2, "OpenAIUser": 1}
 DEFAULT_RATE = 0.05  # questions per second per user (`--wim-rate`)
+MAX_RATE = 100
+# Refusals the service gives by design under load, each a failure under its own name.
+REFUSALS = {429: "429 overloaded", 503: "503 unavailable"}

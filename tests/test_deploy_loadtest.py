@@ -493,14 +493,20 @@ def test_the_summary_reports_rates_latencies_failures_and_kv(measure: Any) -> No
     assert "ready after 95 s; load for 300 s; `nproc` 2" in summary
     assert "- at the load's start: `load average: 1.10, 0.90, 0.80`" in summary
     # Offered: one user of each weight share x 0.05/s; p50/p95/p99 in seconds.
-    assert "| POST | `/wim one-shot` | 15 | 0 | 0.050 | 0.050 | 9.50 | 16.00 | 16.00 |" in summary
-    assert "| POST | `/wim session` | 27 | 3 | 0.090 | 0.100 | 2.30 | 4.80 | 6.10 |" in summary
-    assert "| POST | `/v1/chat/completions` | 14 | 2 | 0.047 | 0.050 | 9.80 | 15.00 | 15.00 |" in (
-        summary
+    assert (
+        "| POST | `/wim one-shot` | 15 | 0 | 0.050 | 0.050 | 0.050 | 9.50 | 16.00 | 16.00 |"
+        in summary
     )
-    assert "| POST | `/documents` | 8 | 1 | 0.027 | - | 4.10 | 7.10 | 7.10 |" in summary
+    assert (
+        "| POST | `/wim session` | 27 | 3 | 0.090 | 0.080 | 0.100 | 2.30 | 4.80 | 6.10 |" in summary
+    )
+    assert (
+        "| POST | `/v1/chat/completions` | 14 | 2 | 0.047 | 0.040 | 0.050 | 9.80 | 15.00 | 15.00 |"
+        in (summary)
+    )
+    assert "| POST | `/documents` | 8 | 1 | 0.027 | 0.023 | - | 4.10 | 7.10 | 7.10 |" in summary
     assert "Aggregated" not in summary  # Locust's own total counts the TTFM marks as requests
-    assert "offered 0.200/s (4 users x 0.05/s), achieved 0.187/s" in summary
+    assert "offered 0.200/s (4 users x 0.05/s), sent 0.187/s, answered 0.170/s" in summary
     assert "| `/wim one-shot` | 15 | 3.10 | 5.90 | 5.90 |" in summary  # time to first margin
     assert "| `/wim session` | 24 | 0.90 | 1.90 | 2.10 |" in summary
     assert "| POST | `/documents` | 429 overloaded | 1 | yes |" in summary
@@ -567,3 +573,34 @@ def test_measure_help() -> None:
     )
     assert result.returncode == 0
     assert "--replicas {1,2}" in result.stdout
+
+
+def test_measure_runs_locust_into_its_folder_and_summarizes(
+    measure: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """measure.py's whole run, with a stub in place of the service it would start."""
+    with serve(StubService) as (url, served):
+        monkeypatch.setattr(measure, "port_taken", lambda port: False)
+        monkeypatch.setattr(
+            measure, "start_service", lambda config, log: subprocess.Popen(["sleep", "60"])
+        )
+        monkeypatch.setattr(measure, "wait_ready", lambda client, replicas, timeout_s: None)
+        monkeypatch.setattr(measure, "SETTLE_TIMEOUT_S", 1)
+        port = url.rsplit(":", 1)[1]
+        options = ["--out", str(tmp_path), "--port", port, "--minutes", "0.1", "--rate", "1"]
+        status = measure.main(["--replicas", "2", *options])
+    assert status == 1  # the stub's gauges keep 3 sessions: not settled
+    for name in ("locust_stats.csv", "locust_failures.csv", "report.html", "metrics.csv"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    serve_config = yaml.safe_load((tmp_path / "serve_config.yaml").read_text())
+    assert serve_config["http_options"]["port"] == int(port)
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# Load test: 2 engine replicas, 4 users at 1 questions/s each")
+    assert "| POST | `/wim session` |" in summary
+    assert "| `/wim one-shot` |" in summary.split("## Time to first margin")[1]
+    assert "## Failures by reason\n\nNone." in summary
+    assert "| `wim_kv_reserved_blocks` | 42 | 42 |" in summary
+    assert "(no session, no reserved KV): **no**" in summary
+    assert f"--host http://127.0.0.1:{port} --users 4 --spawn-rate 4 --run-time 6s" in summary
+    assert "before the service started: `" in summary and "load average" in summary
+    assert "GET /metrics" in served.requests
