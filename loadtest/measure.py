@@ -353,7 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         bound_s = args.minutes * 60 + STOP_TIMEOUT_S + 120
         status = run_locust(command, args.out / "locust.log", bound_s)
         loads["at the load's end"] = output("uptime")
-        quiet = settled(probe, SETTLE_TIMEOUT_S)
+        try:
+            quiet = settled(probe, SETTLE_TIMEOUT_S)
+        except httpx.HTTPError as exc:  # a service that died under load has not settled
+            print(f"/metrics unreadable after the load: {exc!r}", flush=True)
+            quiet = False
     finally:
         print("stopping the service", flush=True)
         stop_service(service)
