@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.live_stack import LiveStack
 from tests.redis_server import RedisServer, redis_binary
 from wim_service.assets.default_model import default_model_dir
 from wim_service.engine.config import EngineConfig
@@ -63,11 +64,34 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def live_stack() -> Iterator[LiveStack]:
+    """Local Ray Serve on 127.0.0.1:8765 for every real-stack test (`tests/live_stack.py`)."""
+    stack = LiveStack()
+    yield stack
+    stack.shutdown()
+
+
+def _live_app(item: pytest.Item) -> str | None:
+    """The application a real-stack test deploys (its module's `LIVE_APP`), else None."""
+    if "live_stack" not in getattr(item, "fixturenames", ()):
+        return None
+    return item.module.LIVE_APP.name  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave out tests marked `quarantine` (written, never yet seen passing on this machine)
+    """Run the real-stack tests last, those of one application one after another (each switch
+    of application restarts the engines), in the shuffled order otherwise.
+
+    Leave out tests marked `quarantine` (written, never yet seen passing on this machine)
     unless WIM_RUN_QUARANTINED=1; they are reported as deselected, never silently skipped."""
     import os
 
+    first_seen: dict[str | None, int] = {}
+    for item in items:
+        first_seen.setdefault(_live_app(item), len(first_seen))
+    items.sort(key=lambda item: (_live_app(item) is not None, first_seen[_live_app(item)]))
     if os.environ.get("WIM_RUN_QUARANTINED") == "1":
         return
     kept = [item for item in items if item.get_closest_marker("quarantine") is None]

@@ -1,6 +1,6 @@
-"""Hostile input, schema fuzzing and a flood on the real stack: local Ray Serve on port 8767, one
-real vLLM engine replica, API keys for three tenants (from `WIM_API_KEYS` in the application's
-runtime env, as a Kubernetes Secret would set it).
+"""Hostile input, schema fuzzing and a flood on the real stack (`tests/live_stack.py`: local Ray
+Serve, real vLLM engine replicas, API keys for three tenants from `WIM_API_KEYS` in the
+application's runtime env, as a Kubernetes Secret would set it).
 
 Every refusal must be a 4xx JSON `{code, message}` whose status is the one `serving/errors.py`
 gives its code, without traceback text and with an `X-Request-ID`; the service must stay
@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import http.client
 import json
-import os
 import secrets
 import time
 from collections import Counter
@@ -25,112 +24,47 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_serving import ENGINE, OPTIONS, QUERY, metric, wait_for
+from tests.live_stack import (
+    BASE,
+    MAIN,
+    OPTIONS,
+    PORT,
+    QUERY,
+    ROUTER,
+    LiveStack,
+    auth,
+    open_client,
+    ready_replicas,
+    settled,
+    wait_for,
+)
 from wim_service.serving.errors import STATUS, ServiceCode
 from wim_service.wim.errors import ErrorCode
 
-# The first test also waits for the engine to start (minutes on a busy 2-core machine).
+# The first test also waits for the engines to start (minutes on a busy 2-core machine).
 pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800)]
 
-PORT = 8767
-BASE = f"http://127.0.0.1:{PORT}"
-# alpha: every capability, limits high enough that only the engine's capacity refuses work.
-# beta: small documents only, no document session of its own. gamma: one-shot jobs only.
-API_KEYS = {name: f"sk-{name}-test" for name in ("alpha", "beta", "gamma")}
-TENANTS = {
-    "alpha": {"concurrent_jobs": 100, "requests_per_minute": 100_000, "open_documents": 16},
-    "beta": {"document_bytes": 50_000, "open_documents": 0, "requests_per_minute": 100_000},
-    "gamma": {"requests_per_minute": 100_000},
-}
-ALLOW = {"gamma": ["jobs"]}
-MAX_BODY = 2**20
-MAX_DOCUMENT_CHARS = 200_000
-ROUTER = {
-    "load_poll_interval_s": 1.0,
-    "replica_wait_s": 240,
-    "max_body_bytes": MAX_BODY,
-    "max_document_chars": MAX_DOCUMENT_CHARS,
-}
+LIVE_APP = MAIN
+MAX_BODY = ROUTER["max_body_bytes"]
+MAX_DOCUMENT_CHARS = ROUTER["max_document_chars"]
 SHORT = "The night gate of the harbour opens with the access code 4417. The day gate has none."
 # Words that betray a traceback or an internal object in a response body.
 LEAKS = ("Traceback", 'File "', "RayTaskError", "site-packages", "Exception:", "wim_service.")
 
 
-def auth(tenant: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {API_KEYS[tenant]}"} if tenant else {}
-
-
-def keys_json() -> str:
-    """`WIM_API_KEYS`: every tenant's key, hashed as the service expects."""
-    from wim_service.serving.auth import hash_key
-
-    tenants = {
-        name: {"keys": [hash_key(key)], "limits": TENANTS[name]}
-        | ({"allow": ALLOW[name]} if name in ALLOW else {})
-        for name, key in API_KEYS.items()
-    }
-    return json.dumps({"tenants": tenants})
-
-
-def deploy() -> None:
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    config = {
-        "http_options": {"host": "127.0.0.1", "port": PORT},
-        "applications": [
-            {
-                "name": "wim",
-                "route_prefix": "/",
-                "import_path": "wim_service.serving.app:build_app",
-                "args": {"engine": ENGINE, "router": ROUTER},
-                "runtime_env": {"env_vars": {"WIM_API_KEYS": keys_json()}},
-                "deployments": [{"name": "EngineReplica", "num_replicas": 1}],
-            }
-        ],
-    }
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
-
-
-def quiet(client: httpx.Client) -> bool:
-    """The replica reports (its gauges are there) no session and no KV reservation."""
-    text = client.get("/metrics").text
-    return (
-        "wim_kv_reserved_blocks{" in text
-        and metric(client, "wim_sessions_active") == 0
-        and metric(client, "wim_kv_reserved_blocks") == 0
-    )
-
-
-@pytest.fixture(scope="module")
-def service() -> Iterator[httpx.Client]:
-    os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
-    # Ray kills actors when the *machine* passes 95% memory; on a shared machine other
-    # processes' memory would kill this service's controller and proxy mid-test.
-    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112
-    import ray
-    from ray import serve
-
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    deploy()
-    client = httpx.Client(base_url=BASE, timeout=600, headers=auth("alpha"))
-    wait_for(lambda: client.get("/readyz").status_code == 200, "a ready engine replica")
-    yield client
-    client.close()
-    serve.shutdown()
-    ray.shutdown()
-
-
 @pytest.fixture
-def client(service: httpx.Client) -> httpx.Client:
-    wait_for(lambda: quiet(service), "no session or reservation left over", timeout=120)
-    return service
+def client(live_stack: LiveStack) -> Iterator[httpx.Client]:
+    """The engines up (whichever count an earlier test left), nothing left over."""
+    live_stack.deploy(MAIN, engines=2)
+    with open_client() as service:
+        wait_for(lambda: ready_replicas(service), "a ready engine replica")
+        wait_for(lambda: settled(service), "no session or reservation left over", timeout=120)
+        yield service
 
 
 def assert_recovered(client: httpx.Client) -> None:
     """Nothing left reserved, and the engine still answers a normal job."""
-    wait_for(lambda: quiet(client), "no session and no reserved KV", timeout=120)
+    wait_for(lambda: settled(client), "no session and no reserved KV", timeout=120)
     assert client.get("/healthz").status_code == 200
     response = client.post("/wim", json={"context": SHORT, "query": QUERY})
     assert response.status_code == 200, response.text
@@ -548,7 +482,7 @@ FLOOD_CLIENT_DEADLINE_S = 45
 
 
 def test_a_flood_beyond_capacity_gets_only_2xx_429_503(client: httpx.Client, report: str) -> None:
-    """60 concurrent one-shot jobs on the report (one replica holds 4 sessions): each is
+    """60 concurrent one-shot jobs on the report (a replica holds 4 sessions): each is
     answered, refused for capacity (429) or for waiting too long (503), or given up by its
     client; nothing else, and nothing stays reserved."""
 

@@ -4,7 +4,7 @@ the same document session. Screenshots go to test-artifacts/ (desktop 1280x800, 
 
 The fast tests serve the real router and app over scripted fake replicas (tests/fake_service.py,
 with an API key configured). `test_page_on_the_real_service` runs the flow against Ray Serve
-with a real engine replica (marker `serving`).
+with real engine replicas (`tests/live_stack.py`, marker `serving`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,17 @@ import httpx
 import pytest
 
 from tests.fake_service import API_KEY, LiveService, scripted_job
+from tests.live_stack import (
+    API_KEYS,
+    BASE,
+    MAIN,
+    LiveStack,
+    metric,
+    open_client,
+    ready_replicas,
+    settled,
+    wait_for,
+)
 from wim_service.wim.options import WiMOptions
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -275,66 +286,23 @@ def test_a_pdf_upload_fills_in_its_text(page_at, service: LiveService, tmp_path:
 
 # -- the real stack -------------------------------------------------------------------------
 
-REAL_PORT = 8766
-REAL_ENGINE = {
-    "dtype": "bfloat16",
-    "max_model_len": 4096,
-    "kv_cache_gib": 0.25,
-    "block_size": 32,
-    "max_num_seqs": 16,
-    "max_sessions": 4,
-    "admission_timeout_s": 5,
-}
+LIVE_APP = MAIN
 
 
-@pytest.fixture(scope="module")
-def served_base_url() -> Iterator[str]:
-    """Ray Serve on 127.0.0.1:8766 with one real engine replica (open mode: loopback)."""
-    os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
-    import ray
-    from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    base_url = f"http://127.0.0.1:{REAL_PORT}"
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": REAL_PORT})
-        config = {
-            "http_options": {"host": "127.0.0.1", "port": REAL_PORT},
-            "applications": [
-                {
-                    "name": "wim",
-                    "route_prefix": "/",
-                    "import_path": "wim_service.serving.app:build_app",
-                    "args": {"engine": REAL_ENGINE, "router": {"load_poll_interval_s": 1.0}},
-                    "deployments": [{"name": "EngineReplica", "num_replicas": 1}],
-                }
-            ],
-        }
-        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base_url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("the service did not become ready")
-        yield base_url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+@pytest.fixture
+def served_base_url(live_stack: LiveStack) -> str:
+    """The real stack (`tests/live_stack.py`): Ray Serve with real engine replicas."""
+    live_stack.deploy(MAIN, engines=2)
+    with open_client() as client:
+        wait_for(lambda: ready_replicas(client), "a ready engine replica")
+        wait_for(lambda: settled(client), "no session or reservation left over", timeout=120)
+    return BASE
 
 
 def kv_usage(base_url: str) -> float:
-    """The engine replica's KV cache usage (0..1) as its vLLM metrics report it."""
-    for line in metrics_lines(base_url):
-        if line.startswith("vllm:kv_cache_usage_perc{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no vllm:kv_cache_usage_perc in /metrics")
+    """The engine replicas' KV cache usage (summed, 0..1 each) as their vLLM metrics say."""
+    with open_client() as client:
+        return metric(client, "vllm:kv_cache_usage_perc")
 
 
 @pytest.mark.serving
@@ -342,7 +310,7 @@ def kv_usage(base_url: str) -> float:
 @pytest.mark.timeout(1800)
 def test_page_on_the_real_service(page_at, served_base_url: str, document_file) -> None:
     page = page_at(served_base_url)
-    read_document(page, document_file, key=None, timeout_ms=300_000)
+    read_document(page, document_file, key=API_KEYS["alpha"], timeout_ms=300_000)
     segments = int(page.locator("#progress").evaluate("p => p.max"))
     ask(page, QUESTION)
     wait_for_answer(page, timeout_ms=300_000)
@@ -368,7 +336,9 @@ def test_page_on_the_real_service(page_at, served_base_url: str, document_file) 
     # The OpenAI API on the same service: WiM over a long prompt, a plain short one.
     import openai
 
-    client = openai.OpenAI(base_url=served_base_url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(
+        base_url=served_base_url + "/v1", api_key=API_KEYS["alpha"], max_retries=0
+    )
     model = client.models.list().data[0].id
     wim = client.chat.completions.create(
         model=model,

@@ -8,147 +8,53 @@ seen, metrics moved), not on clocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.live_stack import (
+    BASE,
+    MAIN,
+    OPTIONS,
+    QUERY,
+    LiveStack,
+    auth,
+    metric,
+    open_client,
+    parse_sse,
+    ready_replicas,
+    settled,
+    wait_for,
+)
+
 # Real engines start and move in minutes on a busy 2-core machine.
 pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800)]
 
-PORT = 8765
-BASE = f"http://127.0.0.1:{PORT}"
-QUERY = "What is the access code for the night gate?"
-ENGINE = {
-    "dtype": "bfloat16",
-    "max_model_len": 4096,
-    # Room for two of the test's document sessions per replica: after scale-down the survivor
-    # must take the leaving replica's session too.
-    "kv_cache_gib": 0.5,
-    "block_size": 32,
-    "max_num_seqs": 32,
-    # Two engines on two cores: one core each.
-    "cpu_threads_bind": "rank",
-    "max_sessions": 4,
-    "admission_timeout_s": 2,
-}
-ROUTER = {"session_ttl_s": 600, "load_poll_interval_s": 1.0, "replica_wait_s": 240}
-OPTIONS = {"segment_tokens": 192, "margin_max_tokens": 16, "answer_max_tokens": 16}
+LIVE_APP = MAIN
 MARKER = "Zebulon Quartermaine hid the brass key under the ninth flagstone."
-_deployed = {"replicas": 0}
-
-
-def deploy(replicas: int, autoscaling: dict | None = None) -> None:
-    """Deploy the app as `serve deploy` would: from a config, so that changing only
-    `num_replicas` later is a lightweight update (the router, with its sessions, stays).
-    With `autoscaling`, `replicas` is the autoscaler's minimum."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    engine: dict[str, Any] = {"name": "EngineReplica"}
-    if autoscaling is None:
-        engine["num_replicas"] = replicas
-    else:
-        engine["autoscaling_config"] = {"min_replicas": replicas, **autoscaling}
-    config = {
-        "http_options": {"host": "127.0.0.1", "port": PORT},
-        "applications": [
-            {
-                "name": "wim",
-                "route_prefix": "/",
-                "import_path": "wim_service.serving.app:build_app",
-                "args": {"engine": ENGINE, "router": ROUTER},
-                "deployments": [engine],
-            }
-        ],
-    }
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
-    _deployed["replicas"] = replicas if autoscaling is None else -1
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 600) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = condition()
-        except httpx.TransportError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}")
-
-
-def ready_replicas(client: httpx.Client) -> list[str]:
-    response = client.get("/readyz")
-    return response.json()["replicas"] if response.status_code == 200 else []
-
-
-def metric(client: httpx.Client, name: str, **labels: str) -> float:
-    """Sum of a metric's samples matching `labels` in GET /metrics."""
-    total = 0.0
-    for line in client.get("/metrics").text.splitlines():
-        if not line.startswith((name + "{", name + " ")):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def settled(client: httpx.Client) -> bool:
-    """No session and no KV reservation on any replica (as the routers' last poll saw)."""
-    return (
-        metric(client, "wim_sessions_active") == 0 and metric(client, "wim_kv_reserved_blocks") == 0
-    )
-
-
-@pytest.fixture(scope="module")
-def service() -> Iterator[httpx.Client]:
-    os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
-    import ray
-    from ray import serve
-
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    deploy(2)
-    client = httpx.Client(base_url=BASE, timeout=600)
-    yield client
-    client.close()
-    serve.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture
-def client(service: httpx.Client) -> httpx.Client:
+def client(live_stack: LiveStack) -> Iterator[httpx.Client]:
     """Two ready replicas, nothing left over from an earlier test."""
-    if _deployed["replicas"] != 2:
-        deploy(2)
-    wait_for(lambda: len(ready_replicas(service)) == 2, "two ready engine replicas")
-    wait_for(lambda: settled(service), "no session or reservation left over", timeout=120)
-    return service
+    live_stack.deploy(MAIN, engines=2)
+    with open_client() as service:
+        wait_for(lambda: len(ready_replicas(service)) == 2, "two ready engine replicas")
+        wait_for(lambda: settled(service), "no session or reservation left over", timeout=120)
+        yield service
 
 
 def open_document(client: httpx.Client, text: str) -> dict:
     response = client.post("/documents", json={"context": text, "options": OPTIONS})
     assert response.status_code == 201, response.text
     return response.json()
-
-
-def parse_sse(text: str) -> list[tuple[str, dict]]:
-    """Events of a whole SSE body (split only at blank lines, whatever the chunking was)."""
-    events = []
-    for frame in text.split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in frame.splitlines() if ": " in line)
-        if "event" in fields:
-            events.append((fields["event"], json.loads(fields["data"])))
-    return events
 
 
 class Stream:
@@ -163,7 +69,7 @@ class Stream:
 
     def _run(self, body: dict) -> None:
         with (
-            httpx.Client(base_url=BASE, timeout=900) as c,
+            httpx.Client(base_url=BASE, timeout=900, headers=auth()) as c,
             c.stream("POST", "/wim", json={**body, "stream": True}) as response,
         ):
             self.status = response.status_code
@@ -417,7 +323,9 @@ def test_engine_process_death_fails_over_and_the_replica_leaves(
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
-def test_scale_down_drains_and_moves_sessions(client: httpx.Client, report: str) -> None:
+def test_scale_down_drains_and_moves_sessions(
+    live_stack: LiveStack, client: httpx.Client, report: str
+) -> None:
     """Scale to one replica: running work finishes, sessions of the leaving replica move."""
     documents = [open_document(client, report)]
     while len({d["replica"] for d in documents}) < 2:  # a session on each replica
@@ -436,7 +344,7 @@ def test_scale_down_drains_and_moves_sessions(client: httpx.Client, report: str)
 
     watcher = threading.Thread(target=watch_draining)
     watcher.start()
-    deploy(1)
+    live_stack.deploy(MAIN, engines=1)
     results = [stream.join() for stream in streams]
     watcher.join(60)
     assert [s.status for s in streams] == [200] * len(streams)
@@ -460,18 +368,18 @@ def test_scale_down_drains_and_moves_sessions(client: httpx.Client, report: str)
 
 @pytest.mark.quarantine
 def test_a_replica_started_while_calls_run_is_used_within_seconds(
-    client: httpx.Client, report: str
+    live_stack: LiveStack, client: httpx.Client, report: str
 ) -> None:
     """Scale 1 -> 2 while jobs run: the new replica reports its load within seconds of Serve
     marking it running (it once stayed unreachable for minutes)."""
     from ray import serve
 
-    deploy(1)
+    live_stack.deploy(MAIN, engines=1)
     wait_for(lambda: len(ready_replicas(client)) == 1, "one replica")
     stop = threading.Event()
 
     def keep_busy() -> None:
-        with httpx.Client(base_url=BASE, timeout=600) as c:
+        with httpx.Client(base_url=BASE, timeout=600, headers=auth()) as c:
             while not stop.is_set():
                 c.post("/wim", json={"context": report, "query": QUERY, "options": OPTIONS})
 
@@ -479,7 +387,7 @@ def test_a_replica_started_while_calls_run_is_used_within_seconds(
     for worker in workers:
         worker.start()
     try:
-        deploy(2)
+        live_stack.deploy(MAIN, engines=2)
 
         def serve_running() -> bool:
             app = serve.status().applications["wim"]
@@ -530,7 +438,7 @@ def test_after_hostile_traffic_the_service_is_healthy(client: httpx.Client) -> N
             b'{"context": "x", "query": "q", "options": {"margin_max_tokens": 0}}',
             b'{"context": "x", "query": "q", "options": {"stop_token_ids": [99999999]}}',
         ]
-        async with httpx.AsyncClient(base_url=BASE, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=BASE, timeout=120, headers=auth()) as c:
             calls = [
                 c.post(
                     "/wim",
@@ -550,26 +458,14 @@ def test_after_hostile_traffic_the_service_is_healthy(client: httpx.Client) -> N
 
 @pytest.mark.quarantine
 def test_parked_sessions_start_a_second_replica_before_anyone_is_refused(
-    client: httpx.Client, report: str
+    live_stack: LiveStack, client: httpx.Client, report: str
 ) -> None:
     """Autoscaling on reserved KV: sessions that hold KV with no request running fill one
     replica; the autoscaler adds a second before a new session would be refused."""
-    deploy(
-        1,
-        {
-            "max_replicas": 2,
-            "target_ongoing_requests": 100,  # requests alone would never scale up
-            "upscale_delay_s": 1,
-            "downscale_delay_s": 600,
-            "metrics_interval_s": 1,
-            "look_back_period_s": 2,
-            "policy": {
-                "policy_function": "wim_service.serving.autoscaling:KVAwarePolicy",
-                "policy_kwargs": {"target_kv_fraction": 0.5},
-            },
-        },
-    )
-    wait_for(lambda: len(ready_replicas(client)) == 1, "the autoscaler's one replica", 300)
+    live_stack.deploy(MAIN, engines=1)
+    wait_for(lambda: len(ready_replicas(client)) == 1, "one replica", 300)
+    # Now free to add one; only the KV that parked sessions hold can make it do so.
+    live_stack.deploy(MAIN, engines=1, max_engines=2)
     documents = []
     try:
         while len(ready_replicas(client)) < 2:

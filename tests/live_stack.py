@@ -1,0 +1,228 @@
+"""The real stack for end-to-end tests: one local Ray cluster running Ray Serve on 127.0.0.1:8765
+for the whole test session, on which each test module deploys the application it needs.
+
+Ray Serve restarts every replica of an application when its `args` or `runtime_env` change
+(they are the application's code version), and nothing when only a deployment's replica count
+changes. So the test modules share as few applications as possible: `MAIN` (one router with
+the in-process session store and three tenants' API keys) serves `test_serving.py`,
+`test_hostile.py` and the page's real-stack test; `TWO_ROUTERS` (two routers over Redis) serves
+`test_serving_store.py`. A module names its application in `LIVE_APP`, and `tests/conftest.py`
+runs the tests of each application one after another, so engines start once per application.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+PORT = 8765
+BASE = f"http://127.0.0.1:{PORT}"
+QUERY = "What is the access code for the night gate?"
+OPTIONS = {"segment_tokens": 192, "margin_max_tokens": 16, "answer_max_tokens": 16}
+ENGINE = {
+    "dtype": "bfloat16",
+    "max_model_len": 4096,
+    # Room for two of the tests' document sessions per replica: after scale-down the survivor
+    # must take the leaving replica's session too.
+    "kv_cache_gib": 0.5,
+    "block_size": 32,
+    "max_num_seqs": 32,
+    # Two engines on two cores: one core each.
+    "cpu_threads_bind": "rank",
+    "max_sessions": 4,
+    "admission_timeout_s": 2,
+}
+ROUTER = {
+    "session_ttl_s": 600,
+    "load_poll_interval_s": 1.0,
+    "replica_wait_s": 240,
+    "max_body_bytes": 2**20,
+    "max_document_chars": 200_000,
+}
+# alpha: every capability, limits high enough that only the engines' capacity refuses work.
+# beta: small documents only, no document session of its own. gamma: one-shot jobs only.
+API_KEYS = {name: f"sk-{name}-test" for name in ("alpha", "beta", "gamma")}
+TENANTS: dict[str, dict[str, Any]] = {
+    "alpha": {"concurrent_jobs": 100, "requests_per_minute": 100_000, "open_documents": 16},
+    "beta": {"document_bytes": 50_000, "open_documents": 0, "requests_per_minute": 100_000},
+    "gamma": {"requests_per_minute": 100_000},
+}
+ALLOW = {"gamma": ["jobs"]}
+# Engines scale on reserved KV as well as requests (wim_service/serving/autoscaling.py); the
+# request target is out of reach, so only parked sessions' KV starts a replica.
+AUTOSCALING = {
+    "target_ongoing_requests": 100,
+    "upscale_delay_s": 1,
+    "downscale_delay_s": 600,
+    "metrics_interval_s": 1,
+    "look_back_period_s": 2,
+    "policy": {
+        "policy_function": "wim_service.serving.autoscaling:KVAwarePolicy",
+        "policy_kwargs": {"target_kv_fraction": 0.5},
+    },
+}
+
+
+def auth(tenant: str | None = "alpha") -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEYS[tenant]}"} if tenant else {}
+
+
+def keys_json() -> str:
+    """`WIM_API_KEYS` (as a Kubernetes Secret would set it): every tenant's key, hashed."""
+    from wim_service.serving.auth import hash_key
+
+    tenants = {
+        name: {"keys": [hash_key(key)], "limits": TENANTS[name]}
+        | ({"allow": ALLOW[name]} if name in ALLOW else {})
+        for name, key in API_KEYS.items()
+    }
+    return json.dumps({"tenants": tenants})
+
+
+@dataclass(frozen=True)
+class LiveApp:
+    """One application config: what changes its code version (router args, environment)."""
+
+    name: str
+    router: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+    routers: int = 1
+
+
+MAIN = LiveApp("main", ROUTER)
+TWO_ROUTERS = LiveApp(
+    "two-routers",
+    {**ROUTER, "store": {"backend": "redis", "key_prefix": "wim-e2e:", "timeout_s": 1.0}},
+    routers=2,
+)
+
+
+def open_client(tenant: str | None = "alpha", timeout: float = 600) -> httpx.Client:
+    return httpx.Client(base_url=BASE, timeout=timeout, headers=auth(tenant))
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = 600) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = condition()
+        except httpx.TransportError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def ready_replicas(client: httpx.Client) -> list[str]:
+    response = client.get("/readyz")
+    return response.json()["replicas"] if response.status_code == 200 else []
+
+
+def metric(client: httpx.Client, name: str, **labels: str) -> float:
+    """Sum of a metric's samples matching `labels` in GET /metrics."""
+    total = 0.0
+    for line in client.get("/metrics").text.splitlines():
+        if not line.startswith((name + "{", name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def settled(client: httpx.Client) -> bool:
+    """The replicas report (their gauges are there) no session and no KV reservation."""
+    text = client.get("/metrics").text
+    return (
+        "wim_kv_reserved_blocks{" in text
+        and metric(client, "wim_sessions_active") == 0
+        and metric(client, "wim_kv_reserved_blocks") == 0
+    )
+
+
+def parse_sse(text: str) -> list[tuple[str, dict]]:
+    """Events of a whole SSE body (split only at blank lines, whatever the chunking was)."""
+    events = []
+    for frame in text.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in frame.splitlines() if ": " in line)
+        if "event" in fields:
+            events.append((fields["event"], json.loads(fields["data"])))
+    return events
+
+
+class LiveStack:
+    """Ray and Ray Serve, started once; `deploy` puts an application on them."""
+
+    def __init__(self) -> None:
+        os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
+        # Ray kills actors when the *machine* passes 95% memory; on a shared machine other
+        # processes' memory would kill the controller and proxy mid-test.
+        os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112
+        import ray
+        from ray import serve
+
+        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        self.deployed: tuple[Any, ...] | None = None
+
+    def deploy(
+        self,
+        app: LiveApp,
+        engines: int,
+        max_engines: int | None = None,
+        router_actor_options: dict[str, Any] | None = None,
+        redis_url: str | None = None,
+    ) -> None:
+        """Deploy `app` as `serve deploy` would, unless it is what runs already, with `engines`
+        engine replicas (up to `max_engines` by the KV-aware autoscaler). Engines always run
+        under the same autoscaling policy, so that changing their count is a lightweight
+        update (the router and its sessions stay); a policy change would restart them all."""
+        from ray.serve.context import _get_global_client
+        from ray.serve.schema import ServeDeploySchema
+
+        wanted = (app, engines, max_engines, redis_url, json.dumps(router_actor_options))
+        if wanted == self.deployed:
+            return
+        engine = {
+            "name": "EngineReplica",
+            "autoscaling_config": {
+                "min_replicas": engines,
+                "max_replicas": max_engines or engines,
+                **AUTOSCALING,
+            },
+        }
+        router: dict[str, Any] = {"name": "WiMRouter", "num_replicas": app.routers}
+        if router_actor_options is not None:
+            router["ray_actor_options"] = router_actor_options
+        env = {"WIM_API_KEYS": keys_json(), **app.env}
+        if redis_url is not None:
+            env["WIM_REDIS_URL"] = redis_url
+        config = {
+            "http_options": {"host": "127.0.0.1", "port": PORT},
+            "applications": [
+                {
+                    "name": "wim",
+                    "route_prefix": "/",
+                    "import_path": "wim_service.serving.app:build_app",
+                    "args": {"engine": ENGINE, "router": app.router},
+                    "runtime_env": {"env_vars": env},
+                    "deployments": [router, engine],
+                }
+            ],
+        }
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+        self.deployed = wanted
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
