@@ -79,7 +79,7 @@ def redis_url() -> Iterator[str]:
         return
     binary = shutil.which("redis-server")
     if binary is None:
-        raise SystemExit("wim bench --store: set WIM_REDIS_URL or install redis-server")
+        raise SystemExit("wim bench: set WIM_REDIS_URL or install redis-server")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
