@@ -99,7 +99,7 @@ def screenshot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / name), full_page=False)
 
 
-def read_document(page, path: Path, *, key: str | None = API_KEY, timeout_ms: int = 10_000):
+def read_document(page, path: Path, *, key: str | None = API_KEY, timeout_ms: int = 60_000):
     if key is not None:
         page.get_by_text("API key", exact=True).click()
         page.get_by_label("API key, sent as").fill(key)
@@ -115,7 +115,7 @@ def ask(page, question: str) -> None:
     page.get_by_label("Question", exact=True).press("Enter")
 
 
-def wait_for_answer(page, timeout_ms: int = 10_000) -> None:
+def wait_for_answer(page, timeout_ms: int = 60_000) -> None:
     expect(page.locator("#stats")).to_contain_text("Prompt tokens", timeout=timeout_ms)
 
 
@@ -168,10 +168,12 @@ def test_read_ask_cancel_and_ask_again(page_at, service: LiveService, document_f
     service.client.delay_s = 0.5
     try:
         ask(page, "What did the harbour police do?")
-        expect(page.locator("#margins > li")).to_have_count(1, timeout=10_000)
+        expect(page.locator("#margins > li")).not_to_have_count(0, timeout=60_000)
         page.get_by_role("button", name="Cancel").click()
         expect(page.locator("#progress-text")).to_contain_text("Cancelled")
         assert service.wait_for(lambda: service.replica.cancelled == cancelled + 1)
+        # It stopped early: fewer margins than the job has segments.
+        assert page.locator("#margins > li").count() < len(margins)
     finally:
         service.client.delay_s = 0.03
     status_499 = 'wim_requests_total{status="499"}'
@@ -351,3 +353,8 @@ def test_page_on_the_real_service(page_at, served_base_url: str, document_file) 
         model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8
     )
     assert plain.choices[0].message.content and plain.usage.completion_tokens <= 8
+
+    # Close: the document session ends on the service, its KV reservation with it.
+    page.get_by_role("button", name="Close document").click()
+    with open_client() as service:
+        wait_for(lambda: settled(service), "the closed session's KV returned", timeout=120)
