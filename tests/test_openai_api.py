@@ -19,6 +19,7 @@ from tests.fake_service import (
     scripted_job,
 )
 from wim_service.serving.api import MAX_QUERY_CHARS
+from wim_service.serving.contracts import ReplicaLoad
 from wim_service.serving.openai_api import Turn, chat_prompt_ids, document_and_query
 from wim_service.wim.options import WiMOptions
 
@@ -252,11 +253,18 @@ def test_errors_come_in_openai_shape(client: openai.OpenAI, service: LiveService
     }
 
 
+def load_of_a(service: LiveService) -> ReplicaLoad:
+    """Replica a's load as the router last saw it; a poll that timed out on a loaded machine
+    leaves it out of the table until the next poll (then: no capacity, no room)."""
+    no_report = ReplicaLoad(replica="a", capacity_blocks=0, reserved_blocks=0, sessions=0)
+    return service.router.fleet.table.loads.get("a", no_report)
+
+
 def test_full_replicas_answer_429_with_retry_after(service: LiveService) -> None:
     client = openai.OpenAI(base_url=service.base_url + "/v1", api_key=API_KEY, max_retries=0)
     service.replica.capacity = 1
     try:
-        assert service.wait_for(lambda: service.router.fleet.table.loads["a"].capacity_blocks == 1)
+        assert service.wait_for(lambda: load_of_a(service).capacity_blocks == 1)
         with pytest.raises(openai.RateLimitError) as full:
             client.chat.completions.create(
                 model=MODEL,
@@ -267,7 +275,7 @@ def test_full_replicas_answer_429_with_retry_after(service: LiveService) -> None
             )
     finally:
         service.replica.capacity = 100_000
-        assert service.wait_for(lambda: service.router.fleet.table.loads["a"].room_blocks > 1)
+        assert service.wait_for(lambda: load_of_a(service).room_blocks > 1)
     assert full.value.code == "overloaded"
     assert int(full.value.response.headers["Retry-After"]) >= 1
 

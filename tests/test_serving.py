@@ -176,12 +176,15 @@ def test_bad_input_gets_clear_errors(client: httpx.Client) -> None:
     assert again.status_code == 200, again.text
 
 
-def test_a_full_service_answers_429_then_recovers(client: httpx.Client, report: str) -> None:
+def test_a_full_service_answers_429_then_recovers(client: httpx.Client, short_report: str) -> None:
     rejected = metric(client, "wim_session_binding_total", result="rejected")
     opened, refused = [], None
     try:
-        for _ in range(12):  # 2 replicas x max_sessions 4 at most, KV may fill first
-            response = client.post("/documents", json={"context": report, "options": OPTIONS})
+        # 2 replicas x max_sessions 4 at most; short documents: the session slots fill first
+        # (each open prefills its document, minutes for the whole report on 2 busy cores).
+        for _ in range(12):
+            body = {"context": short_report, "options": OPTIONS}
+            response = client.post("/documents", json=body)
             if response.status_code != 201:
                 refused = response
                 break
@@ -196,7 +199,8 @@ def test_a_full_service_answers_429_then_recovers(client: httpx.Client, report: 
         for document_id in opened:
             assert client.delete(f"/documents/{document_id}").status_code == 204
     wait_for(lambda: settled(client), "the freed reservations in the next load poll", 60)
-    after = client.post("/wim", json={"context": report, "query": QUERY, "options": OPTIONS})
+    body = {"context": short_report, "query": QUERY, "options": OPTIONS}
+    after = client.post("/wim", json=body)
     assert after.status_code == 200, after.text
 
 

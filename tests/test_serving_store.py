@@ -39,8 +39,10 @@ LIVE_APP = TWO_ROUTERS
 def routers_running() -> int:
     from ray import serve
 
-    status = serve.status().applications["wim"].deployments["WiMRouter"]
-    return status.replica_states.get("RUNNING", 0)
+    # While the application is (re)deployed, Serve's status may not list the router yet.
+    app = serve.status().applications.get("wim")
+    router = app.deployments.get("WiMRouter") if app else None
+    return router.replica_states.get("RUNNING", 0) if router else 0
 
 
 def ready(client: httpx.Client) -> bool:
