@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from wim_service.serving.autoscaling import KV_RESERVED_FRACTION, KVAwarePolicy
+from wim_service.serving.autoscaling import KV_RESERVED_FRACTION, SESSION_FRACTION, KVAwarePolicy
 
 
 @dataclass
@@ -24,11 +24,12 @@ class Context:
     total_num_requests: float
     kv: dict[str, float] = field(default_factory=dict)
     target_num_replicas: int = 1
+    slots: dict[str, float] = field(default_factory=dict)
     config: Config = field(default_factory=Config)
 
     @property
     def aggregated_metrics(self) -> dict[str, Any]:
-        return {KV_RESERVED_FRACTION: self.kv}
+        return {KV_RESERVED_FRACTION: self.kv, SESSION_FRACTION: self.slots}
 
 
 def test_parked_sessions_scale_up_with_no_request_running() -> None:
@@ -36,6 +37,15 @@ def test_parked_sessions_scale_up_with_no_request_running() -> None:
     desired, _ = policy(Context(1, 0, {"a": 0.9}))
     assert desired == pytest.approx(1.5)  # Serve rounds up: a second replica
     assert policy(Context(2, 0, {"a": 0.3, "b": 0.2}))[0] < 1  # half empty: may shrink
+
+
+def test_full_session_slots_scale_up_with_kv_to_spare() -> None:
+    """Three of four session slots taken with little KV reserved: the next sessions would be
+    refused for slots, so that replica counts as 75% full."""
+    policy = KVAwarePolicy(target_kv_fraction=0.5)
+    assert policy(Context(1, 0, {"a": 0.2}, slots={"a": 0.75}))[0] == pytest.approx(1.5)
+    assert policy(Context(1, 0, {"a": 0.6}, slots={"a": 0.25}))[0] == pytest.approx(1.2)
+    assert policy(Context(2, 0, {"a": 0.1, "b": 0.0}, slots={"a": 0.25, "b": 0.0}))[0] < 1
 
 
 def test_requests_still_count() -> None:

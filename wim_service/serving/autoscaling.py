@@ -2,9 +2,11 @@
 
 A parked document session holds KV while no request runs, so Serve's request-count policy
 alone would see an idle service while every replica's KV is committed and new sessions get
-429. Each `EngineReplica` reports the share of its KV that is reserved
-(`record_autoscaling_stats`); this policy asks for as many replicas as the requests *or* the
-reserved KV need, whichever is more. Serve applies min/max replicas and the up/down delays.
+429. Each `EngineReplica` reports the share of its KV that is reserved and the share of its
+session slots (`max_sessions`) in use (`record_autoscaling_stats`): a replica is as full as the
+fuller of the two, since either refuses the next session. This policy asks for as many
+replicas as the requests *or* that fullness need, whichever is more. Serve applies min/max
+replicas and the up/down delays.
 
 Ray Serve pickles this module by value into its controller: it imports nothing of ours.
 """
@@ -13,15 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
-# The custom metric each EngineReplica reports: reserved KV blocks / its KV capacity.
+# The custom metrics each EngineReplica reports: reserved KV blocks / its KV capacity, and
+# sessions admitted / its max_sessions.
 KV_RESERVED_FRACTION = "kv_reserved_fraction"
+SESSION_FRACTION = "session_fraction"
 
 
 class KVAwarePolicy:
     """`autoscaling_config.policy.policy_function` for EngineReplica.
 
-    `target_kv_fraction`: the reserved share of each replica's KV to aim for; above it a
-    replica is added (before the KV is full and sessions are refused).
+    `target_kv_fraction`: the share of each replica's KV (or of its session slots, whichever
+    is fuller) to aim for; above it a replica is added (before sessions are refused).
     """
 
     def __init__(self, target_kv_fraction: float = 0.6) -> None:
@@ -34,10 +38,13 @@ class KVAwarePolicy:
         if current == 0:
             return ctx.target_num_replicas, {}
         by_requests = ctx.total_num_requests / ctx.config.get_target_ongoing_requests()
-        fractions = (ctx.aggregated_metrics or {}).get(KV_RESERVED_FRACTION, {})
-        # In replicas' worth of KV: 1.0 is one replica full.
-        by_kv = sum(fractions.values()) / self.target_kv_fraction
-        desired = max(by_requests, by_kv)
+        metrics = ctx.aggregated_metrics or {}
+        kv = metrics.get(KV_RESERVED_FRACTION, {})
+        slots = metrics.get(SESSION_FRACTION, {})
+        full = [max(kv.get(r, 0.0), slots.get(r, 0.0)) for r in kv.keys() | slots.keys()]
+        # In replicas' worth of fullness: 1.0 is one replica full.
+        by_fill = sum(full) / self.target_kv_fraction
+        desired = max(by_requests, by_fill)
         if desired < current and ctx.total_num_requests > 0:
             # Scale down only while no request runs: the sessions of the leaving replica are
             # then idle and move on their next query, none is cut short mid-answer.

@@ -178,12 +178,13 @@ class EngineReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (`serving/autoscaling.py`): how full this
-        replica's KV is with reservations, parked document sessions included."""
-        from wim_service.serving.autoscaling import KV_RESERVED_FRACTION
+        replica's KV and session slots are, parked document sessions included."""
+        from wim_service.serving.autoscaling import KV_RESERVED_FRACTION, SESSION_FRACTION
 
         admission = self.backend.load()
         return {
             KV_RESERVED_FRACTION: admission.reserved_blocks / max(1, admission.capacity_blocks),
+            SESSION_FRACTION: admission.sessions / max(1, self.config.max_sessions),
             "documents": float(len(self.documents)),
         }
 
