@@ -71,3 +71,19 @@ def test_a_replica_without_a_free_session_slot_takes_no_new_session() -> None:
     assert table.place("s", 5) == "b"
     with pytest.raises(NoCapacity):
         table.place("t", 50)
+
+
+def test_a_replica_routed_to_but_not_yet_reported_still_holds_its_sessions() -> None:
+    """Router B polls a replica that router A bound a session to; until B's first load
+    report arrives the session must not be moved off it."""
+    table = BindingTable()
+    table.update_replicas({"a", "b"}, [load("a", 0)])  # b's poll timed out
+    assert table.is_live("b") and table.is_live("a")
+    table.update_replicas({"a"}, [load("a", 0)])  # b left Serve's routing set
+    assert not table.is_live("b")
+    table.update_replicas({"a", "b"}, [load("a", 0), load("b", 0, healthy=False)])
+    assert not table.is_live("b")  # reported, and not healthy
+    # Placement still needs a report: an unreported replica takes no new session.
+    fresh = BindingTable()
+    fresh.update_replicas({"a", "b"}, [load("a", 90)])
+    assert fresh.place("s", 10) == "a"

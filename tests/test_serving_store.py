@@ -152,7 +152,8 @@ def test_a_router_redeploy_keeps_every_session(
         TWO_ROUTERS,
         engines=2,
         redis_url=redis_server.url,
-        router_actor_options={"num_cpus": 0.001},
+        # Not a CPU: the two engines hold both of the cluster's CPUs.
+        router_actor_options={"num_cpus": 0, "memory": 2**20},
     )
     wait_for(
         lambda: (

@@ -36,10 +36,13 @@ class BindingTable:
 
     bindings: dict[str, str] = field(default_factory=dict)
     loads: dict[str, ReplicaLoad] = field(default_factory=dict)
+    # The replicas Serve routes to, as of the last poll (with a load report or not).
+    live: frozenset[str] = frozenset()
 
     def update_replicas(self, live: set[str] | frozenset[str], loads: list[ReplicaLoad]) -> None:
         """Take fresh loads; a live replica that missed this poll keeps its last report (a
         busy replica is not a gone one), a replica no longer live is dropped."""
+        self.live = frozenset(live)
         fresh = {load.replica: load for load in loads}
         self.loads = {
             replica: fresh.get(replica) or self.loads[replica]
@@ -51,8 +54,11 @@ class BindingTable:
         return self.bindings.get(session)
 
     def is_live(self, replica: str) -> bool:
+        """Whether `replica` still holds its sessions: reported healthy, or routed to by Serve
+        and not reported at all yet (just started, or its first poll timed out; another router
+        may already have bound sessions to it). Only a report or a failed call condemns it."""
         load = self.loads.get(replica)
-        return load is not None and load.healthy
+        return load.healthy if load is not None else replica in self.live
 
     def place(
         self, session: str | None, needed_blocks: int, *, exclude: set[str] | None = None
