@@ -263,6 +263,9 @@ def load_of_a(service: LiveService) -> ReplicaLoad:
 def test_full_replicas_answer_429_with_retry_after(service: LiveService) -> None:
     client = openai.OpenAI(base_url=service.base_url + "/v1", api_key=API_KEY, max_retries=0)
     service.replica.capacity = 1
+    # The router polls loads in the background once anything asked for them (this test may
+    # run first in its module).
+    assert httpx.get(service.base_url + "/readyz").status_code == 200
     try:
         assert service.wait_for(lambda: load_of_a(service).capacity_blocks == 1)
         with pytest.raises(openai.RateLimitError) as full:

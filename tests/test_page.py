@@ -308,7 +308,6 @@ def kv_usage(base_url: str) -> float:
 
 
 @pytest.mark.serving
-@pytest.mark.quarantine
 @pytest.mark.timeout(1800)
 def test_page_on_the_real_service(page_at, served_base_url: str, document_file) -> None:
     page = page_at(served_base_url)

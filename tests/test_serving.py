@@ -370,7 +370,6 @@ def test_scale_down_drains_and_moves_sessions(
         client.delete(f"/documents/{document['document_id']}")
 
 
-@pytest.mark.quarantine
 def test_a_replica_started_while_calls_run_is_used_within_seconds(
     live_stack: LiveStack, client: httpx.Client, report: str
 ) -> None:

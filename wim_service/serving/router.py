@@ -272,6 +272,8 @@ class WiMRouter:
     # -- health and metrics ----------------------------------------------------------------
 
     async def ready_replicas(self) -> list[str]:
+        # Readiness probes come first: from here on the loads are polled in the background.
+        await self._started()
         await self.fleet.refresh_loads()
         return self.fleet.ready()
 
