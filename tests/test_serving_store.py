@@ -37,16 +37,18 @@ LIVE_APP = TWO_ROUTERS
 
 
 def routers_running() -> int:
+    """Router replicas running, 0 while the application is still being (re)deployed: during a
+    rolling update the old routers still run, and Serve's proxy may send a request to one
+    that is stopping (it answers 500 after 20 s)."""
     from ray import serve
 
-    # While the application is (re)deployed, Serve's status may not list the router yet.
     app = serve.status().applications.get("wim")
-    router = app.deployments.get("WiMRouter") if app else None
+    router = app.deployments.get("WiMRouter") if app and app.status == "RUNNING" else None
     return router.replica_states.get("RUNNING", 0) if router else 0
 
 
 def ready(client: httpx.Client) -> bool:
-    return len(ready_replicas(client)) == 2 and routers_running() == 2
+    return routers_running() == 2 and len(ready_replicas(client)) == 2
 
 
 @pytest.fixture
