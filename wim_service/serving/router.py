@@ -104,10 +104,14 @@ class WiMRouter:
 
     # -- background: loads, TTL ------------------------------------------------------------
 
-    async def _started(self) -> None:
-        """Start the maintenance loop, and learn the replicas before the first placement."""
+    def _start_background(self) -> None:
+        """Start the maintenance loop (loads, TTL, claims) unless it runs."""
         if self._background is None or self._background.done():
             self._background = asyncio.get_running_loop().create_task(self._maintain())
+
+    async def _started(self) -> None:
+        """Start the maintenance loop, and learn the replicas before the first placement."""
+        self._start_background()
         if not self.fleet.table.loads:
             await self.fleet.refresh_loads()
 
@@ -273,7 +277,7 @@ class WiMRouter:
 
     async def ready_replicas(self) -> list[str]:
         # Readiness probes come first: from here on the loads are polled in the background.
-        await self._started()
+        self._start_background()
         await self.fleet.refresh_loads()
         return self.fleet.ready()
 
