@@ -329,3 +329,28 @@ def test_cross_field_rule_still_applies() -> None:
     args = _parser().parse_args(["--max-sessions", "100", "--max-num-seqs", "128"])
     with pytest.raises(ValueError, match="max_num_seqs must be at least 2 x max_sessions"):
         EngineConfig.from_cli_args(args)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "flags", "expected"),
+    [
+        ("auto", {"avx2", "fma"}, "float32"),  # bfloat16 would be emulated
+        ("auto", {"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+        ("auto", {"avx2", "amx_tile", "amx_bf16"}, "bfloat16"),
+        ("bfloat16", {"avx2"}, "bfloat16"),  # an explicit choice stays
+        ("float32", {"amx_bf16"}, "float32"),
+    ],
+)
+def test_auto_dtype_follows_the_cpu(dtype: str, flags: set[str], expected: str) -> None:
+    config = EngineConfig.model_validate({"dtype": dtype})
+    assert config.cpu_dtype(frozenset(flags)) == expected
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
+    from wim_service.engine.config import cpu_flags
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16\nbugs\t\t: spectre\n")
+    assert cpu_flags(cpuinfo) == {"fpu", "avx2", "amx_bf16"}
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+    assert EngineConfig().dtype == "auto"

@@ -48,7 +48,7 @@ class BenchSettings:
     def header(self, command: str) -> None:
         print(
             f"{command}: {self.context.name} x{self.repeat}, segments of ~{self.segment_tokens} "
-            f"tokens, dtype {self.engine.dtype}",
+            f"tokens, dtype {self.engine.dtype_label()}",
             flush=True,
         )
 

@@ -160,7 +160,8 @@ async def _run(args: argparse.Namespace) -> int:
         "wim_options": options.model_dump(mode="json"),
         "rag": {"chunk_tokens": settings.rag_chunk_tokens, "top_k": settings.rag_top_k},
     }
-    paths = write_report(records, args.out, run_config, title=f"wim eval: {model}, {config.dtype}")
+    title = f"wim eval: {model}, {config.dtype_label()}"
+    paths = write_report(records, args.out, run_config, title=title)
     print(paths["markdown"].read_text())
     for name, path in paths.items():
         print(f"{name}: {path}")

@@ -53,7 +53,7 @@ class HFBackend:
 
         return cls(
             config.model or default_model_dir(),
-            dtype=config.dtype,
+            dtype=config.cpu_dtype(),
             max_model_len=config.max_model_len,
             block_size=config.block_size,
         )

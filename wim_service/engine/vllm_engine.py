@@ -173,12 +173,14 @@ class VLLMBackend:
         force_offline()
         configure_process_env(config, rank)
         from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         model = config.model or str(default_model_dir())
         args = AsyncEngineArgs(
             model=model,
-            dtype=config.dtype,
+            # On a GPU, vLLM's "auto" (the model's dtype) stays.
+            dtype=config.cpu_dtype() if current_platform.is_cpu() else config.dtype,
             max_model_len=config.max_model_len,
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
