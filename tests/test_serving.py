@@ -108,9 +108,8 @@ def test_document_session_is_pinned_and_reuses_its_kv(client: httpx.Client, repo
     )
     replicas = set()
     for query in (QUERY, "Who replaced Margaret Oyelaran?", "How many boats are registered?"):
-        response = client.post(
-            "/wim", json={"document_id": document["document_id"], "query": query}
-        )
+        asked = {"document_id": document["document_id"], "query": query, "options": OPTIONS}
+        response = client.post("/wim", json=asked)
         assert response.status_code == 200, response.text
         body = response.json()
         replicas.add(body["replica"])
@@ -277,13 +276,7 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     document = open_document(client, report)
     failovers = metric(client, "wim_session_failover_total", reason="replica_lost")
     reprefilled = metric(client, "wim_reprefill_tokens_total")
-    stream = Stream(
-        {
-            "document_id": document["document_id"],
-            "query": QUERY,
-            "options": {"margin_max_tokens": 48, "answer_max_tokens": 48},
-        }
-    )
+    stream = Stream({"document_id": document["document_id"], "query": QUERY, "options": OPTIONS})
     stream.wait_for_event("margin")  # the query is running on the pinned replica
     ray.kill(_replica_actor(document["replica"]), no_restart=True)
     events = stream.join()
@@ -297,7 +290,8 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     assert metric(client, "wim_session_failover_total", reason="replica_lost") > failovers
     assert metric(client, "wim_reprefill_tokens_total") >= reprefilled + document["context_tokens"]
     # The session now lives on the new replica and is served from its pinned KV there.
-    again = client.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
+    body = {"document_id": document["document_id"], "query": QUERY, "options": OPTIONS}
+    again = client.post("/wim", json=body)
     assert again.status_code == 200 and again.json()["replica"] == done["replica"]
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
 
@@ -309,7 +303,7 @@ def test_engine_process_death_fails_over_and_the_replica_leaves(
     the other replica, the session moves, and the dead replica stops taking work."""
     document = open_document(client, report)
     dead = document["replica"]
-    stream = Stream({"document_id": document["document_id"], "query": QUERY})
+    stream = Stream({"document_id": document["document_id"], "query": QUERY, "options": OPTIONS})
     stream.wait_for_event("margin")
     os.kill(_engine_core_pid(dead), signal.SIGKILL)
     events = stream.join()
@@ -319,7 +313,7 @@ def test_engine_process_death_fails_over_and_the_replica_leaves(
     # A new one-shot job goes to a live engine, and the session answers from its new home.
     for body in (
         {"context": report, "query": QUERY, "options": OPTIONS},
-        {"document_id": document["document_id"], "query": QUERY},
+        {"document_id": document["document_id"], "query": QUERY, "options": OPTIONS},
     ):
         response = client.post("/wim", json=body)
         assert response.status_code == 200, response.text
@@ -335,7 +329,10 @@ def test_scale_down_drains_and_moves_sessions(
     while len({d["replica"] for d in documents}) < 2:  # a session on each replica
         documents.append(open_document(client, report))
     moved = metric(client, "wim_session_failover_total", reason="replica_left")
-    streams = [Stream({"document_id": d["document_id"], "query": QUERY}) for d in documents]
+    streams = [
+        Stream({"document_id": d["document_id"], "query": QUERY, "options": OPTIONS})
+        for d in documents
+    ]
     for stream in streams:
         stream.wait_for_event("margin")
     draining_seen = threading.Event()
@@ -360,9 +357,8 @@ def test_scale_down_drains_and_moves_sessions(
     # Every session still answers, now from the surviving replica; those of the leaving one
     # were moved (counted as replica_left).
     for document in documents:
-        response = client.post(
-            "/wim", json={"document_id": document["document_id"], "query": QUERY}
-        )
+        body = {"document_id": document["document_id"], "query": QUERY, "options": OPTIONS}
+        response = client.post("/wim", json=body)
         assert response.status_code == 200, response.text
         assert response.json()["replica"] == survivor
     assert metric(client, "wim_session_failover_total", reason="replica_left") > moved
@@ -371,7 +367,7 @@ def test_scale_down_drains_and_moves_sessions(
 
 
 def test_a_replica_started_while_calls_run_is_used_within_seconds(
-    live_stack: LiveStack, client: httpx.Client, report: str
+    live_stack: LiveStack, client: httpx.Client, short_report: str
 ) -> None:
     """Scale 1 -> 2 while jobs run: the new replica reports its load within seconds of Serve
     marking it running (it once stayed unreachable for minutes)."""
@@ -384,7 +380,8 @@ def test_a_replica_started_while_calls_run_is_used_within_seconds(
     def keep_busy() -> None:
         with httpx.Client(base_url=BASE, timeout=600, headers=auth()) as c:
             while not stop.is_set():
-                c.post("/wim", json={"context": report, "query": QUERY, "options": OPTIONS})
+                body = {"context": short_report, "query": QUERY, "options": OPTIONS}
+                c.post("/wim", json=body)
 
     workers = [threading.Thread(target=keep_busy) for _ in range(2)]
     for worker in workers:
@@ -412,8 +409,9 @@ def test_no_document_text_or_id_reaches_the_logs(client: httpx.Client, report: s
 
     text = report.replace("Section 2.", MARKER + " Section 2.")
     document = open_document(client, text)
+    query = "Where is the brass key?"
     response = client.post(
-        "/wim", json={"document_id": document["document_id"], "query": "Where is the brass key?"}
+        "/wim", json={"document_id": document["document_id"], "query": query, "options": OPTIONS}
     )
     assert response.status_code == 200
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204

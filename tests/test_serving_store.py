@@ -58,10 +58,14 @@ def service(live_stack: LiveStack, redis_server: RedisServer) -> Iterator[httpx.
         yield client
 
 
-def open_document(client: httpx.Client, report: str) -> tuple[dict, str]:
-    response = client.post("/documents", json={"context": report, "options": OPTIONS})
+def open_document(client: httpx.Client, text: str) -> tuple[dict, str]:
+    response = client.post("/documents", json={"context": text, "options": OPTIONS})
     assert response.status_code == 201, response.text
     return response.json(), response.headers["X-WiM-Router"]
+
+
+def query_body(document_id: str) -> dict[str, Any]:
+    return {"document_id": document_id, "query": QUERY, "options": OPTIONS}
 
 
 def ask_until_router(
@@ -69,7 +73,7 @@ def ask_until_router(
 ) -> httpx.Response:
     """Query until a router that `wanted(router)` accepts answers (the proxy picks)."""
     for _ in range(tries):
-        response = client.post("/wim", json={"document_id": document_id, "query": QUERY})
+        response = client.post("/wim", json=query_body(document_id))
         assert response.status_code == 200, response.text
         if wanted(response.headers["X-WiM-Router"]):
             return response
@@ -89,9 +93,9 @@ def _router_actor(name: str):
 
 
 def test_a_session_opened_through_one_router_is_served_by_another(
-    service: httpx.Client, report: str
+    service: httpx.Client, short_report: str
 ) -> None:
-    document, opener = open_document(service, report)
+    document, opener = open_document(service, short_report)
     response = ask_until_router(service, document["document_id"], lambda r: r != opener)
     body = response.json()
     assert body["replica"] == document["replica"] and from_pinned_kv(body, document)
@@ -103,15 +107,15 @@ def test_a_session_opened_through_one_router_is_served_by_another(
         assert gone.status_code == 404
 
 
-def test_a_killed_router_loses_no_session(service: httpx.Client, report: str) -> None:
+def test_a_killed_router_loses_no_session(service: httpx.Client, short_report: str) -> None:
     import ray
 
-    document, _ = open_document(service, report)
+    document, _ = open_document(service, short_report)
     # A stream through some router; then that router dies mid-stream.
     result: dict[str, Any] = {}
 
     def stream() -> None:
-        body = {"document_id": document["document_id"], "query": QUERY, "stream": True}
+        body = {**query_body(document["document_id"]), "stream": True}
         text = ""
         try:
             with httpx.stream(
@@ -134,7 +138,7 @@ def test_a_killed_router_loses_no_session(service: httpx.Client, report: str) ->
     # The stream that was on the killed router ends without `done` (a clear failure)...
     assert "done" not in kinds or "error" in result
     # ... and the client's retry is answered from the pinned session by a live router.
-    retry = service.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
+    retry = service.post("/wim", json=query_body(document["document_id"]))
     assert retry.status_code == 200, retry.text
     assert retry.headers["X-WiM-Router"] != result["router"]
     assert from_pinned_kv(retry.json(), document)
@@ -143,9 +147,9 @@ def test_a_killed_router_loses_no_session(service: httpx.Client, report: str) ->
 
 
 def test_a_router_redeploy_keeps_every_session(
-    live_stack: LiveStack, service: httpx.Client, report: str, redis_server: RedisServer
+    live_stack: LiveStack, service: httpx.Client, short_report: str, redis_server: RedisServer
 ) -> None:
-    documents = [open_document(service, report)[0] for _ in range(2)]
+    documents = [open_document(service, short_report)[0] for _ in range(2)]
     before = {r for r in (service.get("/healthz").headers["X-WiM-Router"] for _ in range(8))}
     # New router replicas, the engines untouched (a change of the application's args would
     # restart them too).
@@ -165,9 +169,7 @@ def test_a_router_redeploy_keeps_every_session(
         600,
     )
     for document in documents:
-        response = service.post(
-            "/wim", json={"document_id": document["document_id"], "query": QUERY}
-        )
+        response = service.post("/wim", json=query_body(document["document_id"]))
         assert response.status_code == 200, response.text
         assert response.json()["replica"] == document["replica"]
         assert from_pinned_kv(response.json(), document)
@@ -176,16 +178,14 @@ def test_a_router_redeploy_keeps_every_session(
 
 @pytest.mark.quarantine
 def test_redis_down_answers_503_and_recovers(
-    service: httpx.Client, report: str, redis_server: RedisServer
+    service: httpx.Client, short_report: str, redis_server: RedisServer
 ) -> None:
-    document, _ = open_document(service, report)
+    document, _ = open_document(service, short_report)
     redis_server.pause()
     try:
         for call in (
-            lambda: service.post(
-                "/wim", json={"document_id": document["document_id"], "query": QUERY}
-            ),
-            lambda: service.post("/documents", json={"context": report, "options": OPTIONS}),
+            lambda: service.post("/wim", json=query_body(document["document_id"])),
+            lambda: service.post("/documents", json={"context": short_report, "options": OPTIONS}),
         ):
             response = call()
             assert response.status_code == 503, response.text
@@ -193,7 +193,7 @@ def test_redis_down_answers_503_and_recovers(
             assert int(response.headers["Retry-After"]) >= 1
     finally:
         redis_server.resume()
-    response = service.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
+    response = service.post("/wim", json=query_body(document["document_id"]))
     assert response.status_code == 200, response.text
     assert service.delete(f"/documents/{document['document_id']}").status_code == 204
     # Nothing the refused requests started is left reserved on the engines.
