@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,7 @@ from wim_service.serving.failover import StreamProgress
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.replica_client import ReplicaLost
 from wim_service.serving.router import WiMRouter
+from wim_service.serving.store import StoredSession
 from wim_service.wim.events import (
     AnswerEvent,
     DoneEvent,
@@ -205,6 +207,15 @@ def test_a_query_may_not_change_options_fixed_at_upload() -> None:
         "/wim", json={**same, "options": {"segment_tokens": 256, "answer_max_tokens": 8}}
     )
     assert fine.status_code == 200, fine.text
+    # Every option that would change is named, and the client is told what to do instead.
+    both = client.post(
+        "/wim", json={**same, "options": {"segment_tokens": 128, "prompts": {"system": "Hi."}}}
+    )
+    assert both.status_code == 422
+    assert both.json()["message"] == (
+        "segment_tokens, prompts.system were fixed when the document was read; "
+        "upload the document again to change them"
+    )
 
 
 def test_full_replicas_answer_429_and_no_replica_503() -> None:
@@ -230,7 +241,8 @@ def test_sessions_go_to_the_replica_with_most_room() -> None:
 
 def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() -> None:
     a, b = FakeReplica("a"), FakeReplica("b", capacity=1_000)
-    client, router = make_service(a, b)
+    # No load poll during the test: only the failover itself may take `a` out of placement.
+    client, router = make_service(a, b, load_poll_interval_s=3600)
     document = client.post("/documents", json={"context": DOCUMENT}).json()
     assert document["replica"] == "a"
     a.die_after = 4  # two segments and two margins streamed, then the actor dies
@@ -253,6 +265,57 @@ def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() ->
     assert metric(client, "wim_reprefill_tokens_total") == len(DOCUMENT) // 4
     again = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
     assert again.json()["replica"] == "b"
+    # The lost replica takes no new session: the next one goes to b without trying a first.
+    assert client.post("/documents", json={"context": DOCUMENT}).json()["replica"] == "b"
+    assert metric(client, "wim_session_failover_total", reason="replica_lost") == 1
+
+
+def moves(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "wim_service.serving.failover"]
+
+
+def test_a_session_whose_replica_left_is_rebuilt_before_its_query(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    client, router = make_service(a, b, load_poll_interval_s=3600)
+    document_id = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
+    a.dead = True
+    asyncio.run(router.fleet.refresh_loads())  # Serve no longer routes to a
+    caplog.set_level(logging.INFO, logger="wim_service.serving.failover")
+    answer = client.post("/wim", json={"document_id": document_id, "query": "q"})
+    assert answer.status_code == 200 and answer.json()["replica"] == "b"
+    assert [c for c in b.calls if c not in ("load", "claim")] == [
+        "open_document",
+        "query_document",
+    ]
+    moved = asyncio.run(router.documents.get(document_id))
+    assert moved is not None and moved.replica == "b"
+    assert metric(client, "wim_session_failover_total", reason="replica_left") == 1
+    assert metric(client, "wim_session_failover_total", reason="replica_lost") == 0
+    assert metric(client, "wim_session_binding_total", result="repin") == 1
+    assert metric(client, "wim_session_binding_total", result="hit") == 0
+    assert metric(client, "wim_reprefill_tokens_total") == len(DOCUMENT) // 4
+    # The move is logged with its replicas and reason, never with the document's id.
+    assert moves(caplog) == ["a document session moved a -> b (replica_left)"]
+    assert document_id not in caplog.text
+
+
+def test_a_session_bound_to_no_replica_is_read_on_its_first_query(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client, router = make_service(FakeReplica("a"), load_poll_interval_s=3600)
+    # Stored unbound (as another router's store may hold it): no replica was lost.
+    unbound = StoredSession("doc-unbound", WiMOptions(), ttl_s=600.0)
+    asyncio.run(router.documents.add(unbound, DOCUMENT))
+    caplog.set_level(logging.INFO, logger="wim_service.serving.failover")
+    answer = client.post("/wim", json={"document_id": "doc-unbound", "query": "q"})
+    assert answer.status_code == 200 and answer.json()["replica"] == "a"
+    bound = asyncio.run(router.documents.get("doc-unbound"))
+    assert bound is not None and bound.replica == "a"
+    assert metric(client, "wim_session_failover_total") == 0
+    assert metric(client, "wim_session_binding_total", result="repin") == 1
+    assert moves(caplog) == ["a document session moved None -> a (session_lost)"]
 
 
 def test_a_replica_that_forgot_the_session_gets_it_rebuilt() -> None:
@@ -278,6 +341,63 @@ def test_one_shot_job_fails_over_and_gives_up_after_max_failovers() -> None:
     failing, _ = make_service(c, d, max_failovers=1)
     response = failing.post("/wim", json={"context": DOCUMENT, "query": "q"})
     assert response.status_code in (502, 503)  # both lost: no replica left to place on
+
+
+class ScriptedClient(FakeClient):
+    """Streams `events` for every job instead of a whole one."""
+
+    def __init__(self, events: list[WiMEvent], *replicas: FakeReplica) -> None:
+        super().__init__(*replicas)
+        self.events = events
+
+    async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
+        for event in self.events:
+            yield event.model_copy()
+
+
+def scripted(*events: WiMEvent) -> TestClient:
+    client = ScriptedClient(list(events), FakeReplica("a"))
+    router = WiMRouter(
+        None, {"router": {"replica_wait_s": 0}}, client=client, http_host="127.0.0.1"
+    )
+    return TestClient(build_http_app(router))
+
+
+def test_a_job_failing_after_its_first_event_answers_with_the_errors_status() -> None:
+    first = job_events()[0]
+    overloaded = ErrorEvent(code="overloaded", message="KV ran out", retry_after_s=2.5)
+    response = scripted(first, overloaded).post("/wim", json={"context": DOCUMENT, "query": "q"})
+    assert response.status_code == 429
+    assert response.json() == {"code": "overloaded", "message": "KV ran out"}
+    assert response.headers["Retry-After"] == "3"
+    ended = scripted(first, job_events()[1]).post("/wim", json={"context": DOCUMENT, "query": "q"})
+    assert ended.status_code == 502
+    assert ended.json() == {"code": "engine_error", "message": "the job ended without an answer"}
+
+
+def test_the_answer_names_the_notes_the_final_prompt_held_and_dropped() -> None:
+    done = job_events()[-1]
+    assert isinstance(done, DoneEvent)
+    done.notes, done.notes_dropped = [1, 2], [0]
+    client = scripted(*job_events()[:-1], done)
+    body = client.post("/wim", json={"context": DOCUMENT, "query": "q"}).json()
+    assert (body["notes"], body["notes_dropped"]) == ([1, 2], [0])
+
+
+def test_a_streamed_answer_is_uncached_server_sent_events() -> None:
+    client, _ = make_service(FakeReplica("a"))
+    document_id = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
+    body = {"document_id": document_id, "query": "q", "stream": True}
+    with client.stream("POST", "/wim", json=body) as response:
+        text = "".join(response.iter_text())
+    assert response.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+    assert response.headers["Cache-Control"] == "no-store"
+    assert response.headers["X-Accel-Buffering"] == "no"  # nginx passes each event on at once
+    events = [(k, json.loads(d)) for k, d in re.findall(r"event: (\w+)\ndata: (.*)\n\n", text)]
+    assert [k for k, _ in events] == [e.type for e in job_events()]
+    assert all("type" not in data for _, data in events)  # the event name says it
+    _, done = events[-1]
+    assert (done["session_id"], done["replica"]) == (document_id, "a")
 
 
 def test_stream_progress_trims_what_an_earlier_attempt_sent() -> None:
