@@ -5,17 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica, job_events, metric
-from wim_service.serving.auth import ApiKeys, KeysConfig, check_open_mode, hash_key
+from wim_service.serving.auth import (
+    KEYS_ENV,
+    KEYS_FILE_ENV,
+    ApiKeys,
+    KeysConfig,
+    check_open_mode,
+    hash_key,
+)
+from wim_service.serving.documents import DocumentTable
+from wim_service.serving.errors import HTTPFailure
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.replica_client import ReplicaLost
 from wim_service.serving.router import WiMRouter
+from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable
+from wim_service.wim.options import WiMOptions
 
 KEYS = KeysConfig.model_validate(
     {
@@ -128,6 +142,19 @@ def test_open_mode_only_on_loopback_unless_opted_out() -> None:
         KeysConfig.model_validate({"tenants": {"t": {"keys": ["plain-text-key"]}}})
 
 
+def test_keys_come_from_a_mounted_file_or_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(KEYS.model_dump_json())
+    # The mounted Secret wins over the variable.
+    from_file = ApiKeys.from_env({KEYS_FILE_ENV: str(path), KEYS_ENV: "not json"})
+    assert from_file.tenant("Bearer acme-key").name == "acme"
+    from_env = ApiKeys.from_env({KEYS_ENV: KEYS.model_dump_json()})
+    assert from_env.tenant("Bearer globex-key").name == "globex"
+    with pytest.raises(HTTPFailure, match="unknown API key"):
+        from_env.tenant("Bearer nope")
+    assert ApiKeys.from_env({}).open and not from_env.open
+
+
 def test_bodies_over_the_limit_are_refused_before_they_are_read() -> None:
     client, _ = service(keys=None, max_body_bytes=4096)
     declared = client.post(
@@ -146,19 +173,33 @@ def test_bodies_over_the_limit_are_refused_before_they_are_read() -> None:
     assert "X-Request-ID" in chunked.headers
 
 
-def test_a_request_id_comes_back_and_internal_errors_say_nothing_more() -> None:
+def test_a_request_id_comes_back_and_internal_errors_say_nothing_more(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     client, router = service(keys=None)
     ok = client.get("/healthz", headers={"X-Request-ID": "client-123"})
     assert ok.headers["X-Request-ID"] == "client-123"
 
+    bug = RuntimeError("secret internals /etc/passwd")
+
     async def broken(*_: Any, **__: Any) -> Any:
-        raise RuntimeError("secret internals /etc/passwd")
+        raise bug
 
     router.create_document = broken  # type: ignore[method-assign]
     with TestClient(build_http_app(router), raise_server_exceptions=False) as fresh:
         response = fresh.post("/documents", json={"context": DOCUMENT})
-    assert response.status_code == 500 and response.json()["code"] == "internal_error"
-    assert "secret" not in response.text and response.headers["X-Request-ID"] in response.text
+        assert response.status_code == 500 and response.json()["code"] == "internal_error"
+        assert "secret" not in response.text and response.headers["X-Request-ID"] in response.text
+        named = fresh.post(
+            "/documents", json={"context": DOCUMENT}, headers={"X-Request-ID": "client-456"}
+        )
+    assert named.headers["X-Request-ID"] == "client-456"
+    assert named.json()["message"] == "internal error; the server log has request id client-456"
+    # The server log has that id, with the whole exception.
+    logged = [r for r in caplog.records if r.name == "wim_service.serving.errors"]
+    assert logged[-1].levelno == logging.ERROR
+    assert logged[-1].getMessage() == "request client-456 failed"
+    assert logged[-1].exc_info is not None and logged[-1].exc_info[1] is bug
 
 
 def test_a_job_past_its_deadline_is_stopped_with_504() -> None:
@@ -200,6 +241,103 @@ def test_a_delete_during_failover_never_brings_the_session_back() -> None:
     assert (b.documents == {} and a.documents == {}) or a.dead
     assert client.get(f"/documents/{doc}").status_code == 404
     assert asyncio.run(router.documents.get(doc)) is None
+
+
+class SlowReads(FakeClient):
+    """Reading a document takes a while (other requests run meanwhile)."""
+
+    async def call(self, replica: str, method: str, *args: Any) -> Any:
+        if method == "open_document":
+            await asyncio.sleep(0.05)
+        return await super().call(replica, method, *args)
+
+
+async def test_two_queries_failing_over_one_session_rebuild_it_once() -> None:
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    config = {"router": {"replica_wait_s": 0, "load_poll_interval_s": 3600}}
+    router = WiMRouter(None, config, client=SlowReads(a, b), http_host="127.0.0.1")
+    transport = httpx.ASGITransport(app=build_http_app(router))
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        opened = await client.post("/documents", json={"context": DOCUMENT})
+        document_id = opened.json()["document_id"]
+        a.dead = True  # both queries find out mid-call, and both fail over
+        query = {"document_id": document_id, "query": "q"}
+        answers = await asyncio.gather(*(client.post("/wim", json=query) for _ in range(2)))
+    if router._background is not None:
+        router._background.cancel()
+    assert [r.json()["replica"] for r in answers] == ["b", "b"]
+    assert b.calls.count("open_document") == 1  # the second query waited for the first's
+
+
+class FlakyStore(MemorySessionStore):
+    """The session store, down while `down` is set (for `touch`, or `rebind`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down: set[str] = set()
+
+    async def touch(self, session_id: str, hold_s: float = 0.0) -> float | None:
+        if "touch" in self.down:
+            raise StoreUnavailable("redis went away")
+        return await super().touch(session_id, hold_s)
+
+    async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
+        if "rebind" in self.down:
+            raise StoreUnavailable("redis went away")
+        return await super().rebind(session_id, expected, new)
+
+
+def test_a_store_outage_while_rebinding_leaves_no_kv_pinned() -> None:
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    store = FlakyStore()
+    router = WiMRouter(
+        None,
+        {"router": {"replica_wait_s": 0}},
+        client=FakeClient(a, b),
+        http_host="127.0.0.1",
+        store=store,
+    )
+    client = TestClient(build_http_app(router))
+    document_id = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
+    a.dead = True
+    store.down.add("rebind")
+    response = client.post("/wim", json={"document_id": document_id, "query": "q"})
+    assert response.status_code == 503 and response.json()["code"] == "unavailable"
+    assert b.calls.count("open_document") == 1
+    assert b.documents == {}  # the copy read on b was closed again: nobody could use it
+
+
+async def test_a_session_stays_held_until_its_last_query_ends() -> None:
+    table = DocumentTable(MemorySessionStore(), hold_s=100.0, retry_after_s=1.0)
+    await table.add(StoredSession("doc-held", WiMOptions(), ttl_s=5.0), DOCUMENT)
+
+    async def expires_in() -> float:
+        session = await table.get("doc-held")
+        assert session is not None
+        return session.expires_at - time.time()
+
+    await table.hold("doc-held")
+    assert await expires_in() > 90  # held for as long as a query may run
+    await table.hold("doc-held")
+    await table.release("doc-held")
+    assert await expires_in() > 90  # one of two queries still runs
+    await table.release("doc-held")
+    assert await expires_in() < 6  # the last one ended: the TTL counts from now
+    await table.renew_held()
+    assert await expires_in() < 6 and "doc-held" not in table.in_use
+
+
+async def test_a_store_outage_neither_leaks_a_hold_nor_fails_an_answered_query() -> None:
+    store = FlakyStore()
+    table = DocumentTable(store, hold_s=100.0, retry_after_s=2.0)
+    await table.add(StoredSession("doc-x", WiMOptions(), ttl_s=5.0), DOCUMENT)
+    await table.hold("doc-x")
+    store.down.add("touch")
+    await table.release("doc-x")  # the answer is out: a failed renewal is no error
+    with pytest.raises(HTTPFailure) as refused:
+        await table.hold("doc-x")
+    assert (refused.value.status, refused.value.retry_after) == (503, 2.0)
+    assert list(table.in_use) == []  # no query holds the session now
 
 
 def test_ttl_does_not_end_a_session_in_use() -> None:
