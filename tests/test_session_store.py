@@ -95,8 +95,9 @@ async def test_create_get_text_and_a_second_create_fails(store: SessionStore) ->
     assert got.options == OPTIONS and got.tenant == "acme" and got.replica == "r1"
     assert (got.context_tokens, got.segments, got.ttl_s) == (812, 4, 60.0)
     assert await store.text(new.session_id) == TEXT
-    with pytest.raises(SessionExists):
+    with pytest.raises(SessionExists, match=new.session_id) as exists:
         await store.create(new, "another text")
+    assert exists.value.session_id == new.session_id
     assert await store.text(new.session_id) == TEXT
     unknown = "doc-unknown-" + secrets.token_hex(4)
     assert await store.get(unknown) is None and await store.text(unknown) is None
@@ -232,6 +233,30 @@ async def test_of_two_concurrent_rebinds_exactly_one_wins(
     assert await b.rebind(new.session_id, None, "rb")
 
 
+async def test_memory_store_ends_sessions_and_tombstones_at_their_instant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a frozen clock: at its expiry instant a session is gone for every method at once and
+    swept; a tombstone blocks a create until its instant and no longer."""
+    now = [1_000_000.0]
+    monkeypatch.setattr("wim_service.serving.store.memory.time.time", lambda: now[0])
+    store = MemorySessionStore(tombstone_ttl_s=30.0)
+    ending, deleted = session(ttl_s=10.0), session()
+    await store.create(ending, TEXT)
+    await store.create(deleted, TEXT)
+    await store.delete(deleted.session_id)
+    now[0] += 10.0
+    assert await store.get(ending.session_id) is None and await store.sessions() == []
+    assert [s.session_id for s in await store.sweep()] == [ending.session_id]
+    now[0] += 19.0
+    with pytest.raises(SessionExists):
+        await store.create(deleted, TEXT)
+    now[0] += 1.0  # the tombstone ends
+    assert await store.sweep() == []
+    created = await store.create(deleted, TEXT)
+    assert created.expires_at == now[0] + deleted.ttl_s
+
+
 # -- Redis only --------------------------------------------------------------------------
 
 
@@ -356,3 +381,26 @@ def test_make_store_picks_the_backend_and_takes_secrets_only_from_env(
     monkeypatch.setenv(ENCRYPTION_KEY_ENV, base64.b64encode(b"short").decode())
     with pytest.raises(ValueError, match="32 bytes"):
         make_store(StoreConfig(backend="redis"))
+
+
+def test_the_document_key_comes_from_env_and_must_be_strict_base64(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for unset in (None, "  "):
+        if unset is None:
+            monkeypatch.delenv(ENCRYPTION_KEY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENCRYPTION_KEY_ENV, unset)
+        plain = DocumentCipher.from_env()
+        assert b"secret" in plain.seal("doc-1", "secret")  # no key: stored as it is
+    key = base64.b64encode(os.urandom(32)).decode()
+    monkeypatch.setenv(ENCRYPTION_KEY_ENV, f" {key}\n")  # as a mounted Secret may end
+    sealed = DocumentCipher.from_env().seal("doc-1", "secret")
+    assert b"secret" not in sealed
+    # A stray character is refused, not dropped (a lenient decode reads another key).
+    monkeypatch.setenv(ENCRYPTION_KEY_ENV, key[:8] + "!" + key[8:])
+    with pytest.raises(ValueError, match="must be base64"):
+        DocumentCipher.from_env()
+    # Read without the key, an encrypted text names the setting that is missing.
+    with pytest.raises(ValueError, match=ENCRYPTION_KEY_ENV):
+        plain.open("doc-1", sealed)
