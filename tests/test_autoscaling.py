@@ -59,7 +59,23 @@ def test_no_scale_down_while_requests_run() -> None:
     assert policy(Context(3, 0, {"a": 0.0, "b": 0.0, "c": 0.0}))[0] == 0
 
 
+@dataclass
+class Unreported(Context):
+    """Replicas that reported no custom metric yet (just started)."""
+
+    @property
+    def aggregated_metrics(self) -> dict[str, Any]:
+        return {}
+
+
+def test_replicas_that_reported_no_fullness_scale_on_requests() -> None:
+    assert KVAwarePolicy()(Unreported(2, 12))[0] == 3
+
+
 def test_no_replica_keeps_the_target() -> None:
     assert KVAwarePolicy()(Context(0, 5, target_num_replicas=1))[0] == 1
-    with pytest.raises(ValueError):
-        KVAwarePolicy(target_kv_fraction=0)
+    for outside in (0, 1.5):
+        with pytest.raises(ValueError, match=r"target_kv_fraction must be in \(0, 1\]"):
+            KVAwarePolicy(target_kv_fraction=outside)
+    # Every replica full is a valid target (scale only when sessions would be refused).
+    assert KVAwarePolicy(target_kv_fraction=1.0)(Context(2, 0, {"a": 1.0, "b": 0.5}))[0] == 1.5
