@@ -4,6 +4,7 @@ streamed and not) over real HTTP: the real router and app, scripted fake replica
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -321,3 +322,53 @@ async def test_closing_a_stream_cancels_the_job(service: LiveService) -> None:
         service.client.delay_s = 0.0
     assert service.replica.cancelled == cancelled + 1
     assert service.router.fleet.table.bindings == {}
+
+
+def test_reasoning_holds_only_the_notes_the_answer_reads() -> None:
+    """An invented (ungrounded) margin is not shown as reasoning; a snapped note is shown in
+    the document's words; the stream and the whole answer say the same."""
+    from wim_service.serving.openai_api import Head, Run, chat_stream, collect
+    from wim_service.wim.events import DoneEvent, MarginEvent, Timings, Usage
+
+    def margin(segment: int, text: str, **verdict: object) -> MarginEvent:
+        return MarginEvent(
+            segment=segment, text=text, char_start=0, char_end=1, elapsed_s=0.1, **verdict
+        )
+
+    events = [
+        margin(0, "YES The code is 123456.", relevant=True, grounded=False, kept=False),
+        margin(
+            1,
+            "The code is 4417.",
+            relevant=True,
+            grounded=True,
+            kept=True,
+            evidence="the new code is 4417, and only the duty guard may share it.",
+        ),
+        margin(2, "Boats.", relevant=False, grounded=True, kept=False),
+        margin(3, "Guard on duty.", relevant=True, grounded=True, kept=True),
+        DoneEvent(answer="4417", usage=Usage(answer_tokens=1), timings=Timings()),
+    ]
+    shown = [
+        "[segment 2] the new code is 4417, and only the duty guard may share it.\n",
+        "[segment 4] Guard on duty.\n",
+    ]
+
+    async def items():
+        for event in events:
+            yield "replica", event
+
+    async def both() -> tuple[str, list[str]]:
+        outcome = await collect(Run(items(), max_tokens=8))
+        head = Head({"id": "chatcmpl-1", "created": 0, "model": MODEL}, include_usage=False)
+        stream = [chunk async for chunk in chat_stream(Run(items(), max_tokens=8), head)]
+        return outcome.reasoning, stream
+
+    reasoning, stream = asyncio.run(both())
+    assert reasoning == "".join(shown)
+    deltas = [
+        json.loads(c.removeprefix("data: "))["choices"][0]["delta"]
+        for c in stream
+        if c.startswith("data: {") and '"choices": [{' in c
+    ]
+    assert [d["reasoning_content"] for d in deltas if "reasoning_content" in d] == shown

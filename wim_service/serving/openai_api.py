@@ -14,7 +14,8 @@ How a request runs:
 * WiM options come from `extra_body` `wim` (the fields of `WiMOptions`); `max_tokens` and
   `stop` apply to the answer. System and assistant turns take no part in WiM (its own prompts
   are `wim.prompts`). Every request decodes greedily.
-* Streaming follows OpenAI's chunk format: the relevant margins as `reasoning_content` deltas,
+* Streaming follows OpenAI's chunk format: the notes the answer reads (kept margins, in the
+  document's words when snapped) as `reasoning_content` deltas,
   the answer as `content` deltas, `data: [DONE]` at the end. Usage counts every engine
   request of the job (`prompt_tokens_details.cached_tokens`: served from the KV cache;
   `completion_tokens_details.reasoning_tokens`: the margins').
@@ -252,8 +253,13 @@ def openai_usage(usage: Usage) -> CompletionUsage:
     )
 
 
-def margin_line(event: MarginEvent) -> str:
-    return f"[segment {event.segment + 1}] {event.text}\n"
+def margin_line(event: MarginEvent) -> str | None:
+    """A margin as reasoning: only a note the final step reads, as it reads it (a snapped note
+    is the document's own sentences). A margin the grounding check dropped is left out: shown
+    as the model's reasoning, an invented fact would mislead as much as in the answer."""
+    if not event.kept:
+        return None
+    return f"[segment {event.segment + 1}] {event.evidence or event.text}\n"
 
 
 @dataclass
@@ -278,8 +284,8 @@ class Outcome:
 async def collect(run: Run) -> Outcome:
     margins: dict[int, str] = {}
     async for _, event in run.items:
-        if isinstance(event, MarginEvent) and event.relevant:
-            margins[event.segment] = margin_line(event)
+        if isinstance(event, MarginEvent) and (line := margin_line(event)):
+            margins[event.segment] = line
         elif isinstance(event, ErrorEvent):
             raise HTTPFailure(event.code, event.message, event.retry_after_s)
         elif isinstance(event, DoneEvent):
@@ -317,8 +323,8 @@ async def chat_stream(run: Run, head: Head) -> AsyncIterator[str]:
 
     yield chunk([ChunkChoice(delta={"role": "assistant", "content": ""})])
     async for _, event in run.items:
-        if isinstance(event, MarginEvent) and event.relevant:
-            yield chunk([ChunkChoice(delta={"reasoning_content": margin_line(event)})])
+        if isinstance(event, MarginEvent) and (line := margin_line(event)):
+            yield chunk([ChunkChoice(delta={"reasoning_content": line})])
         elif isinstance(event, AnswerEvent):
             yield chunk([ChunkChoice(delta={"content": event.text})])
         elif isinstance(event, ErrorEvent):

@@ -119,7 +119,7 @@ FinishReason = Literal["stop", "length"]
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
-    # The relevant margins, as reasoning models report their reasoning (vLLM's field name).
+    # The notes the answer read, as reasoning models report their reasoning (vLLM's field name).
     reasoning_content: str | None = None
 
 
