@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,13 +47,37 @@ def short_report(report: str) -> str:
     return report.split("Section 4.")[0].strip()
 
 
-@pytest.fixture(scope="session")
-def engine() -> Iterator:
-    from wim_service.engine.vllm_engine import VLLMBackend
+class SharedEngine:
+    """The engine tests' one vLLM engine, started on first use. The real-stack tests run
+    last and close it first: an idle engine still holds ~3.5 GiB that the engine replicas of
+    Ray Serve need on a small machine."""
 
-    backend = VLLMBackend.start(TEST_ENGINE)
-    yield backend
-    backend.shutdown()
+    def __init__(self) -> None:
+        self.backend: Any = None
+
+    def get(self) -> Any:
+        if self.backend is None:
+            from wim_service.engine.vllm_engine import VLLMBackend
+
+            self.backend = VLLMBackend.start(TEST_ENGINE)
+        return self.backend
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.shutdown()
+            self.backend = None
+
+
+@pytest.fixture(scope="session")
+def shared_engine() -> Iterator[SharedEngine]:
+    shared = SharedEngine()
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def engine(shared_engine: SharedEngine) -> Any:
+    return shared_engine.get()
 
 
 @pytest.fixture(scope="session")
@@ -65,8 +90,9 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture(scope="session")
-def live_stack() -> Iterator[LiveStack]:
+def live_stack(shared_engine: SharedEngine) -> Iterator[LiveStack]:
     """Local Ray Serve on 127.0.0.1:8765 for every real-stack test (`tests/live_stack.py`)."""
+    shared_engine.close()
     stack = LiveStack()
     yield stack
     stack.shutdown()

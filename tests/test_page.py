@@ -41,7 +41,6 @@ REPORT = (ROOT / "examples" / "harbor_report.txt").read_text()
 # Code points outside the BMP before the report: the server's character offsets count code
 # points, JavaScript strings UTF-16 units; the page must still cut the segments right.
 DOCUMENT = "Ünïcode préface: 𝐖𝐈𝐌 and 🚢 count once in Python, twice in JavaScript.\n\n" + REPORT
-SHORT_DOCUMENT = DOCUMENT.split("Section 4.")[0].strip()
 QUESTION = "What is the access code for the night gate?"
 SECOND = "Who replaced Margaret Oyelaran?"
 DESKTOP = {"width": 1280, "height": 800}
@@ -310,20 +309,11 @@ def kv_usage(base_url: str) -> float:
         return metric(client, "vllm:kv_cache_usage_perc")
 
 
-@pytest.fixture
-def short_document_file(tmp_path: Path) -> Path:
-    """The document's first three sections (~450 tokens): real engines on 2 busy cores read
-    and answer it in a fraction of the whole report's time."""
-    path = tmp_path / "harbor report, part 1.md"
-    path.write_text(SHORT_DOCUMENT, encoding="utf-8")
-    return path
-
-
 @pytest.mark.serving
 @pytest.mark.timeout(1800)
-def test_page_on_the_real_service(page_at, served_base_url: str, short_document_file) -> None:
+def test_page_on_the_real_service(page_at, served_base_url: str, document_file) -> None:
     page = page_at(served_base_url)
-    read_document(page, short_document_file, key=API_KEYS["alpha"], timeout_ms=300_000)
+    read_document(page, document_file, key=API_KEYS["alpha"], timeout_ms=300_000)
     segments = int(page.locator("#progress").evaluate("p => p.max"))
     ask(page, QUESTION)
     wait_for_answer(page, timeout_ms=300_000)
@@ -355,10 +345,7 @@ def test_page_on_the_real_service(page_at, served_base_url: str, short_document_
     model = client.models.list().data[0].id
     wim = client.chat.completions.create(
         model=model,
-        messages=[
-            {"role": "user", "content": SHORT_DOCUMENT},
-            {"role": "user", "content": SECOND},
-        ],
+        messages=[{"role": "user", "content": REPORT}, {"role": "user", "content": QUESTION}],
         max_tokens=24,
         extra_body={"wim": {"segment_tokens": 192, "margin_max_tokens": 16}},
     )
