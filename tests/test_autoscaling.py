@@ -68,8 +68,11 @@ class Unreported(Context):
         return {}
 
 
-def test_replicas_that_reported_no_fullness_scale_on_requests() -> None:
-    assert KVAwarePolicy()(Unreported(2, 12))[0] == 3
+def test_replicas_count_by_what_they_reported() -> None:
+    """A replica just started reports no fullness yet, or only one of its two fractions."""
+    assert KVAwarePolicy()(Unreported(2, 12))[0] == 3  # by the requests alone
+    policy = KVAwarePolicy(target_kv_fraction=0.6)
+    assert policy(Context(1, 0, slots={"a": 0.3}))[0] == pytest.approx(0.5)
 
 
 def test_no_replica_keeps_the_target() -> None:
