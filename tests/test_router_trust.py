@@ -307,6 +307,51 @@ def test_a_store_outage_while_rebinding_leaves_no_kv_pinned() -> None:
     assert b.documents == {}  # the copy read on b was closed again: nobody could use it
 
 
+class DeletedMeanwhile(MemorySessionStore):
+    """Another router deletes the session just before this one's `touch` or `text` of it."""
+
+    def __init__(self, before: str) -> None:
+        super().__init__()
+        self.before = before
+
+    async def touch(self, session_id: str, hold_s: float = 0.0) -> float | None:
+        if self.before == "touch":
+            await self.delete(session_id)
+        return await super().touch(session_id, hold_s)
+
+    async def text(self, session_id: str) -> str | None:
+        if self.before == "text":
+            await self.delete(session_id)
+        return await super().text(session_id)
+
+
+@pytest.mark.parametrize("before", ["touch", "text"])
+def test_a_session_deleted_by_another_router_as_its_query_starts_answers_404(
+    before: str,
+) -> None:
+    """Deleted as the query starts (`touch`), or while its lost replica's session is being
+    moved (`text`): the query answers 404 naming it, and the session is not read again."""
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    router = WiMRouter(
+        None,
+        {"router": {"replica_wait_s": 0, "load_poll_interval_s": 3600}},
+        client=FakeClient(a, b),
+        http_host="127.0.0.1",
+        store=DeletedMeanwhile(before),
+    )
+    client = TestClient(build_http_app(router))
+    document_id = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
+    a.dead = True
+    asyncio.run(router.fleet.refresh_loads())
+    response = client.post("/wim", json={"document_id": document_id, "query": "q"})
+    assert response.status_code == 404
+    assert response.json() == {
+        "code": "not_found",
+        "message": f"no document session {document_id!r}",
+    }
+    assert "open_document" not in b.calls
+
+
 async def test_a_session_stays_held_until_its_last_query_ends() -> None:
     table = DocumentTable(MemorySessionStore(), hold_s=100.0, retry_after_s=1.0)
     await table.add(StoredSession("doc-held", WiMOptions(), ttl_s=5.0), DOCUMENT)
