@@ -457,7 +457,6 @@ def test_after_hostile_traffic_the_service_is_healthy(client: httpx.Client) -> N
     assert ok.status_code == 200
 
 
-@pytest.mark.quarantine
 def test_parked_sessions_start_a_second_replica_before_anyone_is_refused(
     live_stack: LiveStack, client: httpx.Client, report: str
 ) -> None:

@@ -176,7 +176,6 @@ def test_a_router_redeploy_keeps_every_session(
         assert service.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
-@pytest.mark.quarantine
 def test_redis_down_answers_503_and_recovers(
     service: httpx.Client, short_report: str, redis_server: RedisServer
 ) -> None:
