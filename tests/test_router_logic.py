@@ -241,8 +241,7 @@ def test_sessions_go_to_the_replica_with_most_room() -> None:
 
 def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() -> None:
     a, b = FakeReplica("a"), FakeReplica("b", capacity=1_000)
-    # No load poll during the test: only the failover itself may take `a` out of placement.
-    client, router = make_service(a, b, load_poll_interval_s=3600)
+    client, router = make_service(a, b)
     document = client.post("/documents", json={"context": DOCUMENT}).json()
     assert document["replica"] == "a"
     a.die_after = 4  # two segments and two margins streamed, then the actor dies
@@ -265,9 +264,30 @@ def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() ->
     assert metric(client, "wim_reprefill_tokens_total") == len(DOCUMENT) // 4
     again = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
     assert again.json()["replica"] == "b"
-    # The lost replica takes no new session: the next one goes to b without trying a first.
+
+
+class UnnoticedDeaths(FakeClient):
+    """Serve still routes to a dead replica (its controller has not noticed yet)."""
+
+    async def live_replicas(self) -> frozenset[str]:
+        return frozenset(self.replicas)
+
+
+def test_a_replica_lost_mid_query_takes_no_new_session_while_serve_still_lists_it() -> None:
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    router = WiMRouter(
+        None, {"router": {"replica_wait_s": 0}}, client=UnnoticedDeaths(a, b), http_host="::1"
+    )
+    client = TestClient(build_http_app(router))
+    document_id = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
+    a.dead = True
+    moved = client.post("/wim", json={"document_id": document_id, "query": "q"})
+    assert moved.json()["replica"] == "b"
+    # a's load polls fail now and its last report stays: only the failover condemned it.
     assert client.post("/documents", json={"context": DOCUMENT}).json()["replica"] == "b"
+    assert client.post("/wim", json={"context": DOCUMENT, "query": "q"}).json()["replica"] == "b"
     assert metric(client, "wim_session_failover_total", reason="replica_lost") == 1
+    assert router.fleet.ready() == ["b"]
 
 
 def moves(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -278,7 +298,7 @@ def test_a_session_whose_replica_left_is_rebuilt_before_its_query(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
-    client, router = make_service(a, b, load_poll_interval_s=3600)
+    client, router = make_service(a, b)
     document_id = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
     a.dead = True
     asyncio.run(router.fleet.refresh_loads())  # Serve no longer routes to a
@@ -304,7 +324,7 @@ def test_a_session_whose_replica_left_is_rebuilt_before_its_query(
 def test_a_session_bound_to_no_replica_is_read_on_its_first_query(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    client, router = make_service(FakeReplica("a"), load_poll_interval_s=3600)
+    client, router = make_service(FakeReplica("a"))
     # Stored unbound (as another router's store may hold it): no replica was lost.
     unbound = StoredSession("doc-unbound", WiMOptions(), ttl_s=600.0)
     asyncio.run(router.documents.add(unbound, DOCUMENT))
