@@ -334,7 +334,7 @@ def test_a_session_deleted_by_another_router_as_its_query_starts_answers_404(
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
     router = WiMRouter(
         None,
-        {"router": {"replica_wait_s": 0, "load_poll_interval_s": 3600}},
+        {"router": {"replica_wait_s": 0}},
         client=FakeClient(a, b),
         http_host="127.0.0.1",
         store=DeletedMeanwhile(before),
