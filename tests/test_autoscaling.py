@@ -78,7 +78,7 @@ def test_replicas_count_by_what_they_reported() -> None:
 def test_no_replica_keeps_the_target() -> None:
     assert KVAwarePolicy()(Context(0, 5, target_num_replicas=1))[0] == 1
     for outside in (0, 1.5):
-        with pytest.raises(ValueError, match=r"target_kv_fraction must be in \(0, 1\]"):
+        with pytest.raises(ValueError, match=r"^target_kv_fraction must be in \(0, 1\]$"):
             KVAwarePolicy(target_kv_fraction=outside)
     # Every replica full is a valid target (scale only when sessions would be refused).
     assert KVAwarePolicy(target_kv_fraction=1.0)(Context(2, 0, {"a": 1.0, "b": 0.5}))[0] == 1.5
