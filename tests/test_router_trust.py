@@ -190,6 +190,8 @@ def test_a_request_id_comes_back_and_internal_errors_say_nothing_more(
         response = fresh.post("/documents", json={"context": DOCUMENT})
         assert response.status_code == 500 and response.json()["code"] == "internal_error"
         assert "secret" not in response.text and response.headers["X-Request-ID"] in response.text
+        # Which router wrote the log line, as on every other answer.
+        assert response.headers["X-WiM-Router"] == router.name
         named = fresh.post(
             "/documents", json={"context": DOCUMENT}, headers={"X-Request-ID": "client-456"}
         )

@@ -8,6 +8,7 @@ and answered as `internal_error` without detail.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -125,12 +126,16 @@ async def _framework(_: Request, exc: Exception) -> JSONResponse:
     return framework_failure(exc).response(dict(exc.headers or {}))
 
 
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(
+    request: Request, exc: Exception, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    # Starlette answers this one from its outermost middleware, past RequestIdMiddleware: the
+    # id and the app's headers (which router wrote the log line) are added here.
     rid = request_id(request)
     logger.error("request %s failed", rid, exc_info=exc)
     return HTTPFailure(
         ServiceCode.INTERNAL_ERROR, f"internal error; the server log has request id {rid}"
-    ).response({REQUEST_ID_HEADER: rid})
+    ).response({REQUEST_ID_HEADER: rid, **(headers or {})})
 
 
 class RequestIdMiddleware:
@@ -166,5 +171,5 @@ def install_error_handlers(app: FastAPI, headers: dict[str, str] | None = None) 
     app.add_exception_handler(HTTPFailure, _http_failure)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _framework)
-    app.add_exception_handler(Exception, _unexpected)
+    app.add_exception_handler(Exception, functools.partial(_unexpected, headers=headers))
     app.add_middleware(RequestIdMiddleware, headers=headers)
