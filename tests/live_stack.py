@@ -106,6 +106,11 @@ TWO_ROUTERS = LiveApp(
 )
 
 
+def query_body(document_id: str) -> dict[str, Any]:
+    """A question on a document session, with the tests' short margins and answer."""
+    return {"document_id": document_id, "query": QUERY, "options": OPTIONS}
+
+
 def open_client(tenant: str | None = "alpha", timeout: float = 600) -> httpx.Client:
     return httpx.Client(base_url=BASE, timeout=timeout, headers=auth(tenant))
 
@@ -154,10 +159,14 @@ def serve_log_failures(limit: int = 40) -> str:
     why a request got a bare 500 from Serve's proxy (an actor that died, a health check)."""
     from pathlib import Path
 
+    import ray
+
+    # This cluster's own session (as the log-hygiene test reads it), not Ray's newest one.
+    serve_logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
     marks = ("Request failed", "Traceback", "ERROR", "died", "unhealthy", "Error")
     lines = [
         f"{path.name}: {line.rstrip()}"
-        for path in sorted(Path("/tmp/ray/session_latest/logs/serve").glob("*.log"))
+        for path in sorted(serve_logs.glob("*.log"))
         for line in path.read_text(errors="replace").splitlines()
         if any(mark in line for mark in marks)
     ]
@@ -235,7 +244,21 @@ class LiveStack:
             ],
         }
         _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
-        self.deployed = wanted
+        previous, self.deployed = self.deployed, wanted
+        if previous is not None and previous[0] != app:
+            # Another application's routers are being replaced: until only this one's run, the
+            # proxy may send a request to a router Serve is stopping, and Serve kills it with
+            # the request still open (a stream cut short, a bare 500).
+            wait_for(lambda: self._routers_settled(app), f"the routers of {app.name}", 900)
+
+    @staticmethod
+    def _routers_settled(app: LiveApp) -> bool:
+        from ray import serve
+
+        status = serve.status().applications.get("wim")
+        if status is None or status.status != "RUNNING":
+            return False
+        return status.deployments["WiMRouter"].replica_states == {"RUNNING": app.routers}
 
     def shutdown(self) -> None:
         import ray

@@ -29,6 +29,7 @@ from tests.live_stack import (
     metric,
     open_client,
     parse_sse,
+    query_body,
     ready_replicas,
     settled,
     wait_for,
@@ -276,7 +277,7 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     document = open_document(client, report)
     failovers = metric(client, "wim_session_failover_total", reason="replica_lost")
     reprefilled = metric(client, "wim_reprefill_tokens_total")
-    stream = Stream({"document_id": document["document_id"], "query": QUERY, "options": OPTIONS})
+    stream = Stream(query_body(document["document_id"]))
     stream.wait_for_event("margin")  # the query is running on the pinned replica
     ray.kill(_replica_actor(document["replica"]), no_restart=True)
     events = stream.join()
@@ -290,7 +291,7 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     assert metric(client, "wim_session_failover_total", reason="replica_lost") > failovers
     assert metric(client, "wim_reprefill_tokens_total") >= reprefilled + document["context_tokens"]
     # The session now lives on the new replica and is served from its pinned KV there.
-    body = {"document_id": document["document_id"], "query": QUERY, "options": OPTIONS}
+    body = query_body(document["document_id"])
     again = client.post("/wim", json=body)
     assert again.status_code == 200 and again.json()["replica"] == done["replica"]
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
@@ -303,7 +304,7 @@ def test_engine_process_death_fails_over_and_the_replica_leaves(
     the other replica, the session moves, and the dead replica stops taking work."""
     document = open_document(client, report)
     dead = document["replica"]
-    stream = Stream({"document_id": document["document_id"], "query": QUERY, "options": OPTIONS})
+    stream = Stream(query_body(document["document_id"]))
     stream.wait_for_event("margin")
     os.kill(_engine_core_pid(dead), signal.SIGKILL)
     events = stream.join()
@@ -313,7 +314,7 @@ def test_engine_process_death_fails_over_and_the_replica_leaves(
     # A new one-shot job goes to a live engine, and the session answers from its new home.
     for body in (
         {"context": report, "query": QUERY, "options": OPTIONS},
-        {"document_id": document["document_id"], "query": QUERY, "options": OPTIONS},
+        query_body(document["document_id"]),
     ):
         response = client.post("/wim", json=body)
         assert response.status_code == 200, response.text
@@ -329,10 +330,7 @@ def test_scale_down_drains_and_moves_sessions(
     while len({d["replica"] for d in documents}) < 2:  # a session on each replica
         documents.append(open_document(client, report))
     moved = metric(client, "wim_session_failover_total", reason="replica_left")
-    streams = [
-        Stream({"document_id": d["document_id"], "query": QUERY, "options": OPTIONS})
-        for d in documents
-    ]
+    streams = [Stream(query_body(d["document_id"])) for d in documents]
     for stream in streams:
         stream.wait_for_event("margin")
     draining_seen = threading.Event()
@@ -357,7 +355,7 @@ def test_scale_down_drains_and_moves_sessions(
     # Every session still answers, now from the surviving replica; those of the leaving one
     # were moved (counted as replica_left).
     for document in documents:
-        body = {"document_id": document["document_id"], "query": QUERY, "options": OPTIONS}
+        body = query_body(document["document_id"])
         response = client.post("/wim", json=body)
         assert response.status_code == 200, response.text
         assert response.json()["replica"] == survivor

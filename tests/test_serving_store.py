@@ -17,13 +17,13 @@ import pytest
 from tests.live_stack import (
     BASE,
     OPTIONS,
-    QUERY,
     TWO_ROUTERS,
     LiveStack,
     auth,
     metric,
     open_client,
     parse_sse,
+    query_body,
     ready_replicas,
     wait_for,
 )
@@ -62,10 +62,6 @@ def open_document(client: httpx.Client, text: str) -> tuple[dict, str]:
     response = client.post("/documents", json={"context": text, "options": OPTIONS})
     assert response.status_code == 201, response.text
     return response.json(), response.headers["X-WiM-Router"]
-
-
-def query_body(document_id: str) -> dict[str, Any]:
-    return {"document_id": document_id, "query": QUERY, "options": OPTIONS}
 
 
 def ask_until_router(
