@@ -1,0 +1,73 @@
+"""The dispatcher's plain requests (`Dispatcher.plain`, what the OpenAI API sends short prompts
+through) over scripted fake replicas: placement by KV blocks, the binding held while the request
+streams, and a lost replica — no Ray, no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fake_service import PLAIN_ANSWER, ScriptedClient, ScriptedReplica
+from wim_service.serving.errors import HTTPFailure
+from wim_service.serving.plain import PlainParams
+from wim_service.serving.router import WiMRouter
+from wim_service.wim.errors import ErrorCode, WiMError
+
+SESSION = "plain-test"
+# 30 prompt tokens + 2 answer tokens fill exactly two 16-token KV blocks.
+PROMPT = list(range(100, 130))
+PARAMS = PlainParams(max_tokens=2)
+BLOCKS = 2
+
+
+async def router_over(*replicas: ScriptedReplica) -> WiMRouter:
+    config = {"engine": {"block_size": 16}, "router": {"replica_wait_s": 0}}
+    router = WiMRouter(None, config, client=ScriptedClient(*replicas), http_host="127.0.0.1")
+    await router.fleet.refresh_loads()
+    return router
+
+
+def counted(router: WiMRouter, name: str, **labels: str) -> float:
+    return router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_a_plain_request_streams_from_its_replica_bound_while_it_runs() -> None:
+    replica = ScriptedReplica("a", capacity=BLOCKS)
+    router = await router_over(replica)
+    events = router.dispatcher.plain(SESSION, PROMPT, PARAMS)
+    first_replica, first = await anext(events)
+    # While it streams, the request holds its binding and its KV blocks on the replica.
+    assert router.fleet.table.replica_of(SESSION) == "a"
+    assert router.fleet.table.loads["a"].reserved_blocks == BLOCKS
+    rest = [event async for _, event in events]
+    assert first_replica == "a"
+    assert replica.streams == [("complete", (PROMPT, PARAMS))]
+    assert "".join(e.text for e in [first, *rest] if e.type == "answer") == " ".join(
+        PLAIN_ANSWER.split(" ")[:2]
+    )
+    assert rest[-1].type == "done"
+    assert router.fleet.table.replica_of(SESSION) is None  # unbound once it ended
+    assert counted(router, "wim_session_binding_total", result="new") == 1
+
+
+async def test_a_plain_request_needs_its_prompt_and_answer_blocks() -> None:
+    router = await router_over(ScriptedReplica("a", capacity=BLOCKS - 1))
+    with pytest.raises(HTTPFailure) as refused:
+        await anext(router.dispatcher.plain(SESSION, PROMPT, PARAMS))
+    assert refused.value.status == 429
+    assert counted(router, "wim_session_binding_total", result="new") == 0
+
+
+async def test_a_plain_request_on_a_lost_replica_is_not_failed_over() -> None:
+    lost, spare = ScriptedReplica("a", capacity=100), ScriptedReplica("b", capacity=10)
+    router = await router_over(lost, spare)
+    lost.dead = True  # dies after the last load poll: still placed there (most room)
+    with pytest.raises(WiMError) as failed:
+        async for _ in router.dispatcher.plain(SESSION, PROMPT, PARAMS):
+            pass
+    assert failed.value.code == ErrorCode.ENGINE_ERROR
+    assert failed.value.message.startswith("send the request again: ")
+    assert "engine replica a was lost" in failed.value.message
+    assert spare.streams == []  # the client sends it again, the router does not
+    assert router.fleet.ready() == ["b"]
+    assert counted(router, "wim_session_failover_total", reason="replica_lost") == 1
+    assert router.fleet.table.replica_of(SESSION) is None
