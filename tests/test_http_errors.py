@@ -1,0 +1,85 @@
+"""The error table's handlers (`serving/errors.py`) on a small app: a body that does not match
+its schema, and what the web framework refuses itself, come back as `{code, message}` with the
+table's status."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from wim_service.serving.errors import install_error_handlers
+
+
+class Inner(BaseModel):
+    count: int
+
+
+class Body(BaseModel):
+    name: str
+    inner: Inner
+
+
+def error_app() -> TestClient:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/items")
+    async def items(body: Body) -> dict[str, str]:
+        return {"name": body.name}
+
+    @app.get("/refuse/{status}")
+    async def refuse(status: int) -> None:
+        raise StarletteHTTPException(status, detail=f"refused with {status}")
+
+    return TestClient(app)
+
+
+def test_a_body_off_its_schema_names_every_problem_by_field() -> None:
+    response = error_app().post("/items", json={"inner": {"count": "many"}})
+    assert response.status_code == 422
+    assert response.json() == {
+        "code": "invalid_request",
+        "message": "name: Field required; "
+        "inner.count: Input should be a valid integer, unable to parse string as an integer",
+    }
+
+
+def test_a_body_that_is_not_an_object_is_named_body() -> None:
+    response = error_app().post("/items", json=[1])
+    assert response.status_code == 422
+    assert response.json()["code"] == "invalid_request"
+    assert response.json()["message"].startswith("body: Input should be a valid dictionary")
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "answered"),
+    [
+        (400, "invalid_request", 422),  # the table answers invalid requests with 422
+        (404, "not_found", 404),
+        (405, "method_not_allowed", 405),
+        (418, "invalid_request", 422),  # any other client error
+        (499, "invalid_request", 422),
+        (500, "internal_error", 500),
+        (503, "internal_error", 500),  # the framework's own server errors: a bug of ours
+    ],
+)
+def test_a_refusal_of_the_framework_gets_the_tables_code(
+    status: int, code: str, answered: int
+) -> None:
+    response = error_app().get(f"/refuse/{status}")
+    assert response.status_code == answered
+    assert response.json() == {"code": code, "message": f"refused with {status}"}
+
+
+def test_unknown_routes_and_methods_answer_in_the_tables_shape() -> None:
+    client = error_app()
+    unknown = client.get("/nowhere")
+    assert unknown.status_code == 404
+    assert unknown.json() == {"code": "not_found", "message": "Not Found"}
+    wrong = client.get("/items")
+    assert wrong.status_code == 405
+    assert wrong.json() == {"code": "method_not_allowed", "message": "Method Not Allowed"}
+    assert wrong.headers["Allow"] == "POST"  # the framework's headers are kept
