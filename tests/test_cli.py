@@ -5,13 +5,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from wim_service.cli.lifecycle import run_command
 from wim_service.wim.backend import EngineLimits
 from wim_service.wim.options import RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import plan_document
@@ -35,6 +44,20 @@ def wim(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(WIM), *args], capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def engine_flags(model_dir: Path) -> list[str]:
+    """The test engine's settings, as `wim run` flags."""
+    return [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(TEST_ENGINE.max_model_len),
+        "--kv-cache-gib",
+        "0.5",
+    ]
 
 
 def test_setup_prints_the_model_and_punkt_folders(model_dir: Path) -> None:
@@ -78,14 +101,7 @@ def test_run_json_with_model_relevance_and_segment_size(model_dir: Path, tokeniz
         RelevanceMode.CLASSIFIER.value,
         "--segment-tokens",
         str(segment_tokens),
-        "--model",
-        str(model_dir),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(TEST_ENGINE.max_model_len),
-        "--kv-cache-gib",
-        "0.5",
+        *engine_flags(model_dir),
         timeout=1100,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -112,3 +128,62 @@ def test_run_json_with_model_relevance_and_segment_size(model_dir: Path, tokeniz
     assert judges > 0
     assert usage["minimal_prompt_tokens"] >= without_judges + judges
     assert result["timings"]["total_s"] > 0
+
+
+def test_sigterm_cancels_the_command_and_runs_its_cleanup() -> None:
+    """The same SIGTERM path as below, in process: the command's `finally` runs, status 143."""
+    cleaned: list[bool] = []
+
+    async def command() -> int:
+        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
+        try:
+            await asyncio.sleep(30)
+            return 0
+        finally:
+            cleaned.append(True)
+
+    started = time.monotonic()
+    assert run_command(command()) == 128 + signal.SIGTERM
+    assert cleaned == [True]
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(600)
+def test_sigterm_during_wim_run_stops_the_engine_processes(model_dir: Path) -> None:
+    """vLLM's EngineCore is a child process: SIGTERM to `wim run` must not leave it orphaned."""
+    proc = subprocess.Popen(
+        [str(WIM), "run", "--context", str(REPORT), "--query", QUERY, *engine_flags(model_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    stderr = proc.stderr
+    assert stderr is not None
+
+    def pump() -> None:  # stderr is read by a thread so that waiting for a line can time out
+        for line in stderr:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 400
+        seen = ""
+        while "margin 1" not in seen:  # the engine is up and the job is mid-way
+            assert proc.poll() is None, f"wim run ended early: {seen[-2000:]}"
+            with contextlib.suppress(queue.Empty):
+                seen += lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert time.monotonic() < deadline, f"no margin within 400 s: {seen[-2000:]}"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the engine runs no child process: nothing to check"
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=60)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"left running after SIGTERM: {[c.name() for c in alive]}"
+        assert status == 128 + signal.SIGTERM
+    finally:
+        for child in [*children, *psutil.Process().children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()

@@ -7,6 +7,8 @@ wim serve                      # the HTTP service on local Ray (what ./run.sh ru
 wim bench                      # the side-by-side benchmark of docs/benchmarks.md
 wim eval                       # answer quality: plain long context vs RAG vs WiM
 wim setup                      # convert the default model, write the punkt data
+
+Ctrl-C or SIGTERM stops a command together with its vLLM engine processes (status 130 / 143).
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from pathlib import Path
 
 from wim_service.benchmarks.common import DEFAULT_DOCUMENT, BenchSettings
+from wim_service.cli.lifecycle import run_command
 from wim_service.engine.config import EngineConfig
 
 
@@ -55,11 +55,11 @@ def main(args: argparse.Namespace) -> int:
     if args.store:
         from wim_service.benchmarks.store import run_store_bench
 
-        return asyncio.run(run_store_bench())
+        return run_command(run_store_bench())
     if args.serving:
         from wim_service.benchmarks.service import run_serving_bench
 
-        return asyncio.run(run_serving_bench(settings))
+        return run_command(run_serving_bench(settings))
     from wim_service.benchmarks.engine import run_bench
 
-    return asyncio.run(run_bench(settings))
+    return run_command(run_bench(settings))

@@ -8,13 +8,13 @@ wim eval --full --model DIR --max-model-len 65536 --lengths 16384 32384 64000
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from wim_service.assets.default_model import default_model_dir
+from wim_service.cli.lifecycle import run_command
 from wim_service.engine.config import EngineConfig
 from wim_service.eval.methods import METHODS, MethodSettings
 from wim_service.eval.report import write_report
@@ -71,7 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def main(args: argparse.Namespace) -> int:
-    return asyncio.run(_run(args))
+    return run_command(_run(args))
 
 
 def _options(args: argparse.Namespace) -> WiMOptions:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from wim_service.cli.lifecycle import run_command
 from wim_service.engine.config import EngineConfig
 from wim_service.wim.backend import Backend
 from wim_service.wim.events import WiMEvent
@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        return asyncio.run(_run(args))
+        return run_command(_run(args))
     except (OSError, ValueError) as exc:
         print(f"wim: {exc}", file=sys.stderr)
         return 2
