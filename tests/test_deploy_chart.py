@@ -803,8 +803,10 @@ def check_serve_config(config: dict[str, Any], routers: int = 1) -> None:
     assert options["WiMRouter"]["ray_actor_options"]["num_cpus"] == 0
     scaling = options["EngineReplica"]["autoscaling_config"]
     assert {"min_replicas", "max_replicas", "target_ongoing_requests"} <= set(scaling)
-    # A replica leaving on scale-down lets a whole running job finish (minutes on CPU).
-    assert options["EngineReplica"]["graceful_shutdown_timeout_s"] >= 120
+    # A replica leaving on scale-down, and a router replaced by a rollout, let a whole
+    # running job finish (minutes on CPU); Serve's default would cut it after 20 s.
+    for name in DEPLOYMENTS:
+        assert options[name]["graceful_shutdown_timeout_s"] >= 120, name
     EngineConfig.model_validate(app["args"]["engine"])
     RouterConfig.model_validate(app["args"]["router"])
     # Several routers share document sessions only through Redis; the URL is never in a config.

@@ -103,15 +103,13 @@ def test_a_session_opened_through_one_router_is_served_by_another(
         assert gone.status_code == 404
 
 
-def test_a_killed_router_loses_no_session(service: httpx.Client, short_report: str) -> None:
-    import ray
-
-    document, _ = open_document(service, short_report)
-    # A stream through some router; then that router dies mid-stream.
+def start_stream(document_id: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """A streamed question in a thread; returns once its first event arrived. The result holds
+    the answering router, the events so far and any transport error."""
     result: dict[str, Any] = {}
 
     def stream() -> None:
-        body = {**query_body(document["document_id"]), "stream": True}
+        body = {**query_body(document_id), "stream": True}
         text = ""
         try:
             with httpx.stream(
@@ -128,6 +126,15 @@ def test_a_killed_router_loses_no_session(service: httpx.Client, short_report: s
     thread = threading.Thread(target=stream)
     thread.start()
     wait_for(lambda: "router" in result and result.get("events"), "the stream to start", 300)
+    return thread, result
+
+
+def test_a_killed_router_loses_no_session(service: httpx.Client, short_report: str) -> None:
+    import ray
+
+    document, _ = open_document(service, short_report)
+    # A stream through some router; then that router dies mid-stream.
+    thread, result = start_stream(document["document_id"])
     ray.kill(_router_actor(result["router"]), no_restart=False)
     thread.join(600)
     kinds = [k for k, _ in result["events"]]
@@ -147,6 +154,8 @@ def test_a_router_redeploy_keeps_every_session(
 ) -> None:
     documents = [open_document(service, short_report)[0] for _ in range(2)]
     before = {r for r in (service.get("/healthz").headers["X-WiM-Router"] for _ in range(8))}
+    # A stream open through an old router while it is replaced runs to its end.
+    thread, streamed = start_stream(documents[0]["document_id"])
     # New router replicas, the engines untouched (a change of the application's args would
     # restart them too).
     live_stack.deploy(
@@ -164,6 +173,9 @@ def test_a_router_redeploy_keeps_every_session(
         "the redeployed routers",
         600,
     )
+    thread.join(600)
+    assert streamed["router"] in before and "error" not in streamed
+    assert [kind for kind, _ in streamed["events"]][-1] == "done"
     for document in documents:
         response = service.post("/wim", json=query_body(document["document_id"]))
         assert response.status_code == 200, response.text

@@ -27,6 +27,9 @@ WiMRouterDeployment: Deployment = serve.deployment(
     # Past this many waiting requests Serve's proxy answers 503 at once instead of queueing
     # without bound (serve config: `deployments[].max_queued_requests`).
     max_queued_requests=2000,
+    # A router stopped by a rollout or a scale-down lets its open streams finish: with Serve's
+    # default (20 s) a WiM stream, minutes long on a CPU, was cut with no `error` event.
+    graceful_shutdown_timeout_s=300,
 )(serve.ingress()(WiMRouter))
 
 EngineReplicaDeployment: Deployment = serve.deployment(
