@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from wim_service.wim.grounding import Claim, SegmentText, query_overlap
+from wim_service.wim.grounding import Claim, Grounding, SegmentText, query_overlap
 from wim_service.wim.segmentation import Segment
 
 SENTENCES = [
@@ -16,12 +16,15 @@ SENTENCES = [
     "The gate code is 4417.",
     "Ships dock at Belmora harbour.",
     "The dock is never locked.",
+    "The port employs 1,240 people.",
 ]
 DOCUMENT = " ".join(SENTENCES)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def segment() -> SegmentText:
+    # Built for each test: a shared one would compute the sentences' vocabularies once, in
+    # whichever test came first, and a change to them would be seen by that test alone.
     return SegmentText(DOCUMENT, Segment(0, 0, 0, 0, len(DOCUMENT)))
 
 
@@ -61,6 +64,9 @@ def test_a_five_letter_word_matches_fuzzily(segment: SegmentText) -> None:
         ("code 44170", 4 / 9, ("44170",)),  # a number is never a near miss of another
         ("Ships dock at Belmor", 9 / 15, ("belmor",)),  # nor a name ("Belmora")
         ("engine purple", 6 / 12, ()),  # a word with no match is not found at all
+        # Fuzzy is whole-word similarity: "engine" inside "engineering" is no match.
+        ("tonight engineering", 7 / 18, ()),
+        ("port employs 1240", 1.0, ()),  # "1,240" in the text: the same number
     ],
 )
 def test_exact_values_and_unmatched_words_are_not_found(
@@ -73,7 +79,9 @@ def test_exact_values_and_unmatched_words_are_not_found(
     assert verdict.grounded is not missing
 
 
-@pytest.mark.parametrize("margin", ["dock never locked", "dock is not locked", "dock isn't locked"])
+@pytest.mark.parametrize(
+    "margin", ["dock never locked", "dock is not locked", "dock isn't locked", "dock isn’t locked"]
+)
 def test_a_denial_is_grounded_by_a_sentence_that_denies(segment: SegmentText, margin: str) -> None:
     verdict = segment.ground(margin, min_coverage=0.8, max_sentences=1)
     assert verdict.grounded and verdict.evidence is not None
@@ -84,6 +92,20 @@ def test_a_denial_is_grounded_by_a_sentence_that_denies(segment: SegmentText, ma
 def test_a_margin_asserting_nothing_has_no_evidence(segment: SegmentText, margin: str) -> None:
     verdict = segment.ground(margin, min_coverage=0.0, max_sentences=3)
     assert not verdict.grounded and verdict.evidence is None
+
+
+def test_a_segment_without_sentences_grounds_nothing() -> None:
+    blank = SegmentText("   ", Segment(0, 0, 0, 0, 3))
+    assert blank.ground("gate code 4417", min_coverage=0.0, max_sentences=2) == Grounding(
+        False, None
+    )
+
+
+def test_a_denial_is_one_exact_value_among_the_claims_words() -> None:
+    claim = Claim.parse("The dock is never locked at night")
+    denial = "\u00acnot"  # the marker a denial word becomes
+    assert claim.words == ("dock", denial, "locked", "night")
+    assert claim.numbers == {denial}
 
 
 def test_names_are_capitalised_words_that_do_not_open_a_sentence() -> None:
