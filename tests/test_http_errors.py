@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from wim_service.serving.errors import install_error_handlers
+from wim_service.serving.errors import HTTPFailure, install_error_handlers, status_of
 
 
 class Inner(BaseModel):
@@ -83,3 +83,17 @@ def test_unknown_routes_and_methods_answer_in_the_tables_shape() -> None:
     assert wrong.status_code == 405
     assert wrong.json() == {"code": "method_not_allowed", "message": "Method Not Allowed"}
     assert wrong.headers["Allow"] == "POST"  # the framework's headers are kept
+
+
+def test_a_code_outside_the_table_is_a_500() -> None:
+    assert status_of("a_code_added_later") == 500
+    assert HTTPFailure("a_code_added_later", "m").response().status_code == 500
+
+
+@pytest.mark.parametrize(("retry_after", "header"), [(0.2, "1"), (1.0, "1"), (2.1, "3")])
+def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one(
+    retry_after: float, header: str
+) -> None:
+    response = HTTPFailure("overloaded", "busy", retry_after).response()
+    assert response.status_code == 429
+    assert response.headers["Retry-After"] == header

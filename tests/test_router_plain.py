@@ -4,13 +4,19 @@ streams, and a lost replica — no Ray, no engine."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Any
+
 import pytest
 
 from tests.fake_service import PLAIN_ANSWER, ScriptedClient, ScriptedReplica
+from wim_service.serving.auth import OPEN_TENANT
 from wim_service.serving.errors import HTTPFailure
 from wim_service.serving.plain import PlainParams
+from wim_service.serving.replica_client import ReplicaLost
 from wim_service.serving.router import WiMRouter
 from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.events import WiMEvent
 
 SESSION = "plain-test"
 # 30 prompt tokens + 2 answer tokens fill exactly two 16-token KV blocks.
@@ -19,9 +25,9 @@ PARAMS = PlainParams(max_tokens=2)
 BLOCKS = 2
 
 
-async def router_over(*replicas: ScriptedReplica) -> WiMRouter:
+async def router_over(*replicas: ScriptedReplica, client: type = ScriptedClient) -> WiMRouter:
     config = {"engine": {"block_size": 16}, "router": {"replica_wait_s": 0}}
-    router = WiMRouter(None, config, client=ScriptedClient(*replicas), http_host="127.0.0.1")
+    router = WiMRouter(None, config, client=client(*replicas), http_host="127.0.0.1")
     await router.fleet.refresh_loads()
     return router
 
@@ -54,6 +60,7 @@ async def test_a_plain_request_needs_its_prompt_and_answer_blocks() -> None:
     with pytest.raises(HTTPFailure) as refused:
         await anext(router.dispatcher.plain(SESSION, PROMPT, PARAMS))
     assert refused.value.status == 429
+    assert "no engine replica has room for 2 KV blocks (1 live)" in refused.value.message
     assert counted(router, "wim_session_binding_total", result="new") == 0
 
 
@@ -71,3 +78,28 @@ async def test_a_plain_request_on_a_lost_replica_is_not_failed_over() -> None:
     assert router.fleet.ready() == ["b"]
     assert counted(router, "wim_session_failover_total", reason="replica_lost") == 1
     assert router.fleet.table.replica_of(SESSION) is None
+
+
+class DiesMidAnswer(ScriptedClient):
+    """Each replica dies after the first event it streams."""
+
+    async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
+        events = super().stream(replica, method, *args)
+        yield await anext(events)
+        self.replicas[replica].dead = True
+        raise ReplicaLost(replica, RuntimeError("actor died mid-stream"))
+
+
+async def test_a_plain_answer_cut_by_a_lost_replica_ends_with_an_error_event() -> None:
+    router = await router_over(ScriptedReplica("a"), client=DiesMidAnswer)
+    try:
+        items = await router.start_plain(PROMPT, PARAMS, OPEN_TENANT)
+        got = [item async for item in items]
+    finally:
+        if router._background is not None:
+            router._background.cancel()
+    # The first delta was already sent: the failure can only be an event of the stream.
+    assert [(replica, event.type) for replica, event in got] == [("a", "answer"), ("a", "error")]
+    error = got[-1][1]
+    assert error.type == "error" and error.code == "engine_error"
+    assert error.message == "send the request again: engine replica a was lost: RuntimeError"
