@@ -9,6 +9,7 @@ from functools import cached_property
 import pytest
 
 from wim_service.wim.capacity import JobShape, largest_document
+from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.options import RelevanceMode, WiMOptions
 from wim_service.wim.prompts import MarginNote, PromptBuilder
 
@@ -134,6 +135,19 @@ RELEVANCE_TOKENS = {
     RelevanceMode.CLASSIFIER: 1,
     RelevanceMode.NONE: 0,
 }
+
+
+def test_a_job_that_exactly_fills_the_window_fits() -> None:
+    # The margin request decides: 100 + 20 + 10 = 130 tokens (the final one: 100 + 5 + 5).
+    job = shape(
+        context=100, segments=2, margin_prompt=20, margin_max=10, final_prompt=5, answer_max=5
+    )
+    job.check_window(130)
+    with pytest.raises(WiMError) as refused:
+        job.check_window(129)
+    assert refused.value.code == ErrorCode.TOO_LONG
+    assert "needs up to 130 tokens; the model's context window is 129." in refused.value.message
+    assert refused.value.message.endswith("lower margin_max_tokens / answer_max_tokens.")
 
 
 class LengthsBuilder(PromptBuilder):

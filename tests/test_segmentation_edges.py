@@ -37,6 +37,10 @@ def first_cut(lengths: list[int], *, target: int, cap: int, block: int) -> int:
         ([7, 5, 9, 9], 8, 12, 6, 7),  # 12 is block-aligned but out of the window
         # target 3: slack at least 1, window 2..4; 5 is block-aligned but out of it.
         ([4, 1, 9, 9], 3, 6, 5, 4),
+        # No end in the window: the reachable one nearest the target (11, not 3).
+        ([3, 8, 9, 9], 8, 12, 16, 11),
+        # A one-token first sentence: a cut after token 1 is clean.
+        ([1, 9, 9], 1, 2, 16, 1),
     ],
 )
 def test_the_cut_is_the_block_aligned_sentence_end_within_the_window(
@@ -51,3 +55,25 @@ def test_a_sentence_end_before_trailing_space_is_no_cut() -> None:
         text, encoded, target_tokens=4, max_tokens=6, block_size=16, prefix_tokens=0
     )
     assert [(s.token_start, s.token_end, s.char_end) for s in segments] == [(0, 6, len(text))]
+
+
+def test_among_block_aligned_ends_the_one_nearest_the_target_wins() -> None:
+    # Blocks of 2: every end in the window (6..10 tokens past the last cut) is aligned; the
+    # one 8 tokens on wins each time.
+    text, encoded = words_document([6, 2] * 4)
+    segments = segment_document(
+        text, encoded, target_tokens=8, max_tokens=12, block_size=2, prefix_tokens=0
+    )
+    assert [s.token_end for s in segments] == [8, 16, 24, 32]
+
+
+def test_no_cut_splits_a_character_two_tokens_share() -> None:
+    # Byte-level BPE: the token after "one." starts inside the previous one, which ends one
+    # character past the sentence end; the next clean end is after "two.".
+    text = "Word one. Word two. Word three."
+    offsets = [(0, 4), (5, 10), (9, 14), (15, 19), (20, 24), (25, 31)]
+    encoded = EncodedText(ids=list(range(len(offsets))), offsets=offsets)
+    segments = segment_document(
+        text, encoded, target_tokens=2, max_tokens=4, block_size=16, prefix_tokens=0
+    )
+    assert [s.token_end for s in segments] == [4, 6]
