@@ -37,8 +37,6 @@ def first_cut(lengths: list[int], *, target: int, cap: int, block: int) -> int:
         ([7, 5, 9, 9], 8, 12, 6, 7),  # 12 is block-aligned but out of the window
         # target 3: slack at least 1, window 2..4; 5 is block-aligned but out of it.
         ([4, 1, 9, 9], 3, 6, 5, 4),
-        # No end in the window: the reachable one nearest the target (11, not 3).
-        ([3, 8, 9, 9], 8, 12, 16, 11),
         # A one-token first sentence: a cut after token 1 is clean.
         ([1, 9, 9], 1, 2, 16, 1),
     ],
@@ -65,6 +63,15 @@ def test_among_block_aligned_ends_the_one_nearest_the_target_wins() -> None:
         text, encoded, target_tokens=8, max_tokens=12, block_size=2, prefix_tokens=0
     )
     assert [s.token_end for s in segments] == [8, 16, 24, 32]
+
+
+def test_with_no_end_in_the_window_the_reachable_one_nearest_the_target_wins() -> None:
+    # Ends 3 and 11 tokens past each cut, none within 6..10: 11 is nearer 8 than 3 is.
+    text, encoded = words_document([3, 8, 3, 8, 9])
+    segments = segment_document(
+        text, encoded, target_tokens=8, max_tokens=12, block_size=16, prefix_tokens=0
+    )
+    assert [s.token_end for s in segments] == [11, 22, 31]
 
 
 def test_no_cut_splits_a_character_two_tokens_share() -> None:
