@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from wim_service.benchmarks.common import QUERIES, BenchSettings, JobResult, line, timed_job
+from wim_service.wim.backend import RequestKind
 from wim_service.wim.grounding import SegmentText, query_overlap
 from wim_service.wim.options import WiMOptions
 from wim_service.wim.prompts import PromptBuilder
@@ -71,28 +72,46 @@ async def bench_tokens(backend: Any, document: str, options: WiMOptions) -> dict
     }
 
 
+def _hideable(seconds: list[float]) -> float:
+    """All but the longest: the margins left when the last push is done decode together, so
+    the tail is at least one margin's time."""
+    return sum(seconds) - max(seconds, default=0.0)
+
+
 async def bench_pipeline(
     backend: Any, document: str, options: WiMOptions, rounds: int
 ) -> dict[str, Any]:
+    """Pipelined vs sequential, and two overlap limits from the sequential run's margins.
+
+    The engine's request timeline splits each margin into its prefill (to the first token)
+    and its decode. Pipelining puts a margin's prefill in the same engine step as the next
+    segment's push, where it still costs its compute: on a compute-bound CPU only the decode
+    steps (one token per margin, bound by reading the weights) can ride along for free. So
+    `overlap_limit` hides every margin's decode but the longest; `overlap_limit_whole_margins`
+    hides whole margins, a bound only an engine with idle compute during prefill can reach.
+    """
     pipelined: list[float] = []
     sequential: list[float] = []
     limits: list[float] = []
+    whole: list[float] = []
     for r in range(rounds):
         query = QUERIES[r % len(QUERIES)]
+        mark = time.monotonic()
         seq = await timed_job(backend, document, query, options, pipelined=False)
+        spans = [s for s in backend.timeline if s.started >= mark and s.kind == RequestKind.MARGIN]
         pipe = await timed_job(backend, document, query, options, pipelined=True)
         sequential.append(seq.seconds)
         pipelined.append(pipe.seconds)
-        # Pipelining can hide every margin's decode except the last one's.
-        margin_times = sorted(m.elapsed_s for m in seq.margins)
-        hideable = sum(margin_times) - (margin_times[-1] if margin_times else 0.0)
-        limits.append((seq.seconds - hideable) / seq.seconds)
+        decode = [s.ended - s.first_output for s in spans if s.first_output and s.ended]
+        limits.append((seq.seconds - _hideable(decode)) / seq.seconds)
+        whole.append((seq.seconds - _hideable([m.elapsed_s for m in seq.margins])) / seq.seconds)
     ratio = statistics.median(p / s for p, s in zip(pipelined, sequential, strict=True))
     return {
         "pipelined_s": statistics.median(pipelined),
         "sequential_s": statistics.median(sequential),
         "ratio": ratio,
         "overlap_limit": statistics.median(limits),
+        "overlap_limit_whole_margins": statistics.median(whole),
     }
 
 
@@ -157,7 +176,8 @@ async def run_bench(settings: BenchSettings) -> int:
         line(
             "pipelined / sequential",
             f"{pipe['pipelined_s']:.2f} s / {pipe['sequential_s']:.2f} s = {pipe['ratio']:.3f} "
-            f"(overlap limit {pipe['overlap_limit']:.3f})",
+            f"(overlap limit {pipe['overlap_limit']:.3f}: margins' decode hidden; "
+            f"{pipe['overlap_limit_whole_margins']:.3f}: whole margins hidden)",
         )
         print("(d) WiM vs one plain long-context call, same answer length", flush=True)
         plain = await bench_vs_plain(backend, document, options, settings.rounds)
