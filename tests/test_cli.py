@@ -184,6 +184,11 @@ def test_sigterm_during_wim_run_stops_the_engine_processes(model_dir: Path) -> N
         assert not alive, f"left running after SIGTERM: {[c.name() for c in alive]}"
         assert status == 128 + signal.SIGTERM
     finally:
-        for child in [*children, *psutil.Process().children(recursive=True)]:
+        # Only `wim run` and its own processes: the test session's engine and redis-server are
+        # children of this process too.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children += psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        for child in children:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
