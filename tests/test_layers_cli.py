@@ -263,6 +263,8 @@ def test_bench_keeps_its_flags() -> None:
         "--skip-reference",
         "--json-out",
         "--serving",
+        "--store",
+        "--relevance",
     ):
         assert flag in text
 

@@ -12,7 +12,7 @@ from typing import Any
 from wim_service.engine.config import EngineConfig
 from wim_service.wim.backend import Backend
 from wim_service.wim.events import DoneEvent, MarginEvent
-from wim_service.wim.options import WiMOptions
+from wim_service.wim.options import RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import run_wim
 
 DEFAULT_DOCUMENT = Path(__file__).resolve().parents[2] / "examples" / "harbor_report.txt"
@@ -33,6 +33,7 @@ class BenchSettings:
     context: Path  # the document, joined `repeat` times
     repeat: int
     segment_tokens: int
+    relevance: RelevanceMode
     concurrency: int  # documents at once for the engine benchmark's (c)
     rounds: int  # repetitions of every side-by-side measurement
     skip_reference: bool
@@ -43,12 +44,12 @@ class BenchSettings:
         return "\n\n".join([self.context.read_text(encoding="utf-8")] * self.repeat)
 
     def options(self) -> WiMOptions:
-        return WiMOptions(segment_tokens=self.segment_tokens)
+        return WiMOptions(segment_tokens=self.segment_tokens, relevance=self.relevance)
 
     def header(self, command: str) -> None:
         print(
             f"{command}: {self.context.name} x{self.repeat}, segments of ~{self.segment_tokens} "
-            f"tokens, dtype {self.engine.dtype_label()}",
+            f"tokens, relevance {self.relevance}, dtype {self.engine.dtype_label()}",
             flush=True,
         )
 

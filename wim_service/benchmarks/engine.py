@@ -236,6 +236,7 @@ def _argv(settings: BenchSettings) -> list[str]:
     return [
         f"--repeat {settings.repeat}",
         f"--segment-tokens {settings.segment_tokens}",
+        f"--relevance {settings.relevance}",
         f"--concurrency {settings.concurrency}",
         f"--rounds {settings.rounds}",
         f"--dtype {settings.engine.dtype}",

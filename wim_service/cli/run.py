@@ -24,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--relevance",
         choices=[m.value for m in RelevanceMode],
-        default=RelevanceMode.FIRST_TOKEN.value,
+        default=WiMOptions().relevance.value,
         help="how margins are judged (%(default)s)",
     )
     parser.add_argument("--segment-tokens", type=int, default=WiMOptions().segment_tokens)
