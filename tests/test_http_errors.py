@@ -1,8 +1,10 @@
 """The error table's handlers (`serving/errors.py`) on a small app: a body that does not match
 its schema, and what the web framework refuses itself, come back as `{code, message}` with the
-table's status."""
+table's status; a failure after a stream began becomes an `error` event (`serving/responses.py`)."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
 
 import pytest
 from fastapi import FastAPI
@@ -11,6 +13,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from wim_service.serving.errors import HTTPFailure, install_error_handlers, status_of
+from wim_service.serving.responses import with_late_errors
+from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.events import AnswerEvent, ErrorEvent, SegmentEvent, WiMEvent
 
 
 class Inner(BaseModel):
@@ -97,3 +102,24 @@ def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one(
     response = HTTPFailure("overloaded", "busy", retry_after).response()
     assert response.status_code == 429
     assert response.headers["Retry-After"] == header
+
+
+async def test_a_failure_after_the_first_event_keeps_its_retry_hint() -> None:
+    """A stream already under way cannot change its status: the failure becomes an `error`
+    event, and an overloaded one still tells the client when to come back."""
+
+    async def rest() -> AsyncIterator[tuple[str, WiMEvent]]:
+        yield "replica-a", AnswerEvent(text="The")
+        raise WiMError(ErrorCode.OVERLOADED, "KV ran out", retry_after_s=2.5)
+
+    segment = SegmentEvent(
+        segment=0, segments=2, tokens=8, context_tokens=8, char_start=0, char_end=30
+    )
+    first = ("replica-a", segment)
+    items = [item async for item in with_late_errors(first, rest())]
+    assert items[:2] == [first, ("replica-a", AnswerEvent(text="The"))]
+    assert items[2] == (
+        "replica-a",
+        ErrorEvent(code="overloaded", message="KV ran out", retry_after_s=2.5),
+    )
+    assert len(items) == 3

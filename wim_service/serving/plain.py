@@ -54,7 +54,7 @@ async def plain_events(
                 pieces.append(chunk.text)
                 yield AnswerEvent(text=chunk.text)
     except WiMError as exc:
-        yield ErrorEvent(code=exc.code.value, message=exc.message, retry_after_s=exc.retry_after_s)
+        yield ErrorEvent.of(exc)
         return
     timings.total_s = time.perf_counter() - started
     submitted = len(prompt_ids)

@@ -43,10 +43,6 @@ class _Document:
     claimed: float  # monotonic time a router last said it holds this session
 
 
-def _error(exc: WiMError) -> ErrorEvent:
-    return ErrorEvent(code=exc.code.value, message=exc.message, retry_after_s=exc.retry_after_s)
-
-
 class EngineReplica:
     def __init__(self, engine: dict[str, Any]) -> None:
         # Ray starts workers at nice 15 and the engine process inherits it; under load such an
@@ -129,7 +125,7 @@ class EngineReplica:
             session = await open_document(self.backend, self.backend.tokenizer, document, options)
         except WiMError as exc:
             self._check_engine()
-            return _error(exc)
+            return ErrorEvent.of(exc)
         self.documents[document_id] = _Document(session, time.monotonic())
         return DocumentOpened(
             context_tokens=session.plan.context_tokens, segments=len(session.plan.segments)

@@ -45,7 +45,7 @@ async def with_late_errors(first: Item, items: AsyncIterator[Item]) -> AsyncIter
         async for replica, event in items:
             yield replica, event
     except WiMError as exc:
-        yield replica, ErrorEvent(code=exc.code.value, message=exc.message)
+        yield replica, ErrorEvent.of(exc)
 
 
 async def json_response(items: AsyncIterator[Item], session_id: str) -> Response:

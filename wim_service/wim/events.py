@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
+from wim_service.wim.errors import WiMError
+
 
 class Usage(BaseModel):
     """Token accounting of one job (prompt tokens are summed over every engine request)."""
@@ -85,6 +87,11 @@ class ErrorEvent(BaseModel):
     code: str
     message: str
     retry_after_s: float | None = None  # set with code "overloaded"
+
+    @classmethod
+    def of(cls, exc: WiMError) -> ErrorEvent:
+        """The event that reports `exc`, its retry hint included."""
+        return cls(code=exc.code.value, message=exc.message, retry_after_s=exc.retry_after_s)
 
 
 WiMEvent = Annotated[

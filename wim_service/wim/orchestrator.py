@@ -647,11 +647,7 @@ async def _event_stream(job: Callable[[Emit], Awaitable[None]]) -> AsyncIterator
         try:
             await job(queue.put_nowait)
         except WiMError as exc:
-            queue.put_nowait(
-                ErrorEvent(
-                    code=exc.code.value, message=exc.message, retry_after_s=exc.retry_after_s
-                )
-            )
+            queue.put_nowait(ErrorEvent.of(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an engine failure must end the stream, not hang it
