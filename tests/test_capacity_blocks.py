@@ -189,7 +189,9 @@ def shape_of(options: WiMOptions, query: str | None) -> JobShape:
 
 
 def test_a_jobs_shape_counts_its_query_and_a_margin_for_its_edges() -> None:
-    options = WiMOptions(margin_max_tokens=50, answer_max_tokens=60)
+    options = WiMOptions(
+        relevance=RelevanceMode.FIRST_TOKEN, margin_max_tokens=50, answer_max_tokens=60
+    )
     # Each prompt + 4 tokens for merges at the query's edges; first_token relevance: +2.
     assert shape_of(options, QUERY) == JobShape(
         context_tokens=300,
@@ -225,5 +227,9 @@ def test_a_jobs_shape_counts_its_query_and_a_margin_for_its_edges() -> None:
 def test_the_largest_document_leaves_room_for_its_longest_request(
     margin_max: int, answer_max: int, query: str | None, largest: int
 ) -> None:
-    options = WiMOptions(margin_max_tokens=margin_max, answer_max_tokens=answer_max)
+    options = WiMOptions(
+        relevance=RelevanceMode.FIRST_TOKEN,
+        margin_max_tokens=margin_max,
+        answer_max_tokens=answer_max,
+    )
     assert largest_document(LengthsBuilder(), options, 1000, query) == largest

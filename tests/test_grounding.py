@@ -283,7 +283,12 @@ async def test_no_surviving_margin_answers_token_for_token_as_plain(engine, repo
     """Do no harm: when no margin survives, WiM's final prompt is the plain long-context
     prompt and its answer is plain's, token for token (fp32, greedy)."""
     # First-token relevance with one-token margins: every margin is its YES/NO alone, so empty.
-    options = WiMOptions(segment_tokens=192, margin_max_tokens=1, answer_max_tokens=40)
+    options = WiMOptions(
+        relevance=RelevanceMode.FIRST_TOKEN,
+        segment_tokens=192,
+        margin_max_tokens=1,
+        answer_max_tokens=40,
+    )
     recording = RecordingEngine(engine)
     events = [e async for e in run_wim(recording, engine.tokenizer, report, README_QUERY, options)]
     done = events[-1]

@@ -208,7 +208,8 @@ async def test_first_token_no_drops_the_margin_at_its_first_token(tokenizer) -> 
         return "On Salt Lane."
 
     backend = FakeBackend(tokenizer, script)
-    events = await collect(backend)
+    first_token = options(relevance=RelevanceMode.FIRST_TOKEN)
+    events = await collect(backend, opts=first_token)
     margins = [e for e in events if e.type == "margin"]
     assert margins and events[-1].type == "done"
     for m in margins:
@@ -228,7 +229,7 @@ async def test_first_token_no_drops_the_margin_at_its_first_token(tokenizer) -> 
     assert all(0 <= m.elapsed_s < timings.total_s for m in margins)
     # The answer streamed as it was written, and the deltas make up the answer.
     assert "".join(e.text for e in events if e.type == "answer") == events[-1].answer
-    assert_request_params(backend, options())
+    assert_request_params(backend, first_token)
 
 
 async def test_stop_string_ends_a_margin_early(tokenizer) -> None:

@@ -26,7 +26,6 @@ class NoCapacity(Exception):
 
     def __init__(self, needed_blocks: int, live: int) -> None:
         super().__init__(f"no engine replica has room for {needed_blocks} KV blocks ({live} live)")
-        self.needed_blocks = needed_blocks
         self.live = live
 
 

@@ -180,7 +180,9 @@ class WiMOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    relevance: RelevanceMode = RelevanceMode.FIRST_TOKEN
+    # `none`: on the default model the 135M judge drops needed margins and keeps invented
+    # ones; grounding (below) is the filter that works. Measured in docs/evaluation.md.
+    relevance: RelevanceMode = RelevanceMode.NONE
     segment_tokens: int = Field(512, ge=32, le=65536, description="Target segment size in tokens.")
     max_segment_tokens: int | None = Field(
         None, ge=32, le=131072, description="Hard cap per segment (default 1.5 x target)."
