@@ -167,4 +167,4 @@ class HFContext:
         yield  # the reference backend has no shared KV pool to reserve from
 
     async def close(self) -> None:
-        self.cache = None  # type: ignore[assignment]  # frees the KV; the context is over
+        self.cache = None  # frees the KV; the context is over

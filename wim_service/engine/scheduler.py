@@ -215,7 +215,7 @@ def _engine_wim_salt_blocks(self: EngineCore, salt: str) -> list[int]:
     return _scheduler(self).wim_salt_blocks(salt)
 
 
-EngineCore.wim_purge_salt = _engine_wim_purge_salt  # type: ignore[attr-defined]
-EngineCore.wim_kv_stats = _engine_wim_kv_stats  # type: ignore[attr-defined]
-EngineCore.wim_peak_blocks = _engine_wim_peak_blocks  # type: ignore[attr-defined]
-EngineCore.wim_salt_blocks = _engine_wim_salt_blocks  # type: ignore[attr-defined]
+EngineCore.wim_purge_salt = _engine_wim_purge_salt
+EngineCore.wim_kv_stats = _engine_wim_kv_stats
+EngineCore.wim_peak_blocks = _engine_wim_peak_blocks
+EngineCore.wim_salt_blocks = _engine_wim_salt_blocks
