@@ -408,7 +408,9 @@ def test_streamed_questions_report_their_time_to_first_margin(paced_run: LocustR
 
 def test_the_openai_user_asks_chat_completions(paced_run: LocustRun) -> None:
     chat = paced_run.stats["POST", "/v1/chat/completions"]
-    assert int(chat["Request Count"]) >= 4
+    # Paced at 1/s for 5 s less its spawning: the last user spawned, and a loaded machine
+    # stretches spawning (fewer than 4 on 1 December with a mutmut run beside it).
+    assert int(chat["Request Count"]) >= 2
     assert int(chat["Failure Count"]) == 0  # the stub refuses a body not shaped as the docs say
     assert ("GET", "/v1/models") in paced_run.stats
 
