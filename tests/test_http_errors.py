@@ -1,18 +1,23 @@
 """The error table's handlers (`serving/errors.py`) on a small app: a body that does not match
 its schema, and what the web framework refuses itself, come back as `{code, message}` with the
-table's status; a failure after a stream began becomes an `error` event (`serving/responses.py`)."""
+table's status; a failure after a stream began becomes an `error` event (`serving/responses.py`);
+a body over the limit is refused with 413 (`serving/limits.py`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Receive, Scope, Send
 
 from wim_service.serving.errors import HTTPFailure, install_error_handlers, status_of
+from wim_service.serving.limits import BodyLimitMiddleware
 from wim_service.serving.responses import with_late_errors
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import AnswerEvent, ErrorEvent, SegmentEvent, WiMEvent
@@ -123,3 +128,136 @@ async def test_a_failure_after_the_first_event_keeps_its_retry_hint() -> None:
         ErrorEvent(code="overloaded", message="KV ran out", retry_after_s=2.5),
     )
     assert len(items) == 3
+
+
+# Body limits at the edge (`serving/limits.py`), driven over raw ASGI messages so that each test
+# controls how the body arrives: with a Content-Length, chunked, or cut off. The real
+# service's 413 over HTTP is in tests/test_hostile.py.
+
+LIMIT = 10
+
+
+@dataclass
+class EchoApp:
+    """Answers 200 with the body it read; records every call."""
+
+    calls: list[Scope] = field(default_factory=list)
+    after_body: list[Message] = field(default_factory=list)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.calls.append(scope)
+        if scope["type"] != "http":
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        if scope.get("receive_after_body"):
+            self.after_body.append(await receive())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+
+@dataclass
+class Exchange:
+    status: int | None = None
+    body: bytes = b""
+    received: int = 0  # messages the middleware or the app took from the client
+
+
+async def call(
+    messages: Iterable[Message], headers: dict[bytes, bytes] | None = None, **scope_extra: object
+) -> tuple[Exchange, EchoApp]:
+    app = EchoApp()
+    pending = list(messages)
+    exchange = Exchange()
+
+    async def receive() -> Message:
+        exchange.received += 1
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            exchange.status = message["status"]
+        else:
+            exchange.body += message.get("body", b"")
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/wim",
+        "headers": list((headers or {}).items()),
+    }
+    await BodyLimitMiddleware(app, LIMIT)({**scope, **scope_extra}, receive, send)
+    return exchange, app
+
+
+def chunks(*parts: bytes) -> list[Message]:
+    return [
+        {"type": "http.request", "body": part, "more_body": i < len(parts) - 1}
+        for i, part in enumerate(parts)
+    ]
+
+
+def assert_refused(exchange: Exchange, app: EchoApp) -> None:
+    assert exchange.status == 413
+    assert json.loads(exchange.body) == {
+        "code": "body_too_large",
+        "message": f"the request body is larger than this service takes ({LIMIT} bytes)",
+    }
+    assert app.calls == []
+
+
+async def test_a_declared_length_over_the_limit_is_refused_unread() -> None:
+    exchange, app = await call(chunks(b"x" * 11), {b"content-length": b"11"})
+    assert_refused(exchange, app)
+    assert exchange.received == 0
+
+
+async def test_a_declared_length_that_is_not_a_number_is_refused() -> None:
+    exchange, app = await call(chunks(b"x"), {b"content-length": b"1e1"})
+    assert_refused(exchange, app)
+
+
+async def test_a_declared_length_at_the_limit_passes_untouched() -> None:
+    exchange, app = await call(chunks(b"0123456789"), {b"content-length": b"10"})
+    assert (exchange.status, exchange.body) == (200, b"0123456789")
+    assert len(app.calls) == 1
+
+
+async def test_a_chunked_body_within_the_limit_reaches_the_app_whole() -> None:
+    exchange, app = await call(chunks(b"0123", b"4567", b"89"))
+    assert (exchange.status, exchange.body) == (200, b"0123456789")
+    assert exchange.received == 3 and len(app.calls) == 1
+
+
+async def test_a_chunked_body_is_refused_at_the_chunk_that_passes_the_limit() -> None:
+    exchange, app = await call(chunks(b"0123", b"4567", b"890", b"never read"))
+    assert_refused(exchange, app)
+    assert exchange.received == 3  # the fourth chunk was never asked for
+
+
+async def test_after_the_replayed_body_the_app_hears_the_client() -> None:
+    exchange, app = await call(chunks(b"01", b"23"), receive_after_body=True)
+    assert (exchange.status, exchange.body) == (200, b"0123")
+    assert app.after_body == [{"type": "http.disconnect"}]
+
+
+async def test_a_client_gone_mid_body_gets_nothing_and_the_app_is_not_called() -> None:
+    exchange, app = await call([{"type": "http.request", "body": b"01", "more_body": True}])
+    assert exchange.status is None and exchange.body == b""
+    assert app.calls == []
+
+
+async def test_other_scopes_pass_through() -> None:
+    app = EchoApp()
+
+    async def receive() -> Message:
+        raise AssertionError("a lifespan scope's messages are the app's to read")
+
+    async def send(message: Message) -> None:
+        raise AssertionError("nothing to send")
+
+    await BodyLimitMiddleware(app, LIMIT)({"type": "lifespan"}, receive, send)
+    assert app.calls == [{"type": "lifespan"}]

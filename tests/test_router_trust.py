@@ -18,8 +18,12 @@ from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica, job_event
 from wim_service.serving.auth import (
     KEYS_ENV,
     KEYS_FILE_ENV,
+    OPEN_TENANT,
     ApiKeys,
     KeysConfig,
+    Tenant,
+    TenantGate,
+    TenantLimits,
     check_open_mode,
     hash_key,
 )
@@ -452,3 +456,80 @@ def test_claims_name_only_the_sessions_bound_to_each_replica() -> None:
     asyncio.run(router._claim_documents())
     assert a.claimed == []
     assert json.dumps(a.claimed) == "[]"
+
+
+def test_the_bearer_scheme_is_read_as_http_says() -> None:
+    keys = ApiKeys(KEYS)
+    # The scheme is case-insensitive; spaces around the key are not part of it.
+    assert keys.tenant("bearer acme-key").name == "acme"
+    assert keys.tenant("BEARER  acme-key ").name == "acme"
+    for header in (None, "", "Bearer", "Bearer   ", "Basic acme-key", "acme-key"):
+        with pytest.raises(HTTPFailure) as refused:
+            keys.tenant(header)
+        assert (refused.value.status, refused.value.message) == (
+            401,
+            "send your API key as 'Authorization: Bearer <key>'",
+        ), header
+    with pytest.raises(HTTPFailure) as unknown:
+        keys.tenant("Bearer ACME-KEY")  # keys are compared exactly
+    assert (unknown.value.status, unknown.value.message) == (401, "unknown API key")
+    # Open mode: every caller is the one anonymous tenant, whatever it sends.
+    assert ApiKeys(None).tenant("Bearer anything") is OPEN_TENANT
+
+
+def test_open_mode_knows_loopback_by_name_and_refuses_a_public_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    check_open_mode(ApiKeys(None), "localhost", {})
+    check_open_mode(ApiKeys(None), "127.0.0.2", {})
+    for host in ("wim.example.org", "10.0.0.5", "::"):
+        with pytest.raises(RuntimeError) as refused:
+            check_open_mode(ApiKeys(None), host, {})
+        assert f"listens on {host!r}" in str(refused.value)
+        assert all(name in str(refused.value) for name in (KEYS_FILE_ENV, KEYS_ENV))
+    with pytest.raises(RuntimeError):
+        check_open_mode(ApiKeys(None), "0.0.0.0", {"WIM_ALLOW_OPEN": "true"})  # only "1"
+    with caplog.at_level(logging.WARNING, logger="wim_service.serving.auth"):
+        check_open_mode(ApiKeys(None), "0.0.0.0", {"WIM_ALLOW_OPEN": "1"})
+    assert [r.getMessage() for r in caplog.records] == [
+        "NO AUTHENTICATION: the service listens on 0.0.0.0 without API keys because "
+        "WIM_ALLOW_OPEN=1; anyone who reaches it can read and delete every document session"
+    ]
+
+
+def test_the_request_rate_is_a_sliding_minute_per_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    gate = TenantGate(retry_after_s=2.0)
+    two = Tenant("two", TenantLimits(requests_per_minute=2))
+    gate.admit(two)  # t = 1000
+    now[0] = 1010.0
+    gate.admit(two)
+    now[0] = 1020.0
+    with pytest.raises(HTTPFailure) as refused:
+        gate.admit(two)
+    # Come back when the oldest request leaves the minute: 1000 + 60 - 1020.
+    assert (refused.value.status, refused.value.retry_after) == (429, 40.0)
+    assert refused.value.message == "more than 2 requests in a minute"
+    gate.admit(Tenant("other", TenantLimits(requests_per_minute=2)))  # its own count
+    now[0] = 1059.5
+    with pytest.raises(HTTPFailure) as soon:
+        gate.admit(two)
+    assert soon.value.retry_after == 1.0  # at least a second
+    now[0] = 1060.0  # the first request is exactly a minute old: out of the window
+    gate.admit(two)
+    with pytest.raises(HTTPFailure):
+        gate.admit(two)
+
+
+async def test_a_tenants_jobs_at_once_are_held_and_given_back() -> None:
+    gate = TenantGate(retry_after_s=2.5)
+    one = Tenant("one", TenantLimits(concurrent_jobs=1))
+    async with gate.job(one):
+        with pytest.raises(HTTPFailure) as refused:
+            async with gate.job(one):
+                pass
+        assert (refused.value.status, refused.value.retry_after) == (429, 2.5)
+        assert refused.value.message == "1 jobs of this tenant are running; the limit is 1"
+    async with gate.job(one):  # given back
+        pass
