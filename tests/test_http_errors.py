@@ -18,7 +18,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from wim_service.serving.errors import HTTPFailure, install_error_handlers, status_of
 from wim_service.serving.limits import BodyLimitMiddleware
-from wim_service.serving.responses import with_late_errors
+from wim_service.serving.responses import first_item, with_late_errors
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import AnswerEvent, ErrorEvent, SegmentEvent, WiMEvent
 
@@ -128,6 +128,44 @@ async def test_a_failure_after_the_first_event_keeps_its_retry_hint() -> None:
         ErrorEvent(code="overloaded", message="KV ran out", retry_after_s=2.5),
     )
     assert len(items) == 3
+
+
+async def test_a_failure_before_the_first_event_is_an_http_status() -> None:
+    """Nothing was sent yet, so the failure is answered with its status and retry hint."""
+
+    async def refused() -> AsyncIterator[tuple[str, WiMEvent]]:
+        raise WiMError(ErrorCode.OVERLOADED, "KV ran out", retry_after_s=2.5)
+        yield  # an async generator
+
+    async def empty() -> AsyncIterator[tuple[str, WiMEvent]]:
+        return
+        yield
+
+    closed: list[bool] = []
+
+    async def error_first() -> AsyncIterator[tuple[str, WiMEvent]]:
+        try:
+            yield "replica-a", ErrorEvent(code="too_long", message="too long", retry_after_s=None)
+            yield "replica-a", AnswerEvent(text="never")
+        finally:
+            closed.append(True)
+
+    cases = [
+        (refused(), ("overloaded", 429, "KV ran out", 2.5)),
+        (empty(), ("engine_error", 502, "the job produced no output", None)),
+        (error_first(), ("too_long", status_of("too_long"), "too long", None)),
+    ]
+    for items, expected in cases:
+        with pytest.raises(HTTPFailure) as failure:
+            await first_item(items)
+        got = failure.value
+        assert (got.code, got.status, got.message, got.retry_after) == expected
+    assert closed == [True]  # the job's stream was closed at once, not left to the collector
+
+    async def answering() -> AsyncIterator[tuple[str, WiMEvent]]:
+        yield "replica-b", AnswerEvent(text="4417")
+
+    assert await first_item(answering()) == ("replica-b", AnswerEvent(text="4417"))
 
 
 # Body limits at the edge (`serving/limits.py`), driven over raw ASGI messages so that each test

@@ -356,11 +356,19 @@ def test_one_shot_job_fails_over_and_gives_up_after_max_failovers() -> None:
     assert moved.status_code == 200 and moved.json()["replica"] == "b"
     assert metric(client, "wim_session_binding_total", result="repin") == 1
 
-    c, d = FakeReplica("c"), FakeReplica("d")
+    # Two losses with max_failovers 1: the job gives up, though a healthy replica is left.
+    c, d, e = (
+        FakeReplica("c", capacity=100_000),
+        FakeReplica("d", capacity=50_000),
+        FakeReplica("e"),
+    )
     c.die_after = d.die_after = 0
-    failing, _ = make_service(c, d, max_failovers=1)
+    failing, _ = make_service(c, d, e, max_failovers=1)
     response = failing.post("/wim", json={"context": DOCUMENT, "query": "q"})
-    assert response.status_code in (502, 503)  # both lost: no replica left to place on
+    assert response.status_code == 502, response.text
+    assert response.json()["message"].startswith("engine replicas kept failing")
+    assert [r.calls.count("run") for r in (c, d, e)] == [1, 1, 0]
+    assert metric(failing, "wim_session_binding_total", result="repin") == 1
 
 
 class ScriptedClient(FakeClient):

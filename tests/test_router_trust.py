@@ -446,6 +446,36 @@ def test_a_transient_actor_error_is_retried_without_losing_the_replica() -> None
     assert metric(client, "wim_session_failover_total") == 0
 
 
+def test_a_replica_unreachable_past_the_retries_is_failed_over() -> None:
+    """Two transient retries on the same replica (TRANSIENT_RETRIES), then it counts as lost."""
+
+    class FlakyA(FakeClient):
+        failures = 3
+
+        async def stream(self, replica: str, method: str, *args: Any):
+            if replica == "a" and self.failures:
+                self.failures -= 1
+                self.replicas["a"].calls.append(method)
+                raise ReplicaLost(replica, RuntimeError("unavailable"), transient=True)
+            async for event in super().stream(replica, method, *args):
+                yield event
+
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    router = WiMRouter(
+        None,
+        {"router": {"replica_wait_s": 0}},
+        client=FlakyA(a, b),
+        keys=ApiKeys(None),
+        http_host="127.0.0.1",
+    )
+    client = TestClient(build_http_app(router))
+    answer = client.post("/wim", json={"context": DOCUMENT, "query": "q"})
+    assert answer.status_code == 200 and answer.json()["replica"] == "b"
+    assert (a.calls.count("run"), b.calls.count("run")) == (3, 1)
+    assert not router.fleet.table.is_live("a")
+    assert metric(client, "wim_session_binding_total", result="repin") == 1
+
+
 def test_claims_name_only_the_sessions_bound_to_each_replica() -> None:
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
     client, router = service(a, b, keys=None)
