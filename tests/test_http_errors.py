@@ -189,6 +189,7 @@ class EchoApp:
         body, more = b"", True
         while more:
             message = await receive()
+            assert message["type"] == "http.request"
             body += message.get("body", b"")
             more = message.get("more_body", False)
         if scope.get("receive_after_body"):
@@ -274,6 +275,14 @@ async def test_a_chunked_body_is_refused_at_the_chunk_that_passes_the_limit() ->
     exchange, app = await call(chunks(b"0123", b"4567", b"890", b"never read"))
     assert_refused(exchange, app)
     assert exchange.received == 3  # the fourth chunk was never asked for
+
+
+async def test_a_message_without_a_body_counts_as_empty() -> None:
+    # ASGI lets a server leave out "body" (empty) and "more_body" (False).
+    exchange, _app = await call(
+        [{"type": "http.request", "more_body": True}, {"type": "http.request"}]
+    )
+    assert (exchange.status, exchange.body) == (200, b"")
 
 
 async def test_after_the_replayed_body_the_app_hears_the_client() -> None:

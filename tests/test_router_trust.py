@@ -517,6 +517,7 @@ def test_open_mode_knows_loopback_by_name_and_refuses_a_public_name(
             check_open_mode(ApiKeys(None), host, {})
         assert f"listens on {host!r}" in str(refused.value)
         assert all(name in str(refused.value) for name in (KEYS_FILE_ENV, KEYS_ENV))
+        assert str(refused.value).endswith("=1 to run without authentication on purpose")
     with pytest.raises(RuntimeError):
         check_open_mode(ApiKeys(None), "0.0.0.0", {"WIM_ALLOW_OPEN": "true"})  # only "1"
     with caplog.at_level(logging.WARNING, logger="wim_service.serving.auth"):
