@@ -87,3 +87,21 @@ def test_a_replica_routed_to_but_not_yet_reported_still_holds_its_sessions() -> 
     fresh = BindingTable()
     fresh.update_replicas({"a", "b"}, [load("a", 90)])
     assert fresh.place("s", 10) == "a"
+
+
+def test_equal_room_goes_to_fewer_sessions_and_each_placement_takes_a_slot() -> None:
+    table = BindingTable()
+    table.update_replicas(
+        {"a", "b"},
+        [
+            ReplicaLoad(replica="a", capacity_blocks=100, reserved_blocks=0, sessions=1),
+            ReplicaLoad(replica="b", capacity_blocks=100, reserved_blocks=0, sessions=0),
+        ],
+    )
+    # Same room: the replica with fewer sessions.
+    assert table.place("s1", 0) == "b"
+    assert table.loads["b"].sessions == 1
+    # Now tied on room and sessions: the name breaks the tie ("b" > "a").
+    assert table.place("s2", 0) == "b"
+    assert (table.loads["a"].sessions, table.loads["b"].sessions) == (1, 2)
+    assert table.place("s3", 0) == "a"

@@ -17,11 +17,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from wim_service.engine.config import EngineConfig
 from wim_service.serving.contracts import DocumentOpened, ReplicaLoad
+from wim_service.serving.errors import HTTPFailure
 from wim_service.serving.failover import StreamProgress
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.replica_client import ReplicaLost
 from wim_service.serving.router import WiMRouter
+from wim_service.serving.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.events import (
     AnswerEvent,
@@ -34,6 +37,8 @@ from wim_service.wim.events import (
     WiMEvent,
 )
 from wim_service.wim.options import WiMOptions
+from wim_service.wim.orchestrator import check_query, plan_document
+from wim_service.wim.prompts import PromptBuilder
 
 SEGMENTS = 3
 DOCUMENT = "The night gate code is 4417. " * 40
@@ -487,3 +492,20 @@ def test_each_pinned_call_gets_its_own_serve_request_id() -> None:
     asyncio.run(calls())
     ids = [internal for _, internal in seen]
     assert len(set(ids)) == 3 and "outer-internal" not in ids
+
+
+async def test_the_sizer_sizes_sessions_and_jobs_and_refuses_with_the_errors_status() -> None:
+    sizer = JobSizer(EngineConfig(max_model_len=1024))
+    options = WiMOptions(segment_tokens=128)
+    builder = PromptBuilder(sizer.tokenizer, options.prompts)
+    plan = plan_document(builder, DOCUMENT, options, sizer.limits)
+    block, window = sizer.limits.block_size, sizer.limits.max_model_len
+    session = plan.shape(builder, options, None).session_blocks(block, window)
+    job = check_query(plan, builder, sizer.limits, "q?", options).one_shot_blocks(block, window)
+    assert await sizer.needed_blocks(DOCUMENT, options, None) == session
+    assert await sizer.needed_blocks(DOCUMENT, options, "q?") == job
+    with pytest.raises(HTTPFailure) as refused:
+        await sizer.needed_blocks(DOCUMENT * 40, options, "q?")
+    assert (refused.value.code, refused.value.status) == ("too_long", 413)
+    assert refused.value.message.startswith("the document is ")
+    assert refused.value.retry_after is None
