@@ -51,11 +51,32 @@ ACME = {"Authorization": "Bearer acme-key"}
 GLOBEX = {"Authorization": "Bearer globex-key"}
 
 
-def service(*replicas: FakeReplica, keys: KeysConfig | None = KEYS, **router: Any):
+class TransientlyDown(FakeClient):
+    """Replica `down` (every replica when None) is unreachable for its next `failures` streams."""
+
+    def __init__(self, *replicas: FakeReplica, failures: int, down: str | None = None) -> None:
+        super().__init__(*replicas)
+        self.failures, self.down = failures, down
+
+    async def stream(self, replica: str, method: str, *args: Any):
+        if self.failures and self.down in (None, replica):
+            self.failures -= 1
+            self.replicas[replica].calls.append(method)
+            raise ReplicaLost(replica, RuntimeError("unavailable"), transient=True)
+        async for event in super().stream(replica, method, *args):
+            yield event
+
+
+def service(
+    *replicas: FakeReplica,
+    keys: KeysConfig | None = KEYS,
+    client: FakeClient | None = None,
+    **router: Any,
+):
     wim_router = WiMRouter(
         None,
         {"router": {"replica_wait_s": 0, **router}},
-        client=FakeClient(*(replicas or (FakeReplica("a"),))),
+        client=client or FakeClient(*(replicas or (FakeReplica("a"),))),
         keys=ApiKeys(keys),
         http_host="127.0.0.1",
     )
@@ -421,24 +442,7 @@ def test_ttl_does_not_end_a_session_in_use() -> None:
 
 
 def test_a_transient_actor_error_is_retried_without_losing_the_replica() -> None:
-    class Flaky(FakeClient):
-        failures = 1
-
-        async def stream(self, replica: str, method: str, *args: Any):
-            if self.failures:
-                self.failures -= 1
-                raise ReplicaLost(replica, RuntimeError("unavailable"), transient=True)
-            async for event in super().stream(replica, method, *args):
-                yield event
-
-    router = WiMRouter(
-        None,
-        {"router": {"replica_wait_s": 0}},
-        client=Flaky(FakeReplica("a")),
-        keys=ApiKeys(None),
-        http_host="127.0.0.1",
-    )
-    client = TestClient(build_http_app(router))
+    client, router = service(keys=None, client=TransientlyDown(FakeReplica("a"), failures=1))
     document = client.post("/documents", json={"context": DOCUMENT}).json()
     answer = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
     assert answer.status_code == 200 and answer.json()["replica"] == "a"
@@ -448,27 +452,8 @@ def test_a_transient_actor_error_is_retried_without_losing_the_replica() -> None
 
 def test_a_replica_unreachable_past_the_retries_is_failed_over() -> None:
     """Two transient retries on the same replica (TRANSIENT_RETRIES), then it counts as lost."""
-
-    class FlakyA(FakeClient):
-        failures = 3
-
-        async def stream(self, replica: str, method: str, *args: Any):
-            if replica == "a" and self.failures:
-                self.failures -= 1
-                self.replicas["a"].calls.append(method)
-                raise ReplicaLost(replica, RuntimeError("unavailable"), transient=True)
-            async for event in super().stream(replica, method, *args):
-                yield event
-
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
-    router = WiMRouter(
-        None,
-        {"router": {"replica_wait_s": 0}},
-        client=FlakyA(a, b),
-        keys=ApiKeys(None),
-        http_host="127.0.0.1",
-    )
-    client = TestClient(build_http_app(router))
+    client, router = service(keys=None, client=TransientlyDown(a, b, failures=3, down="a"))
     answer = client.post("/wim", json={"context": DOCUMENT, "query": "q"})
     assert answer.status_code == 200 and answer.json()["replica"] == "b"
     assert (a.calls.count("run"), b.calls.count("run")) == (3, 1)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from wim_service.benchmarks.common import DEFAULT_DOCUMENT, BenchSettings
 from wim_service.cli.lifecycle import run_command
+from wim_service.cli.run import add_relevance_argument
 from wim_service.engine.config import EngineConfig
-from wim_service.wim.options import RelevanceMode, WiMOptions
+from wim_service.wim.options import RelevanceMode
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,12 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--repeat", type=int, default=3, help="copies of the document to join")
     parser.add_argument("--segment-tokens", type=int, default=512)
-    parser.add_argument(
-        "--relevance",
-        choices=[m.value for m in RelevanceMode],
-        default=WiMOptions().relevance.value,
-        help="how margins are judged (%(default)s)",
-    )
+    add_relevance_argument(parser)
     parser.add_argument("--concurrency", type=int, default=8, help="documents at once for (c)")
     parser.add_argument("--rounds", type=int, default=3, help="repetitions for (b) and (d)")
     parser.add_argument(

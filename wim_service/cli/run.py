@@ -21,12 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--context", required=True, type=Path, help="the document (UTF-8 text)")
     parser.add_argument("--query", required=True, help="the question")
     parser.add_argument("--json", action="store_true", help="print one JSON object, no progress")
-    parser.add_argument(
-        "--relevance",
-        choices=[m.value for m in RelevanceMode],
-        default=WiMOptions().relevance.value,
-        help="how margins are judged (%(default)s)",
-    )
+    add_relevance_argument(parser)
     parser.add_argument("--segment-tokens", type=int, default=WiMOptions().segment_tokens)
     parser.add_argument(
         "--options", type=Path, help="JSON file with further WiMOptions (prompts, limits)"
@@ -39,6 +34,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(main=main)
+
+
+def add_relevance_argument(parser: argparse.ArgumentParser) -> None:
+    """`--relevance`, defaulting to WiMOptions' own (`wim run` and `wim bench`)."""
+    parser.add_argument(
+        "--relevance",
+        choices=[m.value for m in RelevanceMode],
+        default=WiMOptions().relevance.value,
+        help="how margins are judged (%(default)s)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
