@@ -105,10 +105,25 @@ def _live_app(item: pytest.Item) -> str | None:
     return item.module.LIVE_APP.name  # type: ignore[attr-defined]
 
 
+def _replica_step(item: pytest.Item) -> int:
+    """The `replica_step(n)` of a real-stack test that kills, scales or redeploys replicas
+    (n >= 1), else 0."""
+    marker = item.get_closest_marker("replica_step")
+    return marker.args[0] if marker else 0
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the real-stack tests last, those of one application one after another (each switch
     of application restarts the engines), in the shuffled order otherwise.
+
+    Within an application, tests marked `replica_step(n)` (they kill, scale or redeploy
+    replicas) run after the others, by n. A test that leaves an engine replica short (killed,
+    scaled away) is followed by one that starts from one replica: on a downscale Serve stops
+    a replacement that is still starting first, so no test waits a minute for an engine that
+    the next one removes. The last of them leaves its changes to the next application, whose
+    deploy replaces every replica anyway. Each test still sets up the replicas it needs; the
+    order saves time, not correctness.
 
     Leave out tests marked `quarantine` (written, never yet seen passing on this machine)
     unless WIM_RUN_QUARANTINED=1; they are reported as deselected, never silently skipped."""
@@ -117,7 +132,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first_seen: dict[str | None, int] = {}
     for item in items:
         first_seen.setdefault(_live_app(item), len(first_seen))
-    items.sort(key=lambda item: (_live_app(item) is not None, first_seen[_live_app(item)]))
+    items.sort(
+        key=lambda item: (
+            _live_app(item) is not None,
+            first_seen[_live_app(item)],
+            _replica_step(item),
+        )
+    )
     if os.environ.get("WIM_RUN_QUARANTINED") == "1":
         return
     kept = [item for item in items if item.get_closest_marker("quarantine") is None]

@@ -2,7 +2,9 @@
 
 Every test starts from the same state, whatever ran before it (the `client` fixture): two
 ready engine replicas, no document session, no KV reserved. Tests wait on conditions (events
-seen, metrics moved), not on clocks.
+seen, metrics moved), not on clocks. Those that kill or scale replicas are marked
+`replica_step(n)`: they run last, in an order where each one that leaves a replica short is
+followed by one that starts from one replica (`tests/conftest.py`).
 """
 
 from __future__ import annotations
@@ -269,6 +271,7 @@ def _engine_core_pid(replica: str) -> int:
     return cores[0].pid
 
 
+@pytest.mark.replica_step(1)
 def test_killing_the_pinned_replica_mid_request_still_answers(
     client: httpx.Client, report: str
 ) -> None:
@@ -297,6 +300,7 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
+@pytest.mark.replica_step(3)
 def test_engine_process_death_fails_over_and_the_replica_leaves(
     client: httpx.Client, report: str
 ) -> None:
@@ -322,6 +326,7 @@ def test_engine_process_death_fails_over_and_the_replica_leaves(
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
+@pytest.mark.replica_step(5)
 def test_scale_down_drains_and_moves_sessions(
     live_stack: LiveStack, client: httpx.Client, report: str
 ) -> None:
@@ -364,6 +369,7 @@ def test_scale_down_drains_and_moves_sessions(
         client.delete(f"/documents/{document['document_id']}")
 
 
+@pytest.mark.replica_step(4)
 def test_a_replica_started_while_calls_run_is_used_within_seconds(
     live_stack: LiveStack, client: httpx.Client, short_report: str
 ) -> None:
@@ -455,6 +461,7 @@ def test_after_hostile_traffic_the_service_is_healthy(client: httpx.Client) -> N
     assert ok.status_code == 200
 
 
+@pytest.mark.replica_step(2)
 def test_parked_sessions_start_a_second_replica_before_anyone_is_refused(
     live_stack: LiveStack, client: httpx.Client, report: str
 ) -> None:
