@@ -1,10 +1,11 @@
 """The service end to end: local Ray Serve, two real vLLM engine replicas, real HTTP.
 
 Every test starts from the same state, whatever ran before it (the `client` fixture): two
-ready engine replicas, no document session, no KV reserved. Tests wait on conditions (events
-seen, metrics moved), not on clocks. Those that kill or scale replicas are marked
-`replica_step(n)`: they run last, in an order where each one that leaves a replica short is
-followed by one that starts from one replica (`tests/conftest.py`).
+ready engine replicas, no document session, no KV reserved; the tests that scale up from one
+replica start from one (`one_engine_client`). Tests wait on conditions (events seen, metrics
+moved), not on clocks. Those that kill or scale replicas are marked `replica_step(n)`: they
+run last, in an order where each one that leaves a replica short is followed by one that
+starts from one replica (`tests/conftest.py`).
 """
 
 from __future__ import annotations
@@ -44,14 +45,25 @@ LIVE_APP = MAIN
 MARKER = "Zebulon Quartermaine hid the brass key under the ninth flagstone."
 
 
-@pytest.fixture
-def client(live_stack: LiveStack) -> Iterator[httpx.Client]:
-    """Two ready replicas, nothing left over from an earlier test."""
-    live_stack.deploy(MAIN, engines=2)
+def serving(live_stack: LiveStack, engines: int) -> Iterator[httpx.Client]:
+    """`engines` ready replicas, nothing left over from an earlier test."""
+    live_stack.deploy(MAIN, engines=engines)
     with open_client() as service:
-        wait_for(lambda: len(ready_replicas(service)) == 2, "two ready engine replicas")
+        wait_for(lambda: len(ready_replicas(service)) == engines, f"{engines} ready replicas")
         wait_for(lambda: settled(service), "no session or reservation left over", timeout=120)
         yield service
+
+
+@pytest.fixture
+def client(live_stack: LiveStack) -> Iterator[httpx.Client]:
+    yield from serving(live_stack, engines=2)
+
+
+@pytest.fixture
+def one_engine_client(live_stack: LiveStack) -> Iterator[httpx.Client]:
+    """For tests that scale up from one replica: a replacement still starting after an
+    earlier test's kill is stopped, not waited for."""
+    yield from serving(live_stack, engines=1)
 
 
 def open_document(client: httpx.Client, text: str) -> dict:
@@ -371,14 +383,13 @@ def test_scale_down_drains_and_moves_sessions(
 
 @pytest.mark.replica_step(4)
 def test_a_replica_started_while_calls_run_is_used_within_seconds(
-    live_stack: LiveStack, client: httpx.Client, short_report: str
+    live_stack: LiveStack, one_engine_client: httpx.Client, short_report: str
 ) -> None:
     """Scale 1 -> 2 while jobs run: the new replica reports its load within seconds of Serve
     marking it running (it once stayed unreachable for minutes)."""
     from ray import serve
 
-    live_stack.deploy(MAIN, engines=1)
-    wait_for(lambda: len(ready_replicas(client)) == 1, "one replica")
+    client = one_engine_client
     stop = threading.Event()
 
     def keep_busy() -> None:
@@ -463,12 +474,11 @@ def test_after_hostile_traffic_the_service_is_healthy(client: httpx.Client) -> N
 
 @pytest.mark.replica_step(2)
 def test_parked_sessions_start_a_second_replica_before_anyone_is_refused(
-    live_stack: LiveStack, client: httpx.Client, report: str
+    live_stack: LiveStack, one_engine_client: httpx.Client, report: str
 ) -> None:
     """Autoscaling on reserved KV: sessions that hold KV with no request running fill one
     replica; the autoscaler adds a second before a new session would be refused."""
-    live_stack.deploy(MAIN, engines=1)
-    wait_for(lambda: len(ready_replicas(client)) == 1, "one replica", 300)
+    client = one_engine_client
     # Now free to add one; only the KV that parked sessions hold can make it do so.
     live_stack.deploy(MAIN, engines=1, max_engines=2)
     documents = []
