@@ -20,6 +20,7 @@ from typing import Literal, get_args, get_origin
 import pytest
 
 from wim_service.engine.config import EngineConfig
+from wim_service.wim.options import RelevanceMode, WiMOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "wim_service"
@@ -265,8 +266,45 @@ def test_bench_keeps_its_flags() -> None:
         "--serving",
         "--store",
         "--relevance",
+        "--options",
     ):
         assert flag in text
+
+
+def test_options_files_fill_in_under_the_flags(tmp_path: Path) -> None:
+    """`--options` of run, bench and eval: the fields a file sets win, the flags fill the
+    rest, a flag given as None sets nothing, and the file is validated like an HTTP body."""
+    from pydantic import ValidationError
+
+    from wim_service.cli.run import read_options
+
+    path = tmp_path / "options.json"
+    path.write_text(json.dumps({"segment_tokens": 256, "prompts": {"no_margins": "(no notes)"}}))
+    options = read_options(path, segment_tokens=1024, relevance="classifier")
+    assert (options.segment_tokens, options.relevance) == (256, RelevanceMode.CLASSIFIER)
+    assert options.prompts.no_margins == "(no notes)"
+    assert read_options(None, segment_tokens=None) == WiMOptions()
+    assert read_options(None, segment_tokens=128).segment_tokens == 128
+    path.write_text(json.dumps({"top_k": 5}))
+    with pytest.raises(ValidationError, match="top_k"):
+        read_options(path)
+
+
+def test_bench_sends_the_options_it_runs_with(tmp_path: Path) -> None:
+    """`wim bench --options`: the in-process jobs and the HTTP bodies of `--serving` get the
+    same options (a body carries what differs from the defaults)."""
+    from wim_service.benchmarks.common import BenchSettings
+    from wim_service.cli.bench import add_parser, settings_from
+
+    path = tmp_path / "options.json"
+    path.write_text(json.dumps({"margin_max_tokens": 24}))
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--options", str(path), "--segment-tokens", "256"])
+    settings: BenchSettings = settings_from(args)
+    assert settings.options == WiMOptions(margin_max_tokens=24, segment_tokens=256)
+    assert settings.wire_options() == {"margin_max_tokens": 24, "segment_tokens": 256}
+    assert WiMOptions.model_validate(settings.wire_options()) == settings.options
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ from typing import Any
 from wim_service.engine.config import EngineConfig
 from wim_service.wim.backend import Backend
 from wim_service.wim.events import DoneEvent, MarginEvent
-from wim_service.wim.options import RelevanceMode, WiMOptions
+from wim_service.wim.options import WiMOptions
 from wim_service.wim.orchestrator import run_wim
 
 DEFAULT_DOCUMENT = Path(__file__).resolve().parents[2] / "examples" / "harbor_report.txt"
@@ -32,8 +32,8 @@ QUERIES = [
 class BenchSettings:
     context: Path  # the document, joined `repeat` times
     repeat: int
-    segment_tokens: int
-    relevance: RelevanceMode
+    options: WiMOptions  # every WiM job's
+    options_file: Path | None  # where they came from, if not only from flags
     concurrency: int  # documents at once for the engine benchmark's (c)
     rounds: int  # repetitions of every side-by-side measurement
     skip_reference: bool
@@ -43,13 +43,16 @@ class BenchSettings:
     def document(self) -> str:
         return "\n\n".join([self.context.read_text(encoding="utf-8")] * self.repeat)
 
-    def options(self) -> WiMOptions:
-        return WiMOptions(segment_tokens=self.segment_tokens, relevance=self.relevance)
+    def wire_options(self) -> dict[str, Any]:
+        """The options as an HTTP body carries them: what differs from the defaults."""
+        return self.options.model_dump(mode="json", exclude_defaults=True)
 
     def header(self, command: str) -> None:
+        options = f", options from {self.options_file}" if self.options_file else ""
         print(
-            f"{command}: {self.context.name} x{self.repeat}, segments of ~{self.segment_tokens} "
-            f"tokens, relevance {self.relevance}, dtype {self.engine.dtype_label()}",
+            f"{command}: {self.context.name} x{self.repeat}, segments of "
+            f"~{self.options.segment_tokens} tokens, relevance {self.options.relevance}"
+            f"{options}, dtype {self.engine.dtype_label()}",
             flush=True,
         )
 

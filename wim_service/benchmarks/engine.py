@@ -152,7 +152,7 @@ async def run_bench(settings: BenchSettings) -> int:
     from wim_service.engine.vllm_engine import VLLMBackend
 
     document = settings.document()
-    options = settings.options()
+    options = settings.options
     results: dict[str, Any] = {"command": "wim bench " + " ".join(_argv(settings))}
     settings.header("wim bench")
 
@@ -233,10 +233,12 @@ async def run_bench(settings: BenchSettings) -> int:
 
 
 def _argv(settings: BenchSettings) -> list[str]:
+    options = [f"--options {settings.options_file}"] if settings.options_file else []
     return [
         f"--repeat {settings.repeat}",
-        f"--segment-tokens {settings.segment_tokens}",
-        f"--relevance {settings.relevance}",
+        f"--segment-tokens {settings.options.segment_tokens}",
+        f"--relevance {settings.options.relevance}",
+        *options,
         f"--concurrency {settings.concurrency}",
         f"--rounds {settings.rounds}",
         f"--dtype {settings.engine.dtype}",

@@ -69,7 +69,7 @@ async def run_serving_bench(settings: BenchSettings) -> int:
     from ray import serve
 
     document = settings.document()
-    options = settings.options()
+    options = settings.options
     # Three engines share the machine in (e), two in (f) and (g): keep each one's KV small.
     config = settings.engine.model_copy(
         update={"kv_cache_gib": min(settings.engine.kv_cache_gib, 0.5)}
@@ -109,7 +109,7 @@ async def _bench_rest(
 
     print("(e) REST end to end vs in-process engine, same job and engine settings")
     engine = config.model_dump()
-    wire_options = options.model_dump(include={"segment_tokens", "relevance"})
+    wire_options = settings.wire_options()
     redis_store = {"store": {"backend": "redis", "key_prefix": f"wim-bench-{os.getpid()}:"}}
     clients = {
         "memory": _start(engine, 1),
@@ -150,7 +150,7 @@ def _bench_sessions(
     settings: BenchSettings, engine: dict[str, Any], document: str, results: dict[str, Any]
 ) -> None:
     """(f) and (g), on two engine replicas."""
-    wire_options = settings.options().model_dump(include={"segment_tokens", "relevance"})
+    wire_options = settings.wire_options()
     print("(f) query on a pinned document session vs the same query one-shot")
     client = _start({**engine, "cpu_threads_bind": "rank"}, 2)
     _, doc = _post(client, "/documents", {"context": document, "options": wire_options})

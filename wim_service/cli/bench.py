@@ -8,9 +8,8 @@ from pathlib import Path
 
 from wim_service.benchmarks.common import DEFAULT_DOCUMENT, BenchSettings
 from wim_service.cli.lifecycle import run_command
-from wim_service.cli.run import add_relevance_argument
+from wim_service.cli.run import add_relevance_argument, read_options
 from wim_service.engine.config import EngineConfig
-from wim_service.wim.options import RelevanceMode
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,6 +23,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--repeat", type=int, default=3, help="copies of the document to join")
     parser.add_argument("--segment-tokens", type=int, default=512)
     add_relevance_argument(parser)
+    parser.add_argument(
+        "--options",
+        type=Path,
+        help="JSON file with further WiMOptions (prompts, limits) for every WiM job; the fields "
+        "it sets win over --segment-tokens and --relevance",
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="documents at once for (c)")
     parser.add_argument("--rounds", type=int, default=3, help="repetitions for (b) and (d)")
     parser.add_argument(
@@ -44,18 +49,24 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.set_defaults(main=main)
 
 
-def main(args: argparse.Namespace) -> int:
-    settings = BenchSettings(
+def settings_from(args: argparse.Namespace) -> BenchSettings:
+    return BenchSettings(
         context=args.context,
         repeat=args.repeat,
-        segment_tokens=args.segment_tokens,
-        relevance=RelevanceMode(args.relevance),
+        options=read_options(
+            args.options, segment_tokens=args.segment_tokens, relevance=args.relevance
+        ),
+        options_file=args.options,
         concurrency=args.concurrency,
         rounds=args.rounds,
         skip_reference=args.skip_reference,
         json_out=args.json_out,
         engine=EngineConfig.from_cli_args(args),
     )
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
     if args.store:
         from wim_service.benchmarks.store import run_store_bench
 

@@ -8,13 +8,13 @@ wim eval --full --model DIR --max-model-len 65536 --lengths 16384 32384 64000
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from wim_service.assets.default_model import default_model_dir
 from wim_service.cli.lifecycle import run_command
+from wim_service.cli.run import read_options
 from wim_service.engine.config import EngineConfig
 from wim_service.eval.methods import METHODS, MethodSettings
 from wim_service.eval.report import write_report
@@ -59,7 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--segment-tokens", type=int, help="WiM segment size (default: WiMOptions' default)"
     )
     knobs.add_argument(
-        "--options", type=Path, help="JSON file with WiMOptions (prompts, limits) for every method"
+        "--options",
+        type=Path,
+        help="JSON file with WiMOptions (prompts, limits) for every method; the fields it sets "
+        "win over --segment-tokens",
     )
     knobs.add_argument("--rag-chunk-tokens", type=int, default=MethodSettings.rag_chunk_tokens)
     knobs.add_argument("--rag-top-k", type=int, default=MethodSettings.rag_top_k)
@@ -72,13 +75,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def main(args: argparse.Namespace) -> int:
     return run_command(_run(args))
-
-
-def _options(args: argparse.Namespace) -> WiMOptions:
-    extra = json.loads(args.options.read_text()) if args.options else {}
-    if args.segment_tokens is not None:
-        extra["segment_tokens"] = args.segment_tokens
-    return WiMOptions.model_validate(extra)
 
 
 def _lengths(
@@ -118,7 +114,7 @@ def _show(total: int) -> Callable[[RunRecord], None]:
 async def _run(args: argparse.Namespace) -> int:
     from wim_service.engine.vllm_engine import VLLMBackend
 
-    options = _options(args)
+    options = read_options(args.options, segment_tokens=args.segment_tokens)
     config = EngineConfig.from_cli_args(args)
     tokenizer = HFTokenizer(config.model or default_model_dir())
     lengths = _lengths(args, config.max_model_len, options, tokenizer)

@@ -54,11 +54,14 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
 
-def _options(args: argparse.Namespace) -> WiMOptions:
-    extra = json.loads(args.options.read_text()) if args.options else {}
-    extra.setdefault("relevance", args.relevance)
-    extra.setdefault("segment_tokens", args.segment_tokens)
-    return WiMOptions.model_validate(extra)
+def read_options(path: Path | None, **flags: Any) -> WiMOptions:
+    """WiMOptions from a JSON file (`--options` of `wim run`, `wim bench` and `wim eval`), the
+    flags filling what the file does not set (a flag given as None is not set)."""
+    fields = json.loads(path.read_text()) if path else {}
+    for name, value in flags.items():
+        if value is not None:
+            fields.setdefault(name, value)
+    return WiMOptions.model_validate(fields)
 
 
 def _start_backend(args: argparse.Namespace) -> Backend:
@@ -145,7 +148,9 @@ async def _run(args: argparse.Namespace) -> int:
     from wim_service.wim.orchestrator import run_wim
 
     document = args.context.read_text(encoding="utf-8")
-    options = _options(args)
+    options = read_options(
+        args.options, relevance=args.relevance, segment_tokens=args.segment_tokens
+    )
     backend = _start_backend(args)
     try:
         events = run_wim(backend, backend.tokenizer, document, args.query, options)
