@@ -85,6 +85,23 @@ def test_run_refuses_bad_input_with_status_2(args: list[str], message: str) -> N
     assert done.stdout == ""
 
 
+@pytest.mark.parametrize("command", ["run", "bench", "eval"])
+@pytest.mark.parametrize(
+    ("content", "message"), [(None, "options.json"), ('{"top_k": 5}', "top_k")]
+)
+def test_a_bad_options_file_is_refused_with_status_2(
+    command: str, content: str | None, message: str, tmp_path: Path
+) -> None:
+    """A missing or invalid `--options` file: one line and status 2, before any engine."""
+    path = tmp_path / "options.json"
+    if content is not None:
+        path.write_text(content)
+    extra = ["--context", str(REPORT), "--query", QUERY] if command == "run" else []
+    done = wim(command, *extra, "--options", str(path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("wim: ") and message in done.stderr
+
+
 @pytest.mark.engine
 @pytest.mark.timeout(1200)
 def test_run_json_with_model_relevance_and_segment_size(model_dir: Path, tokenizer) -> None:

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from wim_service.benchmarks.common import DEFAULT_DOCUMENT, BenchSettings
-from wim_service.cli.lifecycle import run_command
+from wim_service.cli.lifecycle import refused, run_command
 from wim_service.cli.run import add_relevance_argument, read_options
 from wim_service.engine.config import EngineConfig
 
@@ -66,7 +66,10 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
+    try:
+        settings = settings_from(args)
+    except (OSError, ValueError) as exc:  # an unreadable or invalid --options file
+        return refused(exc)
     if args.store:
         from wim_service.benchmarks.store import run_store_bench
 

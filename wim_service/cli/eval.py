@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from wim_service.assets.default_model import default_model_dir
-from wim_service.cli.lifecycle import run_command
+from wim_service.cli.lifecycle import refused, run_command
 from wim_service.cli.run import read_options
 from wim_service.engine.config import EngineConfig
 from wim_service.eval.methods import METHODS, MethodSettings
@@ -112,9 +112,12 @@ def _show(total: int) -> Callable[[RunRecord], None]:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from wim_service.engine.vllm_engine import VLLMBackend
+    try:
+        options = read_options(args.options, segment_tokens=args.segment_tokens)
+    except (OSError, ValueError) as exc:  # an unreadable or invalid --options file
+        return refused(exc)
+    from wim_service.engine.vllm_engine import VLLMBackend  # seconds to import: after the check
 
-    options = read_options(args.options, segment_tokens=args.segment_tokens)
     config = EngineConfig.from_cli_args(args)
     tokenizer = HFTokenizer(config.model or default_model_dir())
     lengths = _lengths(args, config.max_model_len, options, tokenizer)

@@ -16,6 +16,12 @@ from collections.abc import Coroutine
 from typing import Any
 
 
+def refused(exc: Exception) -> int:
+    """Bad input found before any work started: one line on stderr, no traceback, status 2."""
+    print(f"wim: {exc}", file=sys.stderr)
+    return 2
+
+
 def run_command(main: Coroutine[Any, Any, int]) -> int:
     """`asyncio.run(main)`; a SIGTERM or SIGINT cancels it and returns 128 + the signal."""
     received: list[signal.Signals] = []

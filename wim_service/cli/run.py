@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from wim_service.cli.lifecycle import run_command
+from wim_service.cli.lifecycle import refused, run_command
 from wim_service.engine.config import EngineConfig
 from wim_service.wim.backend import Backend
 from wim_service.wim.events import WiMEvent
@@ -50,8 +49,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return run_command(_run(args))
     except (OSError, ValueError) as exc:
-        print(f"wim: {exc}", file=sys.stderr)
-        return 2
+        return refused(exc)
 
 
 def read_options(path: Path | None, **flags: Any) -> WiMOptions:
