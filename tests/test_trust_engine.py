@@ -186,25 +186,25 @@ async def test_document_planning_leaves_the_event_loop_free(tokenizer, report) -
     planning = time.perf_counter() - started
     assert planning > 0.3  # long enough for a blocked loop to show
 
-    gaps: list[float] = []
+    ticks: list[float] = []
 
     async def tick() -> None:
-        last = time.perf_counter()
         while True:
             await asyncio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            ticks.append(time.perf_counter())
 
     ticker = asyncio.create_task(tick())
     await asyncio.sleep(0.02)
+    began = time.perf_counter()
     events = [e async for e in run_wim(backend, tokenizer, huge, QUERY, options())]
-    await asyncio.sleep(0.02)
+    ended = time.perf_counter()
     ticker.cancel()
     assert [e.code for e in events] == [ErrorCode.TOO_LONG.value]
-    # The loop kept ticking while the document was tokenized (inline, one gap would be the
-    # whole planning time).
-    assert max(gaps) < planning / 3, (max(gaps), planning)
+    # The loop kept ticking while the document was tokenized. Planned inline, the loop is
+    # blocked from the call's first step to its refusal: no tick inside the call. (Counted,
+    # not timed: on a loaded machine a thread holding the GIL can still stretch one gap.)
+    during = [t for t in ticks if began < t < ended]
+    assert len(during) >= 10, (len(during), ended - began)
 
 
 # -- every validating option combination runs or is refused, and gives back its KV -----------
