@@ -149,7 +149,8 @@ def test_a_killed_router_loses_no_session(service: httpx.Client, short_report: s
     assert service.delete(f"/documents/{document['document_id']}").status_code == 204
 
 
-# Last: the routers it redeploys with other actor options are redeployed back by the next test.
+# Last in its application: it redeploys the routers with other actor options, which a test
+# after it would have to redeploy back.
 @pytest.mark.replica_step(1)
 def test_a_router_redeploy_keeps_every_session(
     live_stack: LiveStack, service: httpx.Client, short_report: str, redis_server: RedisServer
