@@ -238,7 +238,8 @@ README_QUERY = "What is the access code for the night gate?"
 
 
 class RecordingEngine:
-    """The real engine, with the final-step suffix of every context recorded."""
+    """The real engine, with the final-step suffix of every answer request recorded (appended
+    to the context, or a branch: an answer started early)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -258,6 +259,11 @@ class RecordingEngine:
             def conclude(self, suffix_ids: list[int], params: GenerationParams):
                 finals.append(list(suffix_ids))
                 return context.conclude(suffix_ids, params)
+
+            def branch(self, prefix_tokens: int, suffix_ids: list[int], params: GenerationParams):
+                if params.kind is RequestKind.ANSWER:
+                    finals.append(list(suffix_ids))
+                return context.branch(prefix_tokens, suffix_ids, params)
 
         return Context()
 
@@ -297,7 +303,7 @@ async def test_no_surviving_margin_answers_token_for_token_as_plain(engine, repo
     builder = PromptBuilder(engine.tokenizer, options.prompts)
     document_ids = engine.tokenizer.encode_user_text(report).ids
     plain_ids = builder.plain_prompt(document_ids, README_QUERY)
-    assert builder.context_prefix + document_ids + recording.finals[0] == plain_ids
+    assert builder.context_prefix + document_ids + recording.finals[-1] == plain_ids
     plain = await engine.complete(plain_ids, max_tokens=options.answer_max_tokens)
     assert done.answer == plain.text.strip()
     assert done.usage.answer_tokens == len(plain.token_ids)

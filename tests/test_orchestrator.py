@@ -20,7 +20,7 @@ from wim_service.wim.backend import (
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import _consume, open_document, run_wim
-from wim_service.wim.prompts import PromptBuilder
+from wim_service.wim.prompts import MarginNote, PromptBuilder
 
 Script = Callable[[GenerationParams, int], str]
 
@@ -390,7 +390,12 @@ async def test_document_session_answers_each_query_as_a_branch_with_its_notes(to
     context = backend.contexts[0]
     read = len(context.ids)
     builder = PromptBuilder(tokenizer, opts.prompts)
-    for query in ("Where is the gate?", "Which boats are in the harbour today? " * 60):
+    # The short query's reservation holds its margins and an answer at once, the long one's
+    # (margins or answer, whichever is larger) does not: no answer starts early there.
+    for query, answers_sent in (
+        ("Where is the gate?", 2),
+        ("Which boats are in the harbour today? " * 60, 1),
+    ):
         backend.requests.clear()
         events = [e async for e in session.query(query)]
         done = events[-1]
@@ -404,9 +409,12 @@ async def test_document_session_answers_each_query_as_a_branch_with_its_notes(to
         assert [r.suffix for r in margins] == [builder.margin_suffix(query, opts.relevance)] * (
             segments
         )
-        assert [
-            (r.kind, r.prefix) for r in backend.requests if r.kind is not RequestKind.MARGIN
-        ] == [(RequestKind.ANSWER, read)]
+        # All margins run at once; an answer started beside them with no note is discarded
+        # when they are kept, and the answer over every note follows.
+        answers = [r for r in backend.requests if r.kind is not RequestKind.MARGIN]
+        assert [(r.kind, r.prefix) for r in answers] == [(RequestKind.ANSWER, read)] * answers_sent
+        assert (answers[0].suffix == builder.final_suffix(query, [])) == (answers_sent == 2)
+        assert (done.usage.discarded_answer_tokens > 0) == (answers_sent == 2)
         assert len(context.ids) == read and context.concluded == 0
         assert 0 < done.timings.margins_s <= done.timings.total_s
     # The short query fits the room reserved at open; the long one reserves more, for itself.
@@ -454,3 +462,79 @@ async def test_streamed_text_stops_at_the_first_stop_string(
             tokenizer.decode(ids[: i + 1])[len(tokenizer.decode(ids[:i])) :]
             for i in range(len(ids))
         ]
+
+
+# -- the answer started beside the last margins (answer_early) ---------------------------------
+
+LAST = "Sentence 59 is about the harbour and its boats."  # grounded in the last segment only
+
+
+def answer_script(last_margin: str) -> Script:
+    """Margins that ground nowhere but in the last segment (if `last_margin` is LAST); each
+    answer request says which one it is."""
+    answers = itertools.count(1)
+
+    def script(params: GenerationParams, prefix: int) -> str:
+        if params.kind is RequestKind.ANSWER:
+            return f"Answer number {next(answers)} here."
+        return last_margin
+
+    return script
+
+
+def answer_events_follow_margins(events: list) -> str:
+    kinds = [e.type for e in events]
+    assert kinds.index("answer") > max(i for i, k in enumerate(kinds) if k == "margin")
+    return "".join(e.text for e in events if e.type == "answer")
+
+
+async def test_an_answer_started_beside_a_dropped_last_margin_stands(tokenizer) -> None:
+    backend = FakeBackend(tokenizer, answer_script("Sentence 99 is about the harbour."))
+    events = await collect(backend)
+    done = events[-1]
+    assert done.type == "done", done
+    assert not any(e.kept for e in events if e.type == "margin")
+    # One answer request, over the plain final prompt, started before the last margin ended.
+    answers = [r for r in backend.requests if r.kind is RequestKind.ANSWER]
+    builder = PromptBuilder(tokenizer, options().prompts)
+    assert [r.suffix for r in answers] == [builder.final_suffix("Where is the gate?", [])]
+    (answer,) = requests(backend.log, RequestKind.ANSWER)
+    last_margin = requests(backend.log, RequestKind.MARGIN)[-1]
+    assert answer.start < last_margin.end
+    # Its text is held back until the last margin is decided, then streamed whole.
+    assert answer_events_follow_margins(events) == "Answer number 1 here."
+    assert done.answer == "Answer number 1 here." and done.usage.discarded_answer_tokens == 0
+    assert backend.contexts[0].concluded == 0 and backend.reserved_blocks == 0
+
+
+async def test_a_kept_last_margin_discards_the_early_answer(tokenizer) -> None:
+    backend = FakeBackend(tokenizer, answer_script(LAST))
+    events = await collect(backend)
+    done = events[-1]
+    assert done.type == "done", done
+    kept = [e.segment for e in events if e.type == "margin" and e.kept]
+    assert kept == [done.usage.segments - 1] == done.notes
+    builder = PromptBuilder(tokenizer, options().prompts)
+    answers = [r for r in backend.requests if r.kind is RequestKind.ANSWER]
+    assert [r.suffix for r in answers] == [
+        builder.final_suffix("Where is the gate?", []),
+        builder.final_suffix("Where is the gate?", [MarginNote(kept[0], LAST)]),
+    ]
+    # The second answer is appended to the context; only its text reaches the client, and
+    # the first one's tokens are booked as discarded.
+    assert backend.contexts[0].concluded == 1
+    assert answer_events_follow_margins(events) == "Answer number 2 here."
+    early = len(tokenizer.encode_user_text("Answer number 1 here.").ids)
+    assert 0 < done.usage.discarded_answer_tokens <= early
+    # Both answers' prompts are booked as computed (the fake caches every context token).
+    computed = len(backend.contexts[0].ids) + sum(len(r.suffix) for r in backend.requests)
+    assert done.usage.prompt_tokens_computed == computed
+
+
+async def test_answer_early_off_answers_after_the_last_margin(tokenizer) -> None:
+    backend = FakeBackend(tokenizer, answer_script("Sentence 99 is about the harbour."))
+    events = await collect(backend, opts=options(answer_early=False))
+    assert events[-1].type == "done", events[-1]
+    (answer,) = requests(backend.log, RequestKind.ANSWER)
+    assert answer.start > max(m.end for m in requests(backend.log, RequestKind.MARGIN))
+    assert backend.contexts[0].concluded == 1

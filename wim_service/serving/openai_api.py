@@ -243,7 +243,8 @@ def served_model_name(engine: EngineConfig) -> str:
 
 
 def openai_usage(usage: Usage) -> CompletionUsage:
-    completion = usage.margin_tokens + usage.answer_tokens
+    # Every token the engine generated for the job, an answer started early and discarded too.
+    completion = usage.margin_tokens + usage.answer_tokens + usage.discarded_answer_tokens
     return CompletionUsage(
         prompt_tokens=usage.prompt_tokens_submitted,
         completion_tokens=completion,

@@ -10,7 +10,9 @@ sizes agree. The requests of a job (see `orchestrator.py`):
   and up to `margin_max_tokens`; with relevance `classifier` a stand-alone judging turn follows;
 * the *final* step: the document, the final prompt with the kept notes (budgeted to what the
   window leaves) and up to `answer_max_tokens`. A one-shot job appends it to the context; a
-  document session runs it as a branch, so that the context stays equal to the document.
+  document session runs it as a branch, so that the context stays equal to the document. An
+  answer started early (`answer_early`) is a branch beside the last margins, taken only if
+  it fits in what the job reserved for its margins or its final step.
 
 Every count is an upper bound: a reservation taken from it is never exceeded.
 """
@@ -135,6 +137,12 @@ class JobShape:
         margins = self.segments * self._margin_blocks(block)
         answer = math.ceil((block - 1 + self._final_tokens(max_model_len)) / block)
         return max(margins, answer)
+
+    def early_answer_blocks(self, block: int, pending_margins: int, suffix_tokens: int) -> int:
+        """An answer branch with a `suffix_tokens` final prompt, started while
+        `pending_margins` margins still run, together with those margins."""
+        answer = math.ceil((block - 1 + suffix_tokens + self.answer_max_tokens) / block)
+        return pending_margins * self._margin_blocks(block) + answer
 
     def one_shot_blocks(self, block: int, max_model_len: int) -> int:
         """A one-shot job: the context with every margin in flight, then the context with the

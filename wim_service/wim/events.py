@@ -22,6 +22,8 @@ class Usage(BaseModel):
     minimal_prompt_tokens: int = 0
     margin_tokens: int = 0  # generated margin (and classifier) tokens
     answer_tokens: int = 0
+    # Tokens of an answer started early that a later kept margin made moot (`answer_early`).
+    discarded_answer_tokens: int = 0
 
     @property
     def excess_computed_tokens(self) -> int:

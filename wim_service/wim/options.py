@@ -203,6 +203,12 @@ class WiMOptions(BaseModel):
         le=1.0,
         description="Share of the query's content words a note must contain to be kept.",
     )
+    answer_early: bool = Field(
+        True,
+        description="Start the answer while the last margins are still being written, over the "
+        "notes kept so far, and hold its text back; it stands if no later margin is kept and "
+        "starts over with every note otherwise. The answer is the same either way.",
+    )
     margin_stop: StopList = Field(default_factory=lambda: ["\n\n"])
     answer_stop: StopList = Field(default_factory=list)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(

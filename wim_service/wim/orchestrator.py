@@ -173,6 +173,7 @@ class _Ledger:
     minimal: int = 0
     margin_tokens: int = 0
     answer_tokens: int = 0
+    discarded_answer_tokens: int = 0
 
     def add(self, cost: PromptCost | None, *, minimal: int) -> None:
         if cost is not None:
@@ -190,6 +191,7 @@ class _Ledger:
             minimal_prompt_tokens=self.minimal,
             margin_tokens=self.margin_tokens,
             answer_tokens=self.answer_tokens,
+            discarded_answer_tokens=self.discarded_answer_tokens,
         )
 
 
@@ -248,6 +250,70 @@ def _strip_relevance_word(text: str, word: str) -> str:
     if body.upper().startswith(word.upper()):
         body = body[len(word) :]
     return body.lstrip(" \t\n:#-,.;")
+
+
+async def _recorded(
+    stream: AsyncIterator[GenerationChunk], chunks: list[GenerationChunk]
+) -> AsyncIterator[GenerationChunk]:
+    """`stream`, keeping every chunk in `chunks`: what a request cost even if it is cut off."""
+    try:
+        async for chunk in stream:
+            chunks.append(chunk)
+            yield chunk
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+class _HeldText:
+    """Answer text held back until the answer is known to stand, then passed on as it comes."""
+
+    def __init__(self) -> None:
+        self._held: list[str] = []
+        self._sink: Callable[[str], None] | None = None
+
+    def __call__(self, delta: str) -> None:
+        if self._sink is None:
+            self._held.append(delta)
+        else:
+            self._sink(delta)
+
+    def release(self, sink: Callable[[str], None]) -> None:
+        self._sink = sink
+        for delta in self._held:
+            sink(delta)
+        self._held.clear()
+
+
+@dataclass
+class _EarlyAnswer:
+    """An answer started before the last margins ended, over the notes kept until then."""
+
+    suffix: list[int]  # its final prompt
+    text: _HeldText
+    chunks: list[GenerationChunk]
+    task: asyncio.Task[_Generated]
+
+    async def discard(self, ledger: _Ledger) -> None:
+        """Stop it (a later note changed the final prompt) and book the work it did."""
+        self.task.cancel()
+        await asyncio.wait([self.task])
+        if not self.task.cancelled():
+            self.task.exception()  # an early answer that failed is as moot as one that did not
+        cost = next((chunk.cost for chunk in self.chunks if chunk.cost is not None), None)
+        # Its final prompt counts as minimal too: the request was meant, not a cache miss.
+        ledger.add(cost, minimal=len(self.suffix) if cost is not None else 0)
+        ledger.discarded_answer_tokens += sum(len(chunk.token_ids) for chunk in self.chunks)
+
+
+@dataclass(frozen=True)
+class QueryRoom:
+    """The KV blocks a query may hold beyond the pinned context, and the shape of its job."""
+
+    shape: JobShape
+    blocks: int
+
+    def holds_early_answer(self, block: int, pending_margins: int, suffix_tokens: int) -> bool:
+        return self.shape.early_answer_blocks(block, pending_margins, suffix_tokens) <= self.blocks
 
 
 @dataclass(frozen=True)
@@ -401,11 +467,12 @@ class WiMSession:
         query: str | None = None,
         options: WiMOptions | None = None,
         pipelined: bool = True,
-    ) -> list[MarginNote]:
+    ) -> list[asyncio.Task[MarginNote | None]]:
         """Prefill every segment; with a query, write each margin as soon as its segment is in.
 
         Pipelined: margin i is submitted right after segment i's KV is computed, together with
         the push of segment i+1, so both share engine steps. Otherwise margin i is awaited first.
+        Returns the margins' tasks, the last ones possibly still running (`answer` awaits them).
         """
         options = options or self.options
         suffix = self.builder.margin_suffix(query, options.relevance) if query is not None else []
@@ -437,41 +504,85 @@ class WiMSession:
                 if not concurrent:
                     await task
             timings.prefill_s = time.perf_counter() - started
-            notes = await asyncio.gather(*tasks)
-        finally:
+        except BaseException:
             for task in tasks:
                 task.cancel()
-        if tasks:
-            timings.margins_s = time.perf_counter() - started
-        return [note for note in notes if note is not None] if tasks else []
+            raise
+        return tasks
 
     async def ask_margins(
         self, query: str, options: WiMOptions, emit: Emit, ledger: _Ledger
-    ) -> list[MarginNote]:
-        """Margins of every segment for a new query over the already-read document."""
+    ) -> list[asyncio.Task[MarginNote | None]]:
+        """Margins of every segment for a new query over the already-read document: their
+        tasks, all running at once (`answer` awaits them), or already done one by one."""
         suffix = self.builder.margin_suffix(query, options.relevance)
-        if not self.backend.limits.concurrent_branches:
-            # One at a time: creating every task up front would start them all at once.
-            notes = [
-                await self._margin(segment, query, suffix, options, ledger, emit)
-                for segment in self.plan.segments
-            ]
-            return [note for note in notes if note is not None]
-        tasks = [
-            asyncio.create_task(self._margin(segment, query, suffix, options, ledger, emit))
-            for segment in self.plan.segments
-        ]
+        tasks: list[asyncio.Task[MarginNote | None]] = []
         try:
-            notes = await asyncio.gather(*tasks)
-        finally:
+            for segment in self.plan.segments:
+                task = asyncio.create_task(
+                    self._margin(segment, query, suffix, options, ledger, emit)
+                )
+                tasks.append(task)
+                if not self.backend.limits.concurrent_branches:
+                    # One at a time: the reference backend works on one request at once.
+                    await task
+        except BaseException:
             for task in tasks:
                 task.cancel()
-        return [note for note in notes if note is not None]
+            raise
+        return tasks
+
+    def _final_suffix(
+        self, query: str, notes: list[MarginNote], options: WiMOptions
+    ) -> tuple[list[int], list[MarginNote]]:
+        budget = (
+            self.backend.limits.max_model_len - self.plan.context_tokens - options.answer_max_tokens
+        )
+        return self.builder.final_suffix_within(query, notes, budget)
+
+    def _answer_params(self, options: WiMOptions) -> GenerationParams:
+        return GenerationParams(
+            kind=RequestKind.ANSWER,
+            max_tokens=options.answer_max_tokens,
+            stop_token_ids=self._stop_ids(options),
+        )
+
+    def _answer_early(
+        self,
+        query: str,
+        margins: list[asyncio.Task[MarginNote | None]],
+        options: WiMOptions,
+        room: QueryRoom,
+    ) -> _EarlyAnswer | None:
+        """Start the answer to the notes kept so far beside the margins still running, if any
+        are and the query's reservation holds them together."""
+        done = [task for task in margins if task.done()]
+        if not options.answer_early or len(done) == len(margins):
+            return None
+        if any(task.cancelled() or task.exception() is not None for task in done):
+            return None  # the job is failing: `answer` raises it
+        known = [note for task in done if (note := task.result()) is not None]
+        suffix, _ = self._final_suffix(query, known, options)
+        pending = len(margins) - len(done)
+        if not room.holds_early_answer(self.backend.limits.block_size, pending, len(suffix)):
+            return None
+        chunks: list[GenerationChunk] = []
+        text = _HeldText()
+        stream = self.context.branch(self.plan.context_tokens, suffix, self._answer_params(options))
+        task = asyncio.create_task(
+            _consume(
+                _recorded(stream, chunks),
+                self.builder.tokenizer,
+                stop=options.answer_stop,
+                on_text=text,
+            )
+        )
+        return _EarlyAnswer(suffix, text, chunks, task)
 
     async def answer(
         self,
         query: str,
-        notes: list[MarginNote],
+        margins: list[asyncio.Task[MarginNote | None]],
         options: WiMOptions,
         emit: Emit,
         ledger: _Ledger,
@@ -479,37 +590,54 @@ class WiMSession:
         started: float,
         *,
         conclude: bool,
+        room: QueryRoom,
     ) -> FinalAnswer:
-        """Generate the answer after the whole document and the kept margins.
+        """Await the margins, then generate the answer after the document and the kept notes.
 
         The notes get what the window leaves after the document and the answer, most relevant
         first; with no note the final prompt is exactly the plain long-context prompt.
         `conclude` appends the final prompt to the context itself (no recompute at all; the
         session takes no further query); otherwise the answer is a branch over the context.
+
+        Margins still running when this is called (`answer_early`): the answer to the notes
+        kept so far starts at once, as a branch beside them, its text held back. Most margins
+        are not kept; when no late one is, that answer's prompt is exactly the one every note
+        makes, so it stands, and the margins' last decode steps carried it. A late kept note
+        discards it (its tokens are counted as `discarded_answer_tokens`) and the answer starts
+        over with every note.
         """
-        budget = (
-            self.backend.limits.max_model_len - self.plan.context_tokens - options.answer_max_tokens
-        )
-        suffix, shown = self.builder.final_suffix_within(query, notes, budget)
-        params = GenerationParams(
-            kind=RequestKind.ANSWER,
-            max_tokens=options.answer_max_tokens,
-            stop_token_ids=self._stop_ids(options),
-        )
-        stream = (
-            self.context.conclude(suffix, params)
-            if conclude
-            else self.context.branch(self.plan.context_tokens, suffix, params)
-        )
+        early = self._answer_early(query, margins, options, room)
+        try:
+            notes = [note for note in await asyncio.gather(*margins) if note is not None]
+            if margins:
+                timings.margins_s = time.perf_counter() - started
+            suffix, shown = self._final_suffix(query, notes, options)
 
-        def on_text(delta: str) -> None:
-            if not timings.answer_ttft_s:
-                timings.answer_ttft_s = time.perf_counter() - started
-            emit(AnswerEvent(text=delta))
+            def on_text(delta: str) -> None:
+                if not timings.answer_ttft_s:
+                    timings.answer_ttft_s = time.perf_counter() - started
+                emit(AnswerEvent(text=delta))
 
-        generated = await _consume(
-            stream, self.builder.tokenizer, stop=options.answer_stop, on_text=on_text
-        )
+            if early is not None and early.suffix == suffix:
+                early.text.release(on_text)
+                generated = await early.task
+            else:
+                if early is not None:
+                    await early.discard(ledger)
+                params = self._answer_params(options)
+                stream = (
+                    self.context.conclude(suffix, params)
+                    if conclude
+                    else self.context.branch(self.plan.context_tokens, suffix, params)
+                )
+                generated = await _consume(
+                    stream, self.builder.tokenizer, stop=options.answer_stop, on_text=on_text
+                )
+        finally:
+            for task in margins:
+                task.cancel()
+            if early is not None:
+                early.task.cancel()
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.answer_tokens += len(generated.token_ids)
         held = {note.segment for note in shown}
@@ -537,13 +665,21 @@ class WiMSession:
                 limits = self.backend.limits
                 shape = check_query(self.plan, self.builder, limits, query, options)
                 needed = shape.query_blocks(limits.block_size, limits.max_model_len)
+                room = QueryRoom(shape, max(needed, self.query_blocks))
                 async with self.context.reserve_more(max(0, needed - self.query_blocks)):
                     started = time.perf_counter()
                     ledger, timings = _Ledger(), Timings()
-                    notes = await self.ask_margins(query, options, emit, ledger)
-                    timings.margins_s = time.perf_counter() - started
+                    margins = await self.ask_margins(query, options, emit, ledger)
                     answer = await self.answer(
-                        query, notes, options, emit, ledger, timings, started, conclude=False
+                        query,
+                        margins,
+                        options,
+                        emit,
+                        ledger,
+                        timings,
+                        started,
+                        conclude=False,
+                        room=room,
                     )
                     timings.total_s = time.perf_counter() - started
                     emit(answer.done(ledger.usage(self.plan), timings))
@@ -597,11 +733,20 @@ def run_wim(
             timings, ledger = Timings(), _Ledger()
             timings.queue_s = time.perf_counter() - started
             started = time.perf_counter()
-            notes = await session.read(
+            margins = await session.read(
                 emit, ledger, timings, started, query=query, options=options, pipelined=pipelined
             )
+            room = QueryRoom(shape, reserve - shape.context_blocks(limits.block_size))
             answer = await session.answer(
-                query, notes, options, emit, ledger, timings, started, conclude=True
+                query,
+                margins,
+                options,
+                emit,
+                ledger,
+                timings,
+                started,
+                conclude=True,
+                room=room,
             )
             timings.total_s = time.perf_counter() - started
             emit(answer.done(ledger.usage(session.plan), timings))
