@@ -97,6 +97,30 @@ async def test_job_streams_segments_margins_answer(engine, report) -> None:
     assert u.prompt_tokens_cached > (u.segments - 1) * u.context_tokens // 2
 
 
+@pytest.mark.parametrize("stands", [True, False], ids=["stands", "discarded"])
+async def test_an_answer_started_early_is_the_answer_after_the_margins(
+    engine, report, short_report, stands: bool
+) -> None:
+    """answer_early on the real engine: the answer starts while the last margin is still
+    decoding, and the client gets token for token the answer that starts after every margin
+    (answer_early off). On the first sections no late margin is kept and that early answer
+    stands; on the whole report the last margins find the code, so it is discarded."""
+    document = short_report if stands else report
+    started = time.monotonic()
+    early = await run(engine, document)
+    spans = spans_since(engine, started)
+    late = await run(engine, document, options=OPTIONS.model_copy(update={"answer_early": False}))
+    assert early[-1].type == late[-1].type == "done", (early[-1], late[-1])
+    assert outcome(early) == outcome(late)
+    assert early[-1].usage.answer_tokens == late[-1].usage.answer_tokens > 0
+    assert (early[-1].usage.discarded_answer_tokens == 0) == stands
+    answers = [span for span in spans if span.kind == "answer"]
+    assert len(answers) == (1 if stands else 2)
+    last_margin = max((span for span in spans if span.kind == "margin"), key=lambda s: s.started)
+    assert answers[0].started < last_margin.ended
+    assert answers[0].first_output is not None and answers[0].first_output < last_margin.ended
+
+
 async def test_margins_hit_every_full_context_block(engine, report) -> None:
     builder = PromptBuilder(engine.tokenizer, OPTIONS.prompts)
     plan = plan_document(builder, report, OPTIONS, engine.limits)
