@@ -160,7 +160,7 @@ def wim(mode: RelevanceMode | None = None, grounding: GroundingMode | None = Non
                 return MethodResult(
                     event.answer,
                     u.prompt_tokens_computed,
-                    u.margin_tokens + u.answer_tokens,
+                    u.margin_tokens + u.answer_tokens + u.discarded_answer_tokens,
                     time.perf_counter() - started,
                     sorted(margins, key=lambda m: m.segment),
                 )
