@@ -202,6 +202,25 @@ async def test_no_surviving_margin_gives_exactly_the_plain_prompt(tokenizer) -> 
     assert events[-1].notes == [] and events[-1].notes_dropped == []
 
 
+async def test_by_default_a_note_must_share_most_of_the_question(tokenizer) -> None:
+    """note_min_query_overlap (default 0.8): grounded notes that share too little with the
+    question (here only "ferry") are dropped and the final prompt is the plain one; with 0
+    the same notes are kept."""
+    query = "Where does the ferry wait at night?"
+    strict = scripted(tokenizer, lie_on=set())
+    events = await run(strict, query, wim_options())
+    margins = [e for e in events if e.type == "margin"]
+    assert len(margins) >= 6 and all(m.grounded and not m.kept for m in margins)
+    plain = PromptBuilder(tokenizer, wim_options().prompts).plain_prompt(
+        tokenizer.encode_user_text(DOC).ids, query
+    )
+    assert strict.contexts[0].ids + strict.contexts[0].finals[0] == plain
+    lenient = scripted(tokenizer, lie_on=set())
+    events = await run(lenient, query, wim_options(note_min_query_overlap=0.0))
+    assert all(e.kept for e in events if e.type == "margin")
+    assert events[-1].notes == [m.segment for m in margins]
+
+
 async def test_notes_get_what_the_window_leaves_most_relevant_first(tokenizer) -> None:
     """Snapped evidence can be longer than the margin it replaces: the window caps the notes."""
     query = "What is the code for gate 5?"

@@ -175,6 +175,8 @@ DOC = " ".join(f"Sentence {i} is about the harbour and its boats." for i in rang
 
 
 def options(**kw) -> WiMOptions:
+    # The loop's mechanics, not the query-overlap filter: every margin's note may be kept.
+    kw.setdefault("note_min_query_overlap", 0.0)
     return WiMOptions(segment_tokens=128, margin_max_tokens=32, answer_max_tokens=32, **kw)
 
 

@@ -130,12 +130,20 @@ async def rag(backend: VLLMBackend, task: Task, settings: MethodSettings) -> Met
     )
 
 
-def wim(mode: RelevanceMode | None = None, grounding: GroundingMode | None = None) -> MethodFn:
-    """WiM with relevance mode `mode` and grounding `grounding` (None: the run's options);
-    margins are kept for the report."""
+def wim(
+    mode: RelevanceMode | None = None,
+    grounding: GroundingMode | None = None,
+    note_min_query_overlap: float | None = None,
+) -> MethodFn:
+    """WiM with relevance mode `mode`, grounding `grounding` and the notes' query-overlap
+    filter (None: the run's options); margins are kept for the report."""
 
     async def run(backend: VLLMBackend, task: Task, settings: MethodSettings) -> MethodResult:
-        update = {"relevance": mode, "grounding": grounding}
+        update = {
+            "relevance": mode,
+            "grounding": grounding,
+            "note_min_query_overlap": note_min_query_overlap,
+        }
         options = settings.options.model_copy(
             update={k: v for k, v in update.items() if v is not None}
         )
@@ -173,5 +181,6 @@ METHODS: dict[str, MethodFn] = {
     "plain": plain,
     "rag": rag,
     **{f"wim_{mode.value}": wim(mode) for mode in RelevanceMode},
-    "wim_ungrounded": wim(grounding=GroundingMode.OFF),
+    # WiM as it was before grounded margins: no grounding, no query-overlap filter.
+    "wim_ungrounded": wim(grounding=GroundingMode.OFF, note_min_query_overlap=0.0),
 }

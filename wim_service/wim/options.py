@@ -197,8 +197,12 @@ class WiMOptions(BaseModel):
     grounding_max_sentences: int = Field(
         2, ge=1, le=8, description="Most consecutive sentences one margin's evidence may span."
     )
+    # 0.8: on the default model every note that made an answer worse than plain's shared
+    # (almost) nothing with the question (a grounded filler or distractor sentence); at 0.8 no
+    # task of `wim eval --full` was worse than plain. Lexical: a paraphrased question may drop
+    # a useful note (the answer is then plain's). Measured in docs/evaluation.md.
     note_min_query_overlap: float = Field(
-        0.0,
+        0.8,
         ge=0.0,
         le=1.0,
         description="Share of the query's content words a note must contain to be kept.",
