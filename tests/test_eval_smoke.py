@@ -13,6 +13,7 @@ from wim_service.eval.runner import evaluate
 from wim_service.eval.scoring import hallucinated_values
 from wim_service.eval.sizing import largest_length
 from wim_service.eval.tasks import TaskKind, generate_tasks
+from wim_service.wim.grounding import query_overlap
 from wim_service.wim.options import PromptTemplates, WiMOptions
 from wim_service.wim.prompts import PromptBuilder
 
@@ -56,11 +57,13 @@ async def test_smoke_evaluation_produces_sane_reports(engine, tmp_path) -> None:
             assert wim.generated_tokens >= len(wim.margins) + 1  # a token per margin at least
             assert [m.segment for m in wim.margins] == list(range(len(wim.margins)))
             assert len(wim.margins) >= 2  # 768 tokens in ~256-token segments
-        # Keep-all marks every non-empty margin relevant; grounding keeps only grounded ones,
-        # and a kept note's evidence is the document's own text.
+        # Keep-all marks every non-empty margin relevant; grounding keeps only grounded ones
+        # that share enough of the question, and a kept note's evidence is the document's text.
         assert all(m.relevant for m in by[task.task_id, "wim_none"].result.margins if m.text)
+        threshold = SETTINGS.options.note_min_query_overlap
         for m in by[task.task_id, "wim_none"].result.margins:
-            assert m.kept == (m.relevant and m.grounded)
+            overlap = query_overlap(task.query, m.evidence)
+            assert m.kept == (m.relevant and m.grounded and overlap >= threshold)
             assert m.evidence in task.document if m.grounded else m.evidence == ""
         assert all(m.kept == m.relevant for m in by[task.task_id, "wim_ungrounded"].result.margins)
 

@@ -105,11 +105,15 @@ def test_a_session_opened_through_one_router_is_served_by_another(
 
 def start_stream(document_id: str) -> tuple[threading.Thread, dict[str, Any]]:
     """A streamed question in a thread; returns once its first event arrived. The result holds
-    the answering router, the events so far and any transport error."""
+    the answering router, the events so far and any transport error.
+
+    The answer starts after the margins (`answer_early` off): started early, it streams in one
+    burst right after the last margin, and the stream could end before a router is killed."""
     result: dict[str, Any] = {}
 
     def stream() -> None:
-        body = {**query_body(document_id), "stream": True}
+        body = query_body(document_id)
+        body = {**body, "options": {**body["options"], "answer_early": False}, "stream": True}
         text = ""
         try:
             with httpx.stream(
