@@ -316,24 +316,6 @@ class QueryRoom:
         return self.shape.early_answer_blocks(block, pending_margins, suffix_tokens) <= self.blocks
 
 
-@dataclass(frozen=True)
-class FinalAnswer:
-    """The answer, and which kept notes the final prompt held (segment indexes)."""
-
-    text: str
-    notes: list[int]
-    notes_dropped: list[int]
-
-    def done(self, usage: Usage, timings: Timings) -> DoneEvent:
-        return DoneEvent(
-            answer=self.text,
-            notes=self.notes,
-            notes_dropped=self.notes_dropped,
-            usage=usage,
-            timings=timings,
-        )
-
-
 class WiMSession:
     """One document in one engine context, answering one or many queries."""
 
@@ -591,8 +573,9 @@ class WiMSession:
         *,
         conclude: bool,
         room: QueryRoom,
-    ) -> FinalAnswer:
-        """Await the margins, then generate the answer after the document and the kept notes.
+    ) -> None:
+        """Await the margins, generate the answer after the document and the kept notes, and
+        end the job with its `DoneEvent`.
 
         The notes get what the window leaves after the document and the answer, most relevant
         first; with no note the final prompt is exactly the plain long-context prompt.
@@ -641,10 +624,15 @@ class WiMSession:
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.answer_tokens += len(generated.token_ids)
         held = {note.segment for note in shown}
-        return FinalAnswer(
-            generated.text.strip(),
-            notes=sorted(held),
-            notes_dropped=sorted(n.segment for n in notes if n.segment not in held),
+        timings.total_s = time.perf_counter() - started
+        emit(
+            DoneEvent(
+                answer=generated.text.strip(),
+                notes=sorted(held),
+                notes_dropped=sorted(n.segment for n in notes if n.segment not in held),
+                usage=ledger.usage(self.plan),
+                timings=timings,
+            )
         )
 
     async def close(self) -> None:
@@ -670,7 +658,7 @@ class WiMSession:
                     started = time.perf_counter()
                     ledger, timings = _Ledger(), Timings()
                     margins = await self.ask_margins(query, options, emit, ledger)
-                    answer = await self.answer(
+                    await self.answer(
                         query,
                         margins,
                         options,
@@ -681,8 +669,6 @@ class WiMSession:
                         conclude=False,
                         room=room,
                     )
-                    timings.total_s = time.perf_counter() - started
-                    emit(answer.done(ledger.usage(self.plan), timings))
 
         return _event_stream(job)
 
@@ -737,7 +723,7 @@ def run_wim(
                 emit, ledger, timings, started, query=query, options=options, pipelined=pipelined
             )
             room = QueryRoom(shape, reserve - shape.context_blocks(limits.block_size))
-            answer = await session.answer(
+            await session.answer(
                 query,
                 margins,
                 options,
@@ -748,8 +734,6 @@ def run_wim(
                 conclude=True,
                 room=room,
             )
-            timings.total_s = time.perf_counter() - started
-            emit(answer.done(ledger.usage(session.plan), timings))
         finally:
             await session.close()
 
