@@ -52,6 +52,44 @@ def test_margins_are_checked_against_the_segment(harbor, margin: str, grounded: 
         assert evidence.coverage >= 0.8
 
 
+@pytest.mark.parametrize(
+    ("partial", "hopeless"),
+    [
+        ("The access code for the night gate is 123456 ", True),  # written, and not there
+        ("The access code for the night gate is 123456", False),  # may still grow
+        ("The port employs 1,", False),  # may become "1,240"
+        ("The port employs 1,240 people", False),  # there
+        ("Margaret Oyelaran retired after 31 years", True),
+        ("Tomas Reyez leads", True),  # a name the segment lacks
+        ("Tomas Reyes leads the pilot service", False),
+        ("Reyez leads", False),  # a capitalised first word is not taken for a name
+        ("The new code is kept in the lighthouse stairs", False),  # only coverage rules it out
+    ],
+)
+def test_a_margin_is_hopeless_once_it_names_what_the_segment_lacks(
+    harbor, partial: str, hopeless: bool
+) -> None:
+    assert harbor.cannot_ground(partial) is hopeless
+
+
+def test_no_start_of_a_groundable_margin_is_called_hopeless(harbor) -> None:
+    """Soundness: a margin is cut short only where no continuation could be grounded, so
+    cutting never changes which margins are kept."""
+    margins = [
+        "The access code for the night gate is 4417, set in March.",
+        "The port employs 1,240 people.",
+        "Tomas Reyes took over the pilot service from Margaret Oyelaran.",
+        "Forty-two apprentices trained, and a simulator for pilots was added.",
+        "The access code for the night gate is 123456, it says.",
+        "Tomas Reyez leads the pilot service.",
+    ]
+    for margin in margins:
+        grounded = harbor.ground(margin, min_coverage=0.8, max_sentences=2).grounded
+        hopeless = [margin[:n] for n in range(len(margin) + 1) if harbor.cannot_ground(margin[:n])]
+        assert not (grounded and hopeless), (margin, hopeless[:1])
+        assert bool(hopeless) is ("123456" in margin or "Reyez" in margin)
+
+
 def test_evidence_is_the_supporting_sentence(harbor) -> None:
     verdict = harbor.ground("The night gate code is 4417.", min_coverage=0.8, max_sentences=2)
     assert verdict.evidence.text.startswith("The access code for the night gate keypad")
@@ -136,7 +174,9 @@ def last_gate_margin(backend: RecordingBackend, prefix: int, lie: bool) -> str:
     """A margin that restates the segment's last code (or a code nowhere in the document)."""
     read = backend.tokenizer.decode(backend.contexts[-1].ids[:prefix])
     gate = read.rsplit("The code for gate ", 1)[1].split(",")[0]
-    return f"Gate {gate} has code {99999 if lie else 1000 + 7 * int(gate)}."
+    if lie:  # the invented code, then more words: grounding cuts it short after the code
+        return f"Gate {gate} has code 99999, by the fish market."
+    return f"Gate {gate} has code {1000 + 7 * int(gate)}."
 
 
 def scripted(tokenizer, lie_on: set[int]) -> RecordingBackend:
@@ -182,6 +222,12 @@ async def test_ungrounded_margins_never_reach_the_final_prompt(tokenizer, mode) 
         else:
             assert m.evidence == "" and m.evidence_start is None
         assert m.kept is (m.grounded or mode is GroundingMode.OFF)
+        # An ungrounded margin stops at its invented code, unless grounding is off.
+        assert m.cut_short is (not m.grounded and mode is not GroundingMode.OFF)
+        assert ("market" in m.text) is (not m.grounded and not m.cut_short)
+    # The engine wrote the cut margins' tokens only up to the cut.
+    cut = [end for end in backend.log if end[:2] == ("end", "margin") and end[3] < end[4]]
+    assert len(cut) == (0 if mode is GroundingMode.OFF else 2)
     assert "99999" in final if mode is GroundingMode.OFF else "99999" not in final
     # Snapping shows the document's words; the other modes the margin's own.
     assert ("The code for gate" in final) is (mode is GroundingMode.SNAP)
@@ -326,3 +372,30 @@ async def test_no_surviving_margin_answers_token_for_token_as_plain(engine, repo
     plain = await engine.complete(plain_ids, max_tokens=options.answer_max_tokens)
     assert done.answer == plain.text.strip()
     assert done.usage.answer_tokens == len(plain.token_ids)
+
+
+@pytest.mark.engine
+async def test_a_margin_that_names_what_its_segment_lacks_is_cut_short(engine, report) -> None:
+    """Margins that invent a number or name stop there; written to the end (grounding off,
+    nothing cut) each of them is the same text continued, and still ungrounded."""
+    query = "How many passengers did the ferry to the islands carry?"
+
+    async def margins(grounding: GroundingMode) -> tuple[dict[int, object], object]:
+        options = WiMOptions(segment_tokens=192, grounding=grounding)
+        events = [e async for e in run_wim(engine, engine.tokenizer, report, query, options)]
+        assert events[-1].type == "done", events[-1]
+        return {e.segment: e for e in events if e.type == "margin"}, events[-1]
+
+    cut, cut_done = await margins(GroundingMode.SNAP)
+    whole, whole_done = await margins(GroundingMode.OFF)
+    short = [s for s, m in cut.items() if m.cut_short]
+    assert short and not any(m.cut_short for m in whole.values())
+    for segment, margin in cut.items():
+        assert whole[segment].grounded is margin.grounded
+        if segment in short:
+            assert not margin.grounded and not margin.kept
+            assert whole[segment].text.startswith(margin.text)
+            assert len(whole[segment].text) > len(margin.text)
+        else:
+            assert whole[segment].text == margin.text
+    assert cut_done.usage.margin_tokens < whole_done.usage.margin_tokens

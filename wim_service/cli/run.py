@@ -83,6 +83,7 @@ async def _collect(events: AsyncIterator[WiMEvent]) -> dict[str, Any]:
                     "text": event.text,
                     "relevant": event.relevant,
                     "grounded": event.grounded,
+                    "cut_short": event.cut_short,
                     "kept": event.kept,
                     "evidence": event.evidence,
                 }

@@ -39,6 +39,11 @@ class MarginOut(BaseModel):
     text: str
     relevant: bool
     grounded: bool = Field(False, description="Its own segment supports what it says.")
+    cut_short: bool = Field(
+        False,
+        description="Writing stopped once it named a number or name its segment lacks (no "
+        "continuation could be supported); `text` ends there.",
+    )
     kept: bool = Field(False, description="It went on to the final prompt.")
     evidence: str = Field("", description="The segment's sentence(s) that support it.")
     evidence_start: int | None = None

@@ -57,6 +57,9 @@ class MarginEvent(BaseModel):
     relevant: bool  # the relevance mode's verdict (and the margin is not empty)
     # The segment's own sentences support the margin (reported whatever the grounding mode).
     grounded: bool = False
+    # Writing stopped early: the margin had named a number or name (or denied something) that
+    # its segment does not hold, so no continuation could be grounded. `text` ends there.
+    cut_short: bool = False
     # The margin goes on to the final prompt (relevant, grounded unless grounding is off, and
     # enough overlap with the query); the window may still leave it out (DoneEvent).
     kept: bool = False

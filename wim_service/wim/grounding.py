@@ -29,6 +29,8 @@ from wim_service.wim.segmentation import Segment, sentence_ends
 
 # Numbers keep their digits only ("1,240" and "1240" are one value); words are lower-cased.
 _TOKEN = re.compile(r"\d+(?:[.,]\d+)*|[^\W\d_]+(?:['’][^\W\d_]+)?")
+# Whitespace and what follows it, up to the end: the word a stream may still be writing.
+_LAST_WORD = re.compile(r"\s\S*\Z")
 _SENTENCE_OPENER = re.compile(r"(?:^|[.!?:;]\s+|\n)\s*[\"'(\[]*$")
 # A fuzzy word match: "works" ~ "work", but not "east" ~ "west" (75) or "Belmor" ~ "Belmora".
 _WORD_CUTOFF = 85.0
@@ -179,6 +181,25 @@ class SegmentText:
             s = start + a + lead
             sentences.append(_Sentence(s, s + len(stripped), vocabulary(stripped)))
         return sentences
+
+    @cached_property
+    def vocabulary(self) -> frozenset[str]:
+        """Every word and number of the segment: a superset of every window's vocabulary."""
+        return frozenset().union(*(s.vocabulary for s in self.sentences))
+
+    def cannot_ground(self, partial: str) -> bool:
+        """Whether `partial`, the start of a margin still being written, already holds a number
+        or name (or a denial) that no sentence of this segment holds. Then `ground` refuses
+        every continuation of it, and the margin need not be written to its end.
+
+        Only what precedes the last whitespace counts as written: a word or number cannot
+        reach across whitespace, while "212," may still become "212,000".
+        """
+        written = _LAST_WORD.sub("", partial)
+        if len(written) == len(partial):
+            return False  # no whitespace yet: every word may still grow
+        claim = Claim.parse(written)
+        return not (claim.numbers | claim.names) <= self.vocabulary
 
     def ground(self, margin: str, *, min_coverage: float, max_sentences: int) -> Grounding:
         """Check `margin` against every window of up to `max_sentences` consecutive sentences."""

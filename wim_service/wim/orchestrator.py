@@ -208,12 +208,15 @@ async def _consume(
     *,
     stop: list[str],
     keep_going: Callable[[int], bool] | None = None,
+    give_up: Callable[[str], bool] | None = None,
     on_text: Callable[[str], None] | None = None,
 ) -> _Generated:
     """Drain a generation: decode incrementally, honour stop strings, stream text deltas.
 
-    `keep_going(first_token)` may end the generation right after its first token. Text that
-    could still turn out to begin a stop string is held back from `on_text` until resolved.
+    `keep_going(first_token)` may end the generation right after its first token;
+    `give_up(text)` ends it once the text settled so far makes the rest pointless. Text that
+    could still turn out to begin a stop string is held back from `on_text` (and from
+    `give_up`) until resolved.
     """
     ids: list[int] = []
     text, emitted = "", 0
@@ -237,7 +240,7 @@ async def _consume(
             if on_text is not None and limit > emitted:
                 on_text(text[emitted:limit])
                 emitted = limit
-            if cut >= 0:
+            if cut >= 0 or (give_up is not None and give_up(text[:limit])):
                 break
     finally:
         # Leaving early (stop string, NO first token, cancellation) aborts the request.
@@ -372,12 +375,25 @@ class WiMSession:
             verdict.append(token in self.yes_ids)
             return verdict[0]
 
+        segment_text = self.segment_texts[segment.index]
+        cut_short = False
+
+        def ungroundable(text: str) -> bool:
+            nonlocal cut_short
+            # The margin as `ground` will see it: a first-token margin without its YES.
+            if first_token:
+                text = _strip_relevance_word(text, self.builder.templates.yes)
+            cut_short = segment_text.cannot_ground(text)
+            return cut_short
+
         prefix_tokens = len(self.plan.prefix_ids) + segment.token_end
         generated = await _consume(
             self.context.branch(prefix_tokens, suffix, params),
             self.builder.tokenizer,
             stop=options.margin_stop,
             keep_going=keep_going if first_token else None,
+            # Grounding will drop it whatever follows; stop paying for its tokens.
+            give_up=ungroundable if options.grounding is not GroundingMode.OFF else None,
         )
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.margin_tokens += len(generated.token_ids)
@@ -390,7 +406,7 @@ class WiMSession:
         else:
             relevant = True
         relevant = relevant and bool(text)
-        grounding = self.segment_texts[segment.index].ground(
+        grounding = segment_text.ground(
             text,
             min_coverage=options.grounding_min_coverage,
             max_sentences=options.grounding_max_sentences,
@@ -409,6 +425,7 @@ class WiMSession:
                 text=text,
                 relevant=relevant,
                 grounded=grounding.grounded,
+                cut_short=cut_short,
                 kept=kept,
                 evidence=evidence.text if evidence else "",
                 evidence_start=evidence.char_start if evidence else None,
