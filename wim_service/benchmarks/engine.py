@@ -42,13 +42,17 @@ async def plain_call(
 
 def grounding_seconds(document: str, query: str, job: JobResult, options: WiMOptions) -> float:
     """The time grounding took in `job`, replayed as the orchestrator runs it: every margin
-    checked against a fresh `SegmentText` of its segment (sentence splitting included), then
-    the query-overlap score of its note. It runs on the job's event loop, beside the engine,
-    so this is an upper bound on what it adds to the job's wall time."""
+    checked against a fresh `SegmentText` of its segment (sentence splitting included), while
+    it is written (`cannot_ground` on every prefix of it, more calls than it had tokens) and
+    at its end, then the query-overlap score of its note. It runs on the job's event loop,
+    beside the engine, so this is an upper bound on what it adds to the job's wall time."""
     started = time.perf_counter()
     for margin in job.margins:
         segment = Segment(margin.segment, 0, 0, margin.char_start, margin.char_end)
-        grounding = SegmentText(document, segment).ground(
+        segment_text = SegmentText(document, segment)
+        for end in range(len(margin.text) + 1):
+            segment_text.cannot_ground(margin.text[:end])
+        grounding = segment_text.ground(
             margin.text,
             min_coverage=options.grounding_min_coverage,
             max_sentences=options.grounding_max_sentences,
