@@ -170,13 +170,18 @@ class RecordingBackend(FakeBackend):
         return self.contexts[-1]
 
 
+def last_gate(backend: RecordingBackend, prefix: int) -> int:
+    """The last gate whose code the first `prefix` tokens of the context tell."""
+    read = backend.tokenizer.decode(backend.contexts[-1].ids[:prefix])
+    return int(read.rsplit("The code for gate ", 1)[1].split(",")[0])
+
+
 def last_gate_margin(backend: RecordingBackend, prefix: int, lie: bool) -> str:
     """A margin that restates the segment's last code (or a code nowhere in the document)."""
-    read = backend.tokenizer.decode(backend.contexts[-1].ids[:prefix])
-    gate = read.rsplit("The code for gate ", 1)[1].split(",")[0]
+    gate = last_gate(backend, prefix)
     if lie:  # the invented code, then more words: grounding cuts it short after the code
         return f"Gate {gate} has code 99999, by the fish market."
-    return f"Gate {gate} has code {1000 + 7 * int(gate)}."
+    return f"Gate {gate} has code {1000 + 7 * gate}."
 
 
 def scripted(tokenizer, lie_on: set[int]) -> RecordingBackend:
@@ -233,6 +238,33 @@ async def test_ungrounded_margins_never_reach_the_final_prompt(tokenizer, mode) 
     assert ("The code for gate" in final) is (mode is GroundingMode.SNAP)
     assert ("has code" in final) is (mode is not GroundingMode.SNAP)
     assert done.notes == [m.segment for m in margins if m.kept] and done.notes_dropped == []
+
+
+async def test_a_first_token_margin_is_cut_short_after_its_yes(tokenizer) -> None:
+    """First-token relevance: the cut-short check reads the margin without its YES, as
+    grounding does ("Indeed" opens the margin: no name), and stops an invented code."""
+    calls: list[int] = []
+
+    def script(params: GenerationParams, prefix: int) -> str:
+        if params.kind is RequestKind.ANSWER:
+            return "Done."
+        calls.append(prefix)
+        gate = last_gate(backend, prefix)
+        code = 99999 if len(calls) == 2 else 1000 + 7 * gate
+        return (
+            f"YES Indeed the code for gate {gate} is {code}, which opens the way between the "
+            "old stone quay, the fish market and the ferry berth."
+        )
+
+    backend = RecordingBackend(tokenizer, script, concurrent=False)
+    options = wim_options().model_copy(update={"relevance": RelevanceMode.FIRST_TOKEN})
+    events = await run(backend, "What is the code for gate 5?", options)
+    margins = sorted((e for e in events if e.type == "margin"), key=lambda e: e.segment)
+    assert len(margins) >= 6 and all(m.relevant for m in margins)
+    assert [m.segment for m in margins if m.cut_short] == [1]
+    assert [m.segment for m in margins if not m.grounded] == [1]
+    lie = f"Indeed the code for gate {last_gate(backend, calls[1])} is 99999, which"
+    assert margins[1].text == lie  # without its YES, and stopped after the code
 
 
 async def test_no_surviving_margin_gives_exactly_the_plain_prompt(tokenizer) -> None:
