@@ -12,6 +12,7 @@ import argparse
 import ast
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -338,6 +339,17 @@ def test_each_flag_reaches_its_field(name: str) -> None:
     fields = EngineConfig.model_fields
     changed = {n: getattr(config, n) for n in fields if getattr(config, n) != fields[n].default}
     assert changed == {name: value}
+
+
+@pytest.mark.parametrize("name", EngineConfig.cli_fields())
+def test_a_config_gives_the_flags_that_make_it_again(name: str) -> None:
+    """A report's command line (`wim bench --json-out`) reproduces the engine it ran."""
+    argv, _ = _other_value(name)
+    config = EngineConfig.from_cli_args(_parser().parse_args(argv))
+    assert config.cli_argv() == [" ".join(argv)]
+    again = shlex.split(" ".join(config.cli_argv()))
+    assert EngineConfig.from_cli_args(_parser().parse_args(again)) == config
+    assert EngineConfig().cli_argv() == []
 
 
 def test_defaults_and_overrides() -> None:

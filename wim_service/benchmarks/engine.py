@@ -245,5 +245,5 @@ def _argv(settings: BenchSettings) -> list[str]:
         *options,
         f"--concurrency {settings.concurrency}",
         f"--rounds {settings.rounds}",
-        f"--dtype {settings.engine.dtype}",
+        *settings.engine.cli_argv(),
     ]

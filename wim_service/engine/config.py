@@ -8,6 +8,7 @@ derives each flag's type, default and help from the field, `from_cli_args` reads
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from types import NoneType, UnionType
@@ -145,6 +146,20 @@ class EngineConfig(BaseModel):
         for name in cls.cli_fields():
             group.add_argument("--" + name.replace("_", "-"), **_argparse_kwargs(cls, name))
         return parser
+
+    def cli_argv(self) -> list[str]:
+        """The `add_cli_args` flags that give this config: one per field set to other than its
+        default (a report's command line that reproduces the run)."""
+        argv: list[str] = []
+        for name in self.cli_fields():
+            value, flag = getattr(self, name), "--" + name.replace("_", "-")
+            if value == type(self).model_fields[name].default:
+                continue
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv.append(f"{flag} {shlex.quote(str(value))}")
+        return argv
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
