@@ -74,4 +74,4 @@ def hallucinated_values(answer: str, task: Task) -> list[str]:
     """
     claim = Claim.parse(answer)
     known = vocabulary(task.document) | vocabulary(task.query)
-    return sorted(v for v in claim.numbers | claim.names if v not in known and v.isalnum())
+    return sorted(v for v in claim.exact_values - known if v.isalnum())

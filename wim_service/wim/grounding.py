@@ -79,6 +79,11 @@ class Claim:
     numbers: frozenset[str]  # and the denial marker: values that must match exactly
     names: frozenset[str]  # lower-cased
 
+    @property
+    def exact_values(self) -> frozenset[str]:
+        """The numbers and names (and the denial marker): found exactly, or not grounded."""
+        return self.numbers | self.names
+
     @classmethod
     def parse(cls, text: str) -> Claim:
         text = _normalize(text)
@@ -148,7 +153,7 @@ def _covered(claim: Claim, vocabulary: frozenset[str]) -> tuple[float, tuple[str
             and process.extractOne(word, choices, scorer=fuzz.ratio, score_cutoff=_WORD_CUTOFF)
         ):
             found += len(word)
-    missing = tuple(sorted(v for v in claim.numbers | claim.names if v not in vocabulary))
+    missing = tuple(sorted(claim.exact_values - vocabulary))
     return (found / total if total else 0.0), missing
 
 
@@ -198,8 +203,7 @@ class SegmentText:
         written = _LAST_WORD.sub("", partial)
         if len(written) == len(partial):
             return False  # no whitespace yet: every word may still grow
-        claim = Claim.parse(written)
-        return not (claim.numbers | claim.names) <= self.vocabulary
+        return not Claim.parse(written).exact_values <= self.vocabulary
 
     def ground(self, margin: str, *, min_coverage: float, max_sentences: int) -> Grounding:
         """Check `margin` against every window of up to `max_sentences` consecutive sentences."""
