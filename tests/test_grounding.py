@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.test_orchestrator import FakeBackend, FakeContext
+from tests.test_vllm_engine import wait_for_baseline
 from wim_service.wim.backend import EngineLimits, GenerationParams, RequestKind
 from wim_service.wim.grounding import Claim, SegmentText, query_overlap
 from wim_service.wim.options import GroundingMode, PromptTemplates, RelevanceMode, WiMOptions
@@ -418,7 +419,13 @@ async def test_a_margin_that_names_what_its_segment_lacks_is_cut_short(engine, r
         assert events[-1].type == "done", events[-1]
         return {e.segment: e for e in events if e.type == "margin"}, events[-1]
 
+    baseline = await wait_for_baseline(engine, (await engine.kv_stats()).free_blocks)
     cut, cut_done = await margins(GroundingMode.SNAP)
+    # The cut margins' requests were aborted, not left running: every block is free again.
+    assert engine.engine.get_num_unfinished_requests() == 0
+    stats = await wait_for_baseline(engine, baseline.free_blocks)
+    assert stats.free_blocks == baseline.free_blocks and stats.parked_sessions == 0
+    assert engine.load().reserved_blocks == 0
     whole, whole_done = await margins(GroundingMode.OFF)
     short = [s for s, m in cut.items() if m.cut_short]
     assert short and not any(m.cut_short for m in whole.values())
