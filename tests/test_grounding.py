@@ -241,6 +241,30 @@ async def test_ungrounded_margins_never_reach_the_final_prompt(tokenizer, mode) 
     assert done.notes == [m.segment for m in margins if m.kept] and done.notes_dropped == []
 
 
+
+async def test_a_cut_short_margin_is_not_sent_to_the_classifier(tokenizer) -> None:
+    """Classifier relevance: a margin cut short is dropped whatever the second turn would
+    say, so only the other margins are judged."""
+    margins_written: list[int] = []
+
+    def script(params: GenerationParams, prefix: int) -> str:
+        if params.kind is RequestKind.ANSWER:
+            return "Done."
+        if params.kind is RequestKind.CLASSIFIER:
+            return "YES"
+        margins_written.append(prefix)
+        return last_gate_margin(backend, prefix, lie=len(margins_written) == 2)
+
+    backend = RecordingBackend(tokenizer, script, concurrent=False)
+    options = wim_options().model_copy(update={"relevance": RelevanceMode.CLASSIFIER})
+    events = await run(backend, "What is the code for gate 5?", options)
+    margins = sorted((e for e in events if e.type == "margin"), key=lambda e: e.segment)
+    assert [m.segment for m in margins if m.cut_short] == [1]
+    assert [m.segment for m in margins if not m.relevant] == [1]
+    judged = [r for r in backend.requests if r.kind is RequestKind.CLASSIFIER]
+    assert len(judged) == len(margins) - 1
+    assert all("99999" not in tokenizer.decode(r.suffix) for r in judged)
+
 async def test_a_first_token_margin_is_cut_short_after_its_yes(tokenizer) -> None:
     """First-token relevance: the cut-short check reads the margin without its YES, as
     grounding does ("Indeed" opens the margin: no name), and stops an invented code."""

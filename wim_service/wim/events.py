@@ -54,7 +54,9 @@ class MarginEvent(BaseModel):
     type: Literal["margin"] = "margin"
     segment: int
     text: str  # as the model wrote it (a first-token margin without its YES)
-    relevant: bool  # the relevance mode's verdict (and the margin is not empty)
+    # The relevance mode's verdict (and the margin is not empty); a cut-short margin is not
+    # judged by the classifier (false).
+    relevant: bool
     # The segment's own sentences support the margin (reported whatever the grounding mode).
     grounded: bool = False
     # Writing stopped early: the margin had named a number or name (or denied something) that

@@ -402,7 +402,8 @@ class WiMSession:
             relevant = bool(verdict and verdict[0])
             text = _strip_relevance_word(text, self.builder.templates.yes) if relevant else ""
         elif options.relevance is RelevanceMode.CLASSIFIER:
-            relevant = await self._classify(query, text, options, ledger)
+            # A cut-short margin is dropped whatever the verdict: no request to judge it.
+            relevant = not cut_short and await self._classify(query, text, options, ledger)
         else:
             relevant = True
         relevant = relevant and bool(text)
