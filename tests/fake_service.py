@@ -2,9 +2,11 @@
 port in a thread: for the OpenAI-client and browser tests (no Ray, no engine).
 
 The fakes answer from the document they are given: segments are sentence-aligned slices of
-its text (real character spans), a margin is the segment's sentence sharing most words with the
-query, the answer is the best of those. Events come with a delay, so that a client can cancel
-mid-job; each replica counts the jobs it started, finished and saw cancelled.
+its text (real character spans), a margin restates the segment's sentence sharing most words
+with the query and is kept, snapped to that sentence (its evidence); every third segment
+without one invents a code and is cut short. The final prompt has room for `NOTE_ROOM` notes,
+the best first; the answer is the best of them. Events come with a delay, so that a client can
+cancel mid-job; each replica counts the jobs it started, finished and saw cancelled.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ NO_ANSWER = "The document does not say."
 PLAIN_ANSWER = "Hello from a plain request."
 # A query with this word fails after its first margin (a late error).
 FAILING_WORD = "explode"
+NOTE_ROOM = 2
+INVENTED = "The code here is 000000."
 
 
 def segment_spans(text: str, target_chars: int) -> list[tuple[int, int]]:
@@ -84,29 +88,46 @@ def scripted_job(text: str, query: str, options: WiMOptions, *, segments: bool) 
         note = best.strip() if asked & _words(best) else ""
         if note:
             notes.append((index, note))
-        events.append(
-            MarginEvent(
+            at = text.index(note, start)
+            margin = MarginEvent(
                 segment=index,
-                text=note,
-                relevant=bool(note),
-                grounded=bool(note),
-                kept=bool(note),
+                text=f"This part says: {note}",
+                relevant=True,
+                grounded=True,
+                kept=True,
+                evidence=note,
+                evidence_start=at,
+                evidence_end=at + len(note),
                 char_start=start,
                 char_end=end,
                 elapsed_s=0.01,
             )
-        )
+        else:
+            invents = index % 3 == 2
+            margin = MarginEvent(
+                segment=index,
+                text=INVENTED if invents else "",
+                relevant=invents,
+                cut_short=invents,
+                char_start=start,
+                char_end=end,
+                elapsed_s=0.01,
+            )
+        events.append(margin)
         if FAILING_WORD in asked:
             events.append(ErrorEvent(code="engine_error", message="the engine failed"))
             return events
-    answer = max(notes, key=lambda n: len(asked & _words(n[1])))[1] if notes else NO_ANSWER
+    ranked = sorted(notes, key=lambda n: len(asked & _words(n[1])), reverse=True)
+    read, left_out = ranked[:NOTE_ROOM], ranked[NOTE_ROOM:]
+    answer = read[0][1] if read else NO_ANSWER
     words = answer.split(" ")
     events += [AnswerEvent(text=w if i == 0 else " " + w) for i, w in enumerate(words)]
     margin_tokens = sum(len(n.split()) for _, n in notes) + len(spans)
     events.append(
         DoneEvent(
             answer=answer,
-            notes=[i for i, _ in notes],
+            notes=sorted(i for i, _ in read),
+            notes_dropped=sorted(i for i, _ in left_out),
             usage=Usage(
                 context_tokens=len(text) // 4,
                 segments=len(spans),

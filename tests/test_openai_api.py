@@ -14,6 +14,7 @@ import pytest
 
 from tests.fake_service import (
     API_KEY,
+    INVENTED,
     NO_ANSWER,
     PLAIN_ANSWER,
     LiveService,
@@ -46,10 +47,10 @@ def aclient(service: LiveService) -> openai.AsyncOpenAI:
 
 
 def expected(query: str = QUESTION, text: str = REPORT) -> tuple[str, list[str]]:
-    """The scripted answer and relevant margins for `query` over `text`."""
+    """The scripted answer and kept margins (as the answer reads them) for `query` over `text`."""
     events = scripted_job(text, query, WiMOptions(), segments=False)
-    margins = [e for e in events if e.type == "margin" and e.relevant]
-    return events[-1].answer, [f"[segment {m.segment + 1}] {m.text}\n" for m in margins]
+    margins = [e for e in events if e.type == "margin" and e.kept]
+    return events[-1].answer, [f"[segment {m.segment + 1}] {m.evidence}\n" for m in margins]
 
 
 def last_stream(service: LiveService) -> tuple[str, tuple]:
@@ -76,6 +77,11 @@ def test_chat_with_a_document_runs_wim(client: openai.OpenAI, service: LiveServi
     choice = completion.choices[0]
     assert choice.message.content == answer and choice.finish_reason == "stop"
     assert choice.message.reasoning_content == "".join(margins)
+    # Snapped notes read as the document's words; a margin grounding dropped is not shown.
+    events = scripted_job(REPORT, QUESTION, WiMOptions(), segments=False)
+    assert any(e.type == "margin" and e.text == INVENTED for e in events)
+    assert INVENTED not in choice.message.reasoning_content
+    assert "This part says" not in choice.message.reasoning_content
     usage = completion.usage
     assert usage.prompt_tokens_details.cached_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens

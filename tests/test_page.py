@@ -137,28 +137,42 @@ def test_read_ask_cancel_and_ask_again(page_at, service: LiveService, document_f
         DOCUMENT, QUESTION, WiMOptions(segment_tokens=SEGMENT_TOKENS), segments=False
     )
     margins = [e for e in events if e.type == "margin"]
-    relevant = [m for m in margins if m.relevant]
-    assert len(margins) > 5 and relevant
+    kept = [m for m in margins if m.kept]
+    assert len(margins) > 5 and kept
     expect(page.locator("#answer")).to_have_text(events[-1].answer)
     expect(page.locator("#margins > li")).to_have_count(len(margins))
-    expect(page.locator("#margins > li.relevant")).to_have_count(len(relevant))
+    expect(page.locator("#margins > li.kept")).to_have_count(len(kept))
     assert page.locator("#progress").evaluate("p => [p.value, p.max]") == [len(margins)] * 2
     # Each margin's segment is exactly the server's character span of the document.
     for margin in margins:
         segment = page.locator(f"#seg-{margin.segment}")
         assert segment.text_content() == DOCUMENT[margin.char_start : margin.char_end]
-    # A relevant margin points at its segment: hover or keyboard focus highlights it.
-    first = relevant[0].segment
+    # A kept margin shows the document's words it snapped to, marked in its segment, and
+    # the answer's notes hold it.
+    for margin in kept:
+        item = page.locator(f"#margins > li[data-segment='{margin.segment}']")
+        expect(item.locator("blockquote.evidence")).to_have_text(margin.evidence)
+        expect(item.locator(".badge")).to_have_text(["kept", "grounded", "in the answer's notes"])
+        mark = page.locator(f"#seg-{margin.segment} mark.evidence")
+        expect(mark).to_have_text(DOCUMENT[margin.evidence_start : margin.evidence_end])
+    # A kept margin points at its segment: hover or keyboard focus highlights it.
+    first = kept[0].segment
     item = page.locator(f"#margins > li[data-segment='{first}']")
     item.hover()
-    expect(page.locator(f"#seg-{first}")).to_have_class("segment relevant highlight")
+    expect(page.locator(f"#seg-{first}")).to_have_class("segment kept highlight")
     page.mouse.move(0, 0)
-    expect(page.locator(f"#seg-{first}")).to_have_class("segment relevant")
+    expect(page.locator(f"#seg-{first}")).to_have_class("segment kept")
     item.get_by_role("link").focus()
-    expect(page.locator(f"#seg-{first}")).to_have_class("segment relevant highlight")
-    # Dropped margins are collapsed.
-    dropped = page.locator("#margins > li.dropped details").first
-    expect(dropped).not_to_have_attribute("open", "")
+    expect(page.locator(f"#seg-{first}")).to_have_class("segment kept highlight")
+    # Dropped margins are collapsed, and say why they were dropped.
+    expect(page.locator("#margins > li.dropped details").first).not_to_have_attribute("open", "")
+    reasons = {"no note" if not m.text else "cut short" for m in margins if not m.kept}
+    assert reasons == {"no note", "cut short"}  # the script has both
+    for margin in margins:
+        if not margin.kept:
+            reason = "cut short: it named" if margin.cut_short else "no note"
+            summary = page.locator(f"#margins > li[data-segment='{margin.segment}'] summary")
+            expect(summary).to_contain_text(f"Segment {margin.segment + 1}: {reason}")
     expect(page.locator("#stats")).to_contain_text("from the KV cache")
     page.evaluate("window.scrollTo(0, 0)")
     screenshot(page, "page-desktop.png")
@@ -187,6 +201,15 @@ def test_read_ask_cancel_and_ask_again(page_at, service: LiveService, document_f
         DOCUMENT, SECOND, WiMOptions(segment_tokens=SEGMENT_TOKENS), segments=False
     )
     expect(page.locator("#answer")).to_have_text(second[-1].answer)
+    # The new answer's marks replace the first's; a kept note the window had no room for
+    # says so.
+    expect(page.locator("mark.evidence")).to_have_count(
+        sum(e.type == "margin" and e.kept for e in second)
+    )
+    (left_out,) = second[-1].notes_dropped
+    expect(page.locator(f"#margins > li[data-segment='{left_out}'] .badge.left-out")).to_have_text(
+        "left out: no room in the window"
+    )
     expect(page.locator("#history > li")).to_have_count(2)
     expect(page.locator("#history > li").first).to_contain_text(SECOND)
     asked = [args for method, args in service.replica.streams if method == "query_document"]

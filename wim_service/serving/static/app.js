@@ -184,9 +184,19 @@ function showProgress(done) {
   ui.progressText.textContent = `${done} of ${current.segments} segments have their margin`;
 }
 
+// Why a margin stays out of the final prompt, in the order the service decides it.
+function dropReason(margin) {
+  if (!margin.text) return "no note";
+  if (margin.cut_short) return "cut short: it named what its segment does not say";
+  if (!margin.relevant) return "judged not relevant";
+  if (!margin.grounded) return "not found in its segment";
+  return "too little in common with the question";
+}
+
 function addMargin(margin) {
   const label = `Segment ${margin.segment + 1}`;
-  const item = element("li", undefined, `margin ${margin.relevant ? "relevant" : "dropped"}`);
+  const state = margin.kept ? "kept" : "dropped";
+  const item = element("li", undefined, `margin ${state}`);
   item.dataset.segment = String(margin.segment);
   const link = element("a", label, "segment-link");
   link.href = `#seg-${margin.segment}`;
@@ -199,13 +209,20 @@ function addMargin(margin) {
     margin.text || "No note: the model found nothing here about the question.",
     "note",
   );
-  if (margin.relevant) {
+  if (margin.kept) {
     const head = element("div", undefined, "margin-head");
-    head.append(link, element("span", "relevant", "badge"));
+    head.append(link, element("span", "kept", "badge"));
     item.append(head, note);
+    if (margin.evidence) {
+      // Snapped: the answer reads the document's own sentences, not the model's note.
+      head.append(element("span", "grounded", "badge grounded"));
+      const quote = element("blockquote", margin.evidence, "evidence");
+      quote.title = "The document's words the answer reads for this margin";
+      item.append(quote);
+    }
   } else {
     const details = element("details");
-    details.append(element("summary", `${label}: dropped`), note, link);
+    details.append(element("summary", `${label}: ${dropReason(margin)}`), note, link);
     item.append(details);
   }
   for (const [type, on] of [
@@ -218,9 +235,10 @@ function addMargin(margin) {
   }
   const after = [...ui.margins.children].find((li) => Number(li.dataset.segment) > margin.segment);
   ui.margins.insertBefore(item, after ?? null);
-  view.segment(margin.segment, margin.char_start, margin.char_end)?.classList.add(
-    margin.relevant ? "relevant" : "dropped",
-  );
+  view.segment(margin.segment, margin.char_start, margin.char_end)?.classList.add(state);
+  if (margin.kept && margin.evidence) {
+    view.markEvidence(margin.segment, margin.evidence_start, margin.evidence_end);
+  }
 }
 
 // Hovering a segment of the text points at its margin too.
@@ -236,16 +254,21 @@ view.element.addEventListener("mouseleave", () => {
 
 function markNotes(done) {
   const used = new Set(done.notes || []);
-  for (const li of ui.margins.querySelectorAll(".margin.relevant")) {
-    if (used.has(Number(li.dataset.segment))) {
-      li.querySelector(".margin-head").append(element("span", "in the answer's notes", "badge used"));
+  const leftOut = new Set(done.notes_dropped || []);
+  for (const li of ui.margins.querySelectorAll(".margin.kept")) {
+    const segment = Number(li.dataset.segment);
+    const head = li.querySelector(".margin-head");
+    if (used.has(segment)) {
+      head.append(element("span", "in the answer's notes", "badge used"));
+    } else if (leftOut.has(segment)) {
+      head.append(element("span", "left out: no room in the window", "badge left-out"));
     }
   }
 }
 
-// Once the answer is in, bring the first relevant segment into the text's view.
-function revealFirstRelevant() {
-  const first = ui.margins.querySelector(".margin.relevant");
+// Once the answer is in, bring the first kept margin's segment into the text's view.
+function revealFirstKept() {
+  const first = ui.margins.querySelector(".margin.kept");
   if (first) view.reveal(Number(first.dataset.segment));
 }
 
@@ -308,7 +331,7 @@ async function ask(question) {
         ui.answer.textContent = data.answer || "(no answer)";
         markNotes(data);
         showStats(data, clock);
-        revealFirstRelevant();
+        revealFirstKept();
         addHistory(question, data.answer);
       } else if (type === "error") {
         showError(`The job failed: ${data.message} (${data.code})`);

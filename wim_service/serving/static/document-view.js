@@ -33,6 +33,8 @@ export class DocumentView {
     span.id = `seg-${index}`;
     span.className = "segment";
     span.dataset.segment = String(index);
+    span.dataset.start = String(start);
+    span.dataset.end = String(end);
     span.dataset.label = `§${index + 1}`;
     span.textContent = this.slice(start, end);
     const replacement = [];
@@ -48,9 +50,23 @@ export class DocumentView {
     return { start, end, node: document.createTextNode(this.slice(start, end)), segment: null };
   }
 
+  // Marks [start, end) of segment `index` as a margin's evidence (the sentences it snapped to).
+  markEvidence(index, start, end) {
+    const span = this.element.querySelector(`#seg-${index}`);
+    if (!span) return;
+    const from = Number(span.dataset.start);
+    const until = Number(span.dataset.end);
+    if (!(from <= start && start < end && end <= until)) return;
+    const mark = document.createElement("mark");
+    mark.className = "evidence";
+    mark.textContent = this.slice(start, end);
+    span.replaceChildren(this.slice(from, start), mark, this.slice(end, until));
+  }
+
   clearMarks() {
     for (const span of this.element.querySelectorAll(".segment")) {
-      span.classList.remove("relevant", "dropped", "highlight");
+      span.classList.remove("kept", "dropped", "highlight");
+      span.replaceChildren(this.slice(Number(span.dataset.start), Number(span.dataset.end)));
     }
   }
 
