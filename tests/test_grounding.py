@@ -241,7 +241,6 @@ async def test_ungrounded_margins_never_reach_the_final_prompt(tokenizer, mode) 
     assert done.notes == [m.segment for m in margins if m.kept] and done.notes_dropped == []
 
 
-
 async def test_a_cut_short_margin_is_not_sent_to_the_classifier(tokenizer) -> None:
     """Classifier relevance: a margin cut short is dropped whatever the second turn would
     say, so only the other margins are judged."""
@@ -264,6 +263,7 @@ async def test_a_cut_short_margin_is_not_sent_to_the_classifier(tokenizer) -> No
     judged = [r for r in backend.requests if r.kind is RequestKind.CLASSIFIER]
     assert len(judged) == len(margins) - 1
     assert all("99999" not in tokenizer.decode(r.suffix) for r in judged)
+
 
 async def test_a_first_token_margin_is_cut_short_after_its_yes(tokenizer) -> None:
     """First-token relevance: the cut-short check reads the margin without its YES, as
