@@ -33,8 +33,6 @@ export class DocumentView {
     span.id = `seg-${index}`;
     span.className = "segment";
     span.dataset.segment = String(index);
-    span.dataset.start = String(start);
-    span.dataset.end = String(end);
     span.dataset.label = `§${index + 1}`;
     span.textContent = this.slice(start, end);
     const replacement = [];
@@ -52,21 +50,19 @@ export class DocumentView {
 
   // Marks [start, end) of segment `index` as a margin's evidence (the sentences it snapped to).
   markEvidence(index, start, end) {
-    const span = this.element.querySelector(`#seg-${index}`);
-    if (!span) return;
-    const from = Number(span.dataset.start);
-    const until = Number(span.dataset.end);
-    if (!(from <= start && start < end && end <= until)) return;
+    const piece = this.pieces.find((p) => p.segment === index);
+    if (!piece || !(piece.start <= start && start < end && end <= piece.end)) return;
     const mark = document.createElement("mark");
     mark.className = "evidence";
     mark.textContent = this.slice(start, end);
-    span.replaceChildren(this.slice(from, start), mark, this.slice(end, until));
+    piece.node.replaceChildren(this.slice(piece.start, start), mark, this.slice(end, piece.end));
   }
 
   clearMarks() {
-    for (const span of this.element.querySelectorAll(".segment")) {
-      span.classList.remove("kept", "dropped", "highlight");
-      span.replaceChildren(this.slice(Number(span.dataset.start), Number(span.dataset.end)));
+    for (const piece of this.pieces) {
+      if (piece.segment === null) continue;
+      piece.node.classList.remove("kept", "dropped", "highlight");
+      piece.node.replaceChildren(this.slice(piece.start, piece.end));
     }
   }
 
