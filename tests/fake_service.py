@@ -3,10 +3,11 @@ port in a thread: for the OpenAI-client and browser tests (no Ray, no engine).
 
 The fakes answer from the document they are given: segments are sentence-aligned slices of
 its text (real character spans), a margin restates the segment's sentence sharing most words
-with the query and is kept, snapped to that sentence (its evidence); every third segment
-without one invents a code and is cut short. The final prompt has room for `NOTE_ROOM` notes,
-the best first; the answer is the best of them. Events come with a delay, so that a client can
-cancel mid-job; each replica counts the jobs it started, finished and saw cancelled.
+with the query and is kept, snapped to that sentence (its evidence); of the segments without
+one, every third invents a code and is cut short, and the next one is skipped (not written).
+The final prompt has room for `NOTE_ROOM` notes, the best first; the answer is the best of
+them. Events come with a delay, so that a client can cancel mid-job; each replica counts the
+jobs it started, finished and saw cancelled.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def scripted_job(text: str, query: str, options: WiMOptions, *, segments: bool) 
                 text=INVENTED if invents else "",
                 relevant=invents,
                 cut_short=invents,
+                skipped=index % 3 == 0,
                 char_start=start,
                 char_end=end,
                 elapsed_s=0.01,

@@ -130,17 +130,23 @@ def test_run_json_with_model_relevance_and_segment_size(model_dir: Path, tokeniz
     assert segments == segment_count(tokenizer, segment_tokens)
     assert segments > segment_count(tokenizer, WiMOptions().segment_tokens)
     assert [m["segment"] for m in result["margins"]] == list(range(segments))
+    # Segments without a sentence near the question get no margin (skip_unmatched_segments).
+    written = [m for m in result["margins"] if not m["skipped"]]
+    assert 0 < len(written) < segments
+    assert all(m["text"] == "" for m in result["margins"] if m["skipped"])
     # --relevance classifier: every written margin was judged in a turn of its own, whose
     # prompt the job's minimal prompt tokens count (first_token and none have no such turn).
     builder = PromptBuilder(tokenizer, WiMOptions().prompts)
     usage = result["usage"]
     without_judges = (
         usage["context_tokens"]
-        + segments * len(builder.margin_suffix(QUERY, RelevanceMode.CLASSIFIER))
+        + len(written) * len(builder.margin_suffix(QUERY, RelevanceMode.CLASSIFIER))
         + len(builder.final_suffix(QUERY, []))
     )
     judges = sum(
-        len(builder.classifier_prompt(QUERY, m["text"])) for m in result["margins"] if m["text"]
+        len(builder.classifier_prompt(QUERY, m["text"]))
+        for m in written
+        if m["text"] and not m["cut_short"]
     )
     assert judges > 0
     assert usage["minimal_prompt_tokens"] >= without_judges + judges

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
 
 from tests.test_orchestrator import FakeBackend, FakeContext
-from tests.test_vllm_engine import wait_for_baseline
+from tests.test_vllm_engine import spans_since, wait_for_baseline
 from wim_service.wim.backend import EngineLimits, GenerationParams, RequestKind
 from wim_service.wim.grounding import Claim, SegmentText, query_overlap
 from wim_service.wim.options import GroundingMode, PromptTemplates, RelevanceMode, WiMOptions
@@ -103,6 +104,29 @@ def test_one_sentence_windows_cannot_join_two_sentences(harbor) -> None:
     margin = "Forty-two apprentices trained at the port, and a simulator for pilots was added."
     assert harbor.ground(margin, min_coverage=0.8, max_sentences=2).grounded
     assert not harbor.ground(margin, min_coverage=0.8, max_sentences=1).grounded
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "What is the access code for the night gate?",
+        "Who replaced Margaret Oyelaran as head of the pilot service?",
+        "How many passengers did the ferry to the islands carry?",
+        "What is the capital of Peru?",
+    ],
+)
+def test_best_query_overlap_is_the_best_any_evidence_window_has(harbor, query: str) -> None:
+    """The bound skip_unmatched_segments relies on: no window of up to `max_sentences`
+    sentences (what `ground` may return as evidence) shares more with the query."""
+    sentences = harbor.sentences
+    for max_sentences in (1, 2, 3):
+        windows = [
+            harbor.document[sentences[i].start : sentences[j].end]
+            for i in range(len(sentences))
+            for j in range(i, min(i + max_sentences, len(sentences)))
+        ]
+        best = max(query_overlap(query, window) for window in windows)
+        assert harbor.best_query_overlap(query, max_sentences) == best
 
 
 def test_claims_keep_numbers_and_names_and_drop_task_words() -> None:
@@ -311,17 +335,52 @@ async def test_by_default_a_note_must_share_most_of_the_question(tokenizer) -> N
     the same notes are kept."""
     query = "Where does the ferry wait at night?"
     strict = scripted(tokenizer, lie_on=set())
-    events = await run(strict, query, wim_options())
+    events = await run(strict, query, wim_options(skip_unmatched_segments=False))
     margins = [e for e in events if e.type == "margin"]
     assert len(margins) >= 6 and all(m.grounded and not m.kept for m in margins)
     plain = PromptBuilder(tokenizer, wim_options().prompts).plain_prompt(
         tokenizer.encode_user_text(DOC).ids, query
     )
     assert strict.contexts[0].ids + strict.contexts[0].finals[0] == plain
+    # By default no such margin is even written: every segment is skipped, same final prompt.
+    skipping = scripted(tokenizer, lie_on=set())
+    events = await run(skipping, query, wim_options())
+    skipped = [e for e in events if e.type == "margin"]
+    assert len(skipped) == len(margins) and all(m.skipped and not m.text for m in skipped)
+    assert not [r for r in skipping.requests if r.kind is RequestKind.MARGIN]
+    assert skipping.contexts[0].ids + skipping.contexts[0].finals[0] == plain
     lenient = scripted(tokenizer, lie_on=set())
     events = await run(lenient, query, wim_options(note_min_query_overlap=0.0))
     assert all(e.kept for e in events if e.type == "margin")
     assert events[-1].notes == [m.segment for m in margins]
+
+
+async def test_only_segments_a_note_could_come_from_get_a_margin(tokenizer) -> None:
+    """skip_unmatched_segments: a margin is written only where some evidence window shares
+    `note_min_query_overlap` of the question; the notes and the final prompt are those of
+    the job that writes every margin."""
+    query = "Which gate has the code 1035?"  # 1035 is gate 5's: only its segment matches
+    outcomes = {}
+    for skip in (True, False):
+        backend = scripted(tokenizer, lie_on=set())
+        events = await run(backend, query, wim_options(skip_unmatched_segments=skip))
+        margins = sorted((e for e in events if e.type == "margin"), key=lambda e: e.segment)
+        requests = [r for r in backend.requests if r.kind is RequestKind.MARGIN]
+        outcomes[skip] = (
+            [(m.segment, m.evidence) for m in margins if m.kept],
+            backend.contexts[0].finals,
+            events[-1].notes,
+        )
+        written = [m.segment for m in margins if not m.skipped]
+        assert len(requests) == len(written)
+        if skip:
+            holding = [m.segment for m in margins if "1035" in DOC[m.char_start : m.char_end]]
+            assert written == holding and len(holding) == 1
+            assert all(not m.text and not m.kept for m in margins if m.skipped)
+        else:
+            assert len(written) == len(margins) >= 6
+    assert outcomes[True] == outcomes[False]
+    assert outcomes[True][2]  # gate 5's code, kept as a note either way
 
 
 async def test_notes_get_what_the_window_leaves_most_relevant_first(tokenizer) -> None:
@@ -393,17 +452,29 @@ class RecordingEngine:
 @pytest.mark.engine
 async def test_readme_example_answers_from_the_document(engine, report) -> None:
     """The README's first example with the default configuration (segment_tokens 192): the
-    margins that invent a code are dropped and the answer is the document's 4417."""
-    options = WiMOptions(segment_tokens=192)
-    events = [e async for e in run_wim(engine, engine.tokenizer, report, README_QUERY, options)]
-    done = events[-1]
-    assert done.type == "done", done
-    assert "4417" in done.answer
-    margins = [e for e in events if e.type == "margin"]
-    kept = [m for m in margins if m.kept]
-    assert kept and all(m.grounded and m.evidence in report for m in kept)
-    assert any("4417" in m.evidence for m in kept)
-    assert done.notes == sorted(m.segment for m in kept) and done.notes_dropped == []
+    margins that invent a code are dropped and the answer is the document's 4417. Without
+    skip_unmatched_segments every segment gets a margin, and the notes and the answer are
+    the same, token for token."""
+    outcomes, requests = {}, {}
+    for skip in (True, False):
+        options = WiMOptions(segment_tokens=192, skip_unmatched_segments=skip)
+        started = time.monotonic()
+        events = [e async for e in run_wim(engine, engine.tokenizer, report, README_QUERY, options)]
+        written = [s for s in spans_since(engine, started) if s.kind == RequestKind.MARGIN.value]
+        done = events[-1]
+        assert done.type == "done", done
+        assert "4417" in done.answer
+        margins = [e for e in events if e.type == "margin"]
+        kept = [m for m in margins if m.kept]
+        assert kept and all(m.grounded and m.evidence in report for m in kept)
+        assert any("4417" in m.evidence for m in kept)
+        assert done.notes == sorted(m.segment for m in kept) and done.notes_dropped == []
+        assert len(written) == sum(not m.skipped for m in margins)
+        assert len(margins) == done.usage.segments
+        requests[skip] = len(written)
+        outcomes[skip] = (done.answer, done.usage.answer_tokens, [m.evidence for m in kept])
+    assert outcomes[True] == outcomes[False]
+    assert 0 < requests[True] < requests[False] == done.usage.segments
 
 
 @pytest.mark.engine
@@ -438,7 +509,8 @@ async def test_a_margin_that_names_what_its_segment_lacks_is_cut_short(engine, r
     query = "How many passengers did the ferry to the islands carry?"
 
     async def margins(grounding: GroundingMode) -> tuple[dict[int, object], object]:
-        options = WiMOptions(segment_tokens=192, grounding=grounding)
+        # Every segment written: no sentence of the report shares 0.8 of this query's words.
+        options = WiMOptions(segment_tokens=192, grounding=grounding, skip_unmatched_segments=False)
         events = [e async for e in run_wim(engine, engine.tokenizer, report, query, options)]
         assert events[-1].type == "done", events[-1]
         return {e.segment: e for e in events if e.type == "margin"}, events[-1]

@@ -166,10 +166,22 @@ def test_read_ask_cancel_and_ask_again(page_at, service: LiveService, document_f
     expect(page.locator(f"#seg-{first}")).to_have_class("segment kept highlight")
     # Dropped margins are collapsed, and say why they were dropped.
     expect(page.locator("#margins > li.dropped details").first).not_to_have_attribute("open", "")
-    assert {m.cut_short for m in margins if not m.kept} == {True, False}  # the script has both
+    dropped = [m for m in margins if not m.kept]
+    # The script has all three kinds.
+    assert {(m.cut_short, m.skipped) for m in dropped} == {
+        (True, False),
+        (False, True),
+        (False, False),
+    }
     for margin in margins:
         if not margin.kept:
-            reason = "cut short: it named" if margin.cut_short else "no note"
+            reason = (
+                "cut short: it named"
+                if margin.cut_short
+                else "not written: no sentence here"
+                if margin.skipped
+                else "no note"
+            )
             summary = page.locator(f"#margins > li[data-segment='{margin.segment}'] summary")
             expect(summary).to_contain_text(f"Segment {margin.segment + 1}: {reason}")
     expect(page.locator("#stats")).to_contain_text("from the KV cache")

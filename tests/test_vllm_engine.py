@@ -19,7 +19,10 @@ from wim_service.wim.prompts import PromptBuilder
 pytestmark = pytest.mark.engine
 
 QUERY = "What is the access code for the night gate?"
-OPTIONS = WiMOptions(segment_tokens=192, margin_max_tokens=24, answer_max_tokens=24)
+# Every segment's margin written: these tests are about how the engine runs margins.
+OPTIONS = WiMOptions(
+    segment_tokens=192, margin_max_tokens=24, answer_max_tokens=24, skip_unmatched_segments=False
+)
 
 
 async def run(engine, document: str, query: str = QUERY, options: WiMOptions = OPTIONS) -> list:

@@ -22,6 +22,7 @@ from wim_service.benchmarks.common import QUERIES, BenchSettings, JobResult, lin
 from wim_service.wim.backend import RequestKind
 from wim_service.wim.grounding import SegmentText, query_overlap
 from wim_service.wim.options import WiMOptions
+from wim_service.wim.orchestrator import no_note_can_be_kept
 from wim_service.wim.prompts import PromptBuilder
 from wim_service.wim.segmentation import Segment
 
@@ -41,15 +42,18 @@ async def plain_call(
 
 
 def grounding_seconds(document: str, query: str, job: JobResult, options: WiMOptions) -> float:
-    """The time grounding took in `job`, replayed as the orchestrator runs it: every margin
-    checked against a fresh `SegmentText` of its segment (sentence splitting included), while
-    it is written (`cannot_ground` on every prefix of it, more calls than it had tokens) and
-    at its end, then the query-overlap score of its note. It runs on the job's event loop,
-    beside the engine, so this is an upper bound on what it adds to the job's wall time."""
+    """The time grounding took in `job`, replayed as the orchestrator runs it: every segment
+    split into sentences (a fresh `SegmentText`) and, with `skip_unmatched_segments`, its
+    windows scored against the query; every margin written checked while it is written
+    (`cannot_ground` on every prefix of it, more calls than it had tokens) and at its end,
+    then the query-overlap score of its note. It runs on the job's event loop, beside the
+    engine, so this is an upper bound on what it adds to the job's wall time."""
     started = time.perf_counter()
     for margin in job.margins:
         segment = Segment(margin.segment, 0, 0, margin.char_start, margin.char_end)
         segment_text = SegmentText(document, segment)
+        if no_note_can_be_kept(segment_text, query, options):
+            continue
         for end in range(len(margin.text) + 1):
             segment_text.cannot_ground(margin.text[:end])
         grounding = segment_text.ground(

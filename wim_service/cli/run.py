@@ -84,6 +84,7 @@ async def _collect(events: AsyncIterator[WiMEvent]) -> dict[str, Any]:
                     "relevant": event.relevant,
                     "grounded": event.grounded,
                     "cut_short": event.cut_short,
+                    "skipped": event.skipped,
                     "kept": event.kept,
                     "evidence": event.evidence,
                 }

@@ -44,6 +44,11 @@ class MarginOut(BaseModel):
         description="Writing stopped once it named a number or name its segment lacks (no "
         "continuation could be supported); `text` ends there.",
     )
+    skipped: bool = Field(
+        False,
+        description="Not written: no sentence window of its segment shares enough of the "
+        "query's words for a note to be kept (`skip_unmatched_segments`).",
+    )
     kept: bool = Field(False, description="It went on to the final prompt.")
     evidence: str = Field("", description="The segment's sentence(s) that support it.")
     evidence_start: int | None = None

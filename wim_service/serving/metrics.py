@@ -70,6 +70,12 @@ class WiMMetrics:
             ["relevant", "grounded"],
             registry=r,
         )
+        self.margins_skipped = Counter(
+            "wim_margins_skipped",
+            "Segments whose margin was not written: no window of their sentences shares enough "
+            "with the query for a note to be kept.",
+            registry=r,
+        )
         self.failover = Counter(
             "wim_session_failover",
             "Sessions moved off a failed replica.",
@@ -114,6 +120,8 @@ class JobObserver:
         if event.type == "segment":
             self.metrics.segment_prefill_seconds.observe(now - self._last_segment)
             self._last_segment = now
+        elif event.type == "margin" and event.skipped:
+            self.metrics.margins_skipped.inc()
         elif event.type == "margin":
             self.metrics.margin_seconds.observe(event.elapsed_s)
             self.metrics.margins.labels(
@@ -141,6 +149,7 @@ METRIC_NAMES = (
     "wim_query_ttft_seconds",
     "wim_request_seconds",
     "wim_margins_total",
+    "wim_margins_skipped_total",
     "wim_session_failover_total",
     "wim_reprefill_tokens_total",
     "wim_prefix_cache_hit_tokens_total",

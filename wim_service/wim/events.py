@@ -62,6 +62,9 @@ class MarginEvent(BaseModel):
     # Writing stopped early: the margin had named a number or name (or denied something) that
     # its segment does not hold, so no continuation could be grounded. `text` ends there.
     cut_short: bool = False
+    # Not written (`skip_unmatched_segments`): no window of the segment shares enough with the
+    # query for a note to be kept, so no engine request was made; `text` is empty.
+    skipped: bool = False
     # The margin goes on to the final prompt (relevant, grounded unless grounding is off, and
     # enough overlap with the query); the window may still leave it out (DoneEvent).
     kept: bool = False

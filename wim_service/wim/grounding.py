@@ -205,6 +205,20 @@ class SegmentText:
             return False  # no whitespace yet: every word may still grow
         return not Claim.parse(written).exact_values <= self.vocabulary
 
+    def best_query_overlap(self, query: str, max_sentences: int) -> float:
+        """The highest `query_overlap` that any evidence `ground` can return here may have.
+
+        A window's vocabulary holds every smaller window's inside it, and a larger vocabulary
+        only finds more of the query, so the windows of exactly `max_sentences` sentences (or
+        the whole segment, if shorter) bound every other.
+        """
+        size = min(max_sentences, len(self.sentences))
+        windows = (
+            self.document[self.sentences[i].start : self.sentences[i + size - 1].end]
+            for i in range(len(self.sentences) - size + 1)
+        )
+        return max((query_overlap(query, text) for text in windows), default=0.0) if size else 0.0
+
     def ground(self, margin: str, *, min_coverage: float, max_sentences: int) -> Grounding:
         """Check `margin` against every window of up to `max_sentences` consecutive sentences."""
         claim = Claim.parse(margin)

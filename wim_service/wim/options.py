@@ -207,6 +207,16 @@ class WiMOptions(BaseModel):
         le=1.0,
         description="Share of the query's content words a note must contain to be kept.",
     )
+    # With snapping, a note is a window of its segment's sentences and must share
+    # `note_min_query_overlap` of the query: a segment without such a window can keep no
+    # margin, so writing one only costs its prompt and decode steps.
+    skip_unmatched_segments: bool = Field(
+        True,
+        description="Write no margin for a segment in which no window of "
+        "`grounding_max_sentences` sentences holds `note_min_query_overlap` of the query's "
+        "content words: with grounding `snap` such a margin is dropped whatever it says, so "
+        "the answer is the same. No effect with grounding `check` or `off`, or an overlap of 0.",
+    )
     answer_early: bool = Field(
         True,
         description="Start the answer while the last margins are still being written, over the "

@@ -248,6 +248,18 @@ async def _consume(
     return _Generated(ids, text, cost)
 
 
+def no_note_can_be_kept(segment_text: SegmentText, query: str, options: WiMOptions) -> bool:
+    """Whether every margin of this segment would fall to the query-overlap filter: with
+    snapping, a note is one of the segment's sentence windows, and none shares enough."""
+    return (
+        options.skip_unmatched_segments
+        and options.grounding is GroundingMode.SNAP
+        and options.note_min_query_overlap > 0
+        and segment_text.best_query_overlap(query, options.grounding_max_sentences)
+        < options.note_min_query_overlap
+    )
+
+
 def _strip_relevance_word(text: str, word: str) -> str:
     body = text.lstrip()
     if body.upper().startswith(word.upper()):
@@ -361,6 +373,20 @@ class WiMSession:
         emit: Emit,
     ) -> MarginNote | None:
         """Write (and judge) the margin of `segment`; returns it if relevant."""
+        segment_text = self.segment_texts[segment.index]
+        if no_note_can_be_kept(segment_text, query, options):
+            emit(
+                MarginEvent(
+                    segment=segment.index,
+                    text="",
+                    relevant=False,
+                    skipped=True,
+                    char_start=segment.char_start,
+                    char_end=segment.char_end,
+                    elapsed_s=0.0,
+                )
+            )
+            return None
         submitted = time.perf_counter()
         first_token = options.relevance is RelevanceMode.FIRST_TOKEN
         params = GenerationParams(
@@ -375,7 +401,6 @@ class WiMSession:
             verdict.append(token in self.yes_ids)
             return verdict[0]
 
-        segment_text = self.segment_texts[segment.index]
         cut_short = False
 
         def ungroundable(text: str) -> bool:

@@ -186,6 +186,7 @@ function showProgress(done) {
 
 // Why a margin stays out of the final prompt, in the order the service decides it.
 function dropReason(margin) {
+  if (margin.skipped) return "not written: no sentence here shares enough with the question";
   if (!margin.text) return "no note";
   if (margin.cut_short) return "cut short: it named what its segment does not say";
   if (!margin.relevant) return "judged not relevant";
@@ -206,7 +207,10 @@ function addMargin(margin) {
   });
   const note = element(
     "p",
-    margin.text || "No note: the model found nothing here about the question.",
+    margin.text ||
+      (margin.skipped
+        ? "Not written: no sentence of this segment holds enough of the question's words for a note to be kept."
+        : "No note: the model found nothing here about the question."),
     "note",
   );
   if (margin.kept) {
