@@ -45,6 +45,7 @@ class Margin:
     grounded: bool
     kept: bool
     evidence: str
+    skipped: bool  # not written: no sentence window of the segment was near the query
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ def wim(
                         event.grounded,
                         event.kept,
                         event.evidence,
+                        event.skipped,
                     )
                 )
             elif event.type == "error":
