@@ -533,6 +533,40 @@ async def test_a_kept_last_margin_discards_the_early_answer(tokenizer) -> None:
     assert done.usage.prompt_tokens_computed == computed
 
 
+@pytest.mark.parametrize("as_expected", [True, False], ids=["copies", "strays"])
+async def test_an_answer_over_the_expected_notes_starts_beside_the_margins(
+    tokenizer, as_expected: bool
+) -> None:
+    """With snapping, a second early answer adds the sentence each running margin is expected
+    to copy. Only the last segment holds all of the question (skipped elsewhere); its margin
+    copies LAST, and that answer stands, or strays, and the one without notes stands."""
+    query = "What is sentence 59 about?"
+    backend = FakeBackend(tokenizer, answer_script(LAST if as_expected else "Sentence 99."))
+    events = await collect(backend, query, options(note_min_query_overlap=1.0))
+    done = events[-1]
+    assert done.type == "done", done
+    written = [e.segment for e in events if e.type == "margin" and not e.skipped]
+    assert written == [done.usage.segments - 1]
+    builder = PromptBuilder(tokenizer, options().prompts)
+    note = MarginNote(written[0], LAST, rank=1.0)
+    answers = [r for r in backend.requests if r.kind is RequestKind.ANSWER]
+    # Both start before the margin ends; no answer starts after it.
+    assert [r.suffix for r in answers] == [
+        builder.final_suffix(query, []),
+        builder.final_suffix(query, [note]),
+    ]
+    last_margin = requests(backend.log, RequestKind.MARGIN)[-1]
+    assert all(
+        answer.start < last_margin.end for answer in requests(backend.log, RequestKind.ANSWER)
+    )
+    assert done.notes == ([written[0]] if as_expected else [])
+    standing = "Answer number 2 here." if as_expected else "Answer number 1 here."
+    assert answer_events_follow_margins(events) == standing == done.answer
+    discarded = len(tokenizer.encode_user_text("Answer number 1 here.").ids)
+    assert 0 < done.usage.discarded_answer_tokens <= discarded
+    assert backend.contexts[0].concluded == 0 and backend.reserved_blocks == 0
+
+
 async def test_answer_early_off_answers_after_the_last_margin(tokenizer) -> None:
     backend = FakeBackend(tokenizer, answer_script("Sentence 99 is about the harbour."))
     events = await collect(backend, opts=options(answer_early=False))

@@ -20,6 +20,7 @@ Every count is an upper bound: a reservation taken from it is never exceeded.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from wim_service.wim.errors import ErrorCode, WiMError
@@ -138,11 +139,16 @@ class JobShape:
         answer = math.ceil((block - 1 + self._final_tokens(max_model_len)) / block)
         return max(margins, answer)
 
-    def early_answer_blocks(self, block: int, pending_margins: int, suffix_tokens: int) -> int:
-        """An answer branch with a `suffix_tokens` final prompt, started while
+    def early_answer_blocks(
+        self, block: int, pending_margins: int, suffix_tokens: Sequence[int]
+    ) -> int:
+        """Answer branches with final prompts of `suffix_tokens` tokens, started while
         `pending_margins` margins still run, together with those margins."""
-        answer = math.ceil((block - 1 + suffix_tokens + self.answer_max_tokens) / block)
-        return pending_margins * self._margin_blocks(block) + answer
+        answers = sum(
+            math.ceil((block - 1 + tokens + self.answer_max_tokens) / block)
+            for tokens in suffix_tokens
+        )
+        return pending_margins * self._margin_blocks(block) + answers
 
     def one_shot_blocks(self, block: int, max_model_len: int) -> int:
         """A one-shot job: the context with every margin in flight, then the context with the

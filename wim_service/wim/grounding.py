@@ -219,6 +219,17 @@ class SegmentText:
         )
         return max((query_overlap(query, text) for text in windows), default=0.0) if size else 0.0
 
+    def closest_sentence(self, query: str) -> tuple[str, float]:
+        """The sentence sharing most with the query (the first of equals) and its
+        `query_overlap`; ("", 0.0) if none shares anything. A margin that copies it, as the
+        margin instruction asks, is snapped to it."""
+        best = ("", 0.0)
+        for sentence in self.sentences:
+            text = self.document[sentence.start : sentence.end]
+            if (overlap := query_overlap(query, text)) > best[1]:
+                best = (text, overlap)
+        return best
+
     def ground(self, margin: str, *, min_coverage: float, max_sentences: int) -> Grounding:
         """Check `margin` against every window of up to `max_sentences` consecutive sentences."""
         claim = Claim.parse(margin)

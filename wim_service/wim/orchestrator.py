@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from wim_service.wim.backend import (
@@ -327,7 +327,9 @@ class QueryRoom:
     shape: JobShape
     blocks: int
 
-    def holds_early_answer(self, block: int, pending_margins: int, suffix_tokens: int) -> bool:
+    def holds_early_answers(
+        self, block: int, pending_margins: int, suffix_tokens: Sequence[int]
+    ) -> bool:
         return self.shape.early_answer_blocks(block, pending_margins, suffix_tokens) <= self.blocks
 
 
@@ -572,25 +574,39 @@ class WiMSession:
             stop_token_ids=self._stop_ids(options),
         )
 
-    def _answer_early(
+    def _answers_early(
         self,
         query: str,
         margins: list[asyncio.Task[MarginNote | None]],
         options: WiMOptions,
         room: QueryRoom,
-    ) -> _EarlyAnswer | None:
-        """Start the answer to the notes kept so far beside the margins still running, if any
-        are and the query's reservation holds them together."""
+    ) -> list[_EarlyAnswer]:
+        """Start answers beside the margins still running, if any are and the query's
+        reservation holds them together: one over the notes kept so far, and one that adds
+        the notes the running margins are expected to give (`_expected_note`), if any. At
+        most one of them has the final prompt the margins' notes make."""
         done = [task for task in margins if task.done()]
         if not options.answer_early or len(done) == len(margins):
-            return None
+            return []
         if any(task.cancelled() or task.exception() is not None for task in done):
-            return None  # the job is failing: `answer` raises it
-        known = [note for task in done if (note := task.result()) is not None]
-        suffix, _ = self._final_suffix(query, known, options)
-        pending = len(margins) - len(done)
-        if not room.holds_early_answer(self.backend.limits.block_size, pending, len(suffix)):
-            return None
+            return []  # the job is failing: `answer` raises it
+        known: list[MarginNote] = []
+        expected: list[MarginNote] = []
+        for segment, task in zip(self.plan.segments, margins, strict=True):  # one per segment
+            note = task.result() if task.done() else self._expected_note(segment, query, options)
+            if note is not None:
+                expected.append(note)
+                if task.done():
+                    known.append(note)
+        suffixes = [self._final_suffix(query, known, options)[0]]
+        if (guess := self._final_suffix(query, expected, options)[0]) != suffixes[0]:
+            suffixes.append(guess)
+        block, pending = self.backend.limits.block_size, len(margins) - len(done)
+        while suffixes and not room.holds_early_answers(block, pending, [len(s) for s in suffixes]):
+            suffixes.pop()  # the guess goes first
+        return [self._start_early_answer(suffix, options) for suffix in suffixes]
+
+    def _start_early_answer(self, suffix: list[int], options: WiMOptions) -> _EarlyAnswer:
         chunks: list[GenerationChunk] = []
         text = _HeldText()
         stream = self.context.branch(self.plan.context_tokens, suffix, self._answer_params(options))
@@ -603,6 +619,20 @@ class WiMSession:
             )
         )
         return _EarlyAnswer(suffix, text, chunks, task)
+
+    def _expected_note(
+        self, segment: Segment, query: str, options: WiMOptions
+    ) -> MarginNote | None:
+        """The note a running margin gives if it copies its segment's sentence closest to the
+        query, as the instruction asks (snapping only: otherwise a note is the margin's own
+        words, which cannot be foreseen). A wrong guess costs the early answer, not its
+        correctness: it stands only if its final prompt is the one the actual notes make."""
+        if options.grounding is not GroundingMode.SNAP:
+            return None
+        text, overlap = self.segment_texts[segment.index].closest_sentence(query)
+        if not text or overlap < options.note_min_query_overlap:
+            return None
+        return MarginNote(segment.index, text, rank=overlap)
 
     async def answer(
         self,
@@ -625,14 +655,15 @@ class WiMSession:
         `conclude` appends the final prompt to the context itself (no recompute at all; the
         session takes no further query); otherwise the answer is a branch over the context.
 
-        Margins still running when this is called (`answer_early`): the answer to the notes
-        kept so far starts at once, as a branch beside them, its text held back. Most margins
-        are not kept; when no late one is, that answer's prompt is exactly the one every note
-        makes, so it stands, and the margins' last decode steps carried it. A late kept note
-        discards it (its tokens are counted as `discarded_answer_tokens`) and the answer starts
-        over with every note.
+        Margins still running when this is called (`answer_early`): answers start at once, as
+        branches beside them, their text held back: one over the notes kept so far and, with
+        snapping, one that adds the sentence each running margin is expected to copy. Most
+        margins end either as not kept or as expected; then one of those answers has exactly
+        the final prompt every note makes, so it stands, and the margins' last decode steps
+        carried it. The others are discarded (their tokens are counted as
+        `discarded_answer_tokens`), and if none stands the answer starts over with every note.
         """
-        early = self._answer_early(query, margins, options, room)
+        early = self._answers_early(query, margins, options, room)
         try:
             notes = [note for note in await asyncio.gather(*margins) if note is not None]
             if margins:
@@ -644,12 +675,14 @@ class WiMSession:
                     timings.answer_ttft_s = time.perf_counter() - started
                 emit(AnswerEvent(text=delta))
 
-            if early is not None and early.suffix == suffix:
-                early.text.release(on_text)
-                generated = await early.task
+            standing = next((answer for answer in early if answer.suffix == suffix), None)
+            for answer in early:
+                if answer is not standing:
+                    await answer.discard(ledger)
+            if standing is not None:
+                standing.text.release(on_text)
+                generated = await standing.task
             else:
-                if early is not None:
-                    await early.discard(ledger)
                 params = self._answer_params(options)
                 stream = (
                     self.context.conclude(suffix, params)
@@ -662,8 +695,8 @@ class WiMSession:
         finally:
             for task in margins:
                 task.cancel()
-            if early is not None:
-                early.task.cancel()
+            for answer in early:
+                answer.task.cancel()
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.answer_tokens += len(generated.token_ids)
         held = {note.segment for note in shown}
