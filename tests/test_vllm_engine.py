@@ -100,15 +100,17 @@ async def test_job_streams_segments_margins_answer(engine, report) -> None:
     assert u.prompt_tokens_cached > (u.segments - 1) * u.context_tokens // 2
 
 
-@pytest.mark.parametrize("stands", [True, False], ids=["stands", "discarded"])
+@pytest.mark.parametrize("no_note", [True, False], ids=["no_note", "notes"])
 async def test_an_answer_started_early_is_the_answer_after_the_margins(
-    engine, report, short_report, stands: bool
+    engine, report, short_report, no_note: bool
 ) -> None:
     """answer_early on the real engine: the answer starts while the last margin is still
     decoding, and the client gets token for token the answer that starts after every margin
-    (answer_early off). On the first sections no late margin is kept and that early answer
-    stands; on the whole report the last margins find the code, so it is discarded."""
-    document = short_report if stands else report
+    (answer_early off). On the first sections no sentence is near the question: one early
+    answer, without notes, stands. On the whole report the running margins are expected to
+    copy the code's sentence, so a second early answer over those notes starts beside the
+    first; they do, it stands and the first is discarded: no answer starts after them."""
+    document = short_report if no_note else report
     started = time.monotonic()
     early = await run(engine, document)
     spans = spans_since(engine, started)
@@ -116,12 +118,14 @@ async def test_an_answer_started_early_is_the_answer_after_the_margins(
     assert early[-1].type == late[-1].type == "done", (early[-1], late[-1])
     assert outcome(early) == outcome(late)
     assert early[-1].usage.answer_tokens == late[-1].usage.answer_tokens > 0
-    assert (early[-1].usage.discarded_answer_tokens == 0) == stands
+    assert (early[-1].usage.discarded_answer_tokens == 0) == no_note
+    assert bool(early[-1].notes) is not no_note
     answers = [span for span in spans if span.kind == "answer"]
-    assert len(answers) == (1 if stands else 2)
+    assert len(answers) == (1 if no_note else 2)
     last_margin = max((span for span in spans if span.kind == "margin"), key=lambda s: s.started)
-    assert answers[0].started < last_margin.ended
-    assert answers[0].first_output is not None and answers[0].first_output < last_margin.ended
+    for answer in answers:
+        assert answer.started < last_margin.ended
+        assert answer.first_output is not None and answer.first_output < last_margin.ended
 
 
 async def test_margins_hit_every_full_context_block(engine, report) -> None:
