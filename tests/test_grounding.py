@@ -357,8 +357,8 @@ async def test_by_default_a_note_must_share_most_of_the_question(tokenizer) -> N
 
 async def test_only_segments_a_note_could_come_from_get_a_margin(tokenizer) -> None:
     """skip_unmatched_segments: a margin is written only where some evidence window shares
-    `note_min_query_overlap` of the question; the notes and the final prompt are those of
-    the job that writes every margin."""
+    `note_min_query_overlap` of the question, and the segments before it are pushed with it
+    as one; the notes and the final prompt are those of the job that writes every margin."""
     query = "Which gate has the code 1035?"  # 1035 is gate 5's: only its segment matches
     outcomes = {}
     for skip in (True, False):
@@ -373,6 +373,11 @@ async def test_only_segments_a_note_could_come_from_get_a_margin(tokenizer) -> N
         )
         written = [m.segment for m in margins if not m.skipped]
         assert len(requests) == len(written)
+        # Each push ends where a margin starts, or at the document's end.
+        prefix = len(PromptBuilder(tokenizer, wim_options().prompts).context_prefix)
+        ends = {e.segment: prefix + e.context_tokens for e in events if e.type == "segment"}
+        pushes = [entry[1] for entry in backend.log if entry[0] == "extend-done"]
+        assert pushes == sorted({ends[s] for s in written} | {ends[len(margins) - 1]})
         if skip:
             holding = [m.segment for m in margins if "1035" in DOC[m.char_start : m.char_end]]
             assert written == holding and len(holding) == 1

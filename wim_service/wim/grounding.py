@@ -170,6 +170,7 @@ class SegmentText:
     def __init__(self, document: str, segment: Segment) -> None:
         self.document = document
         self.segment = segment
+        self._best_overlaps: dict[tuple[str, int], float] = {}  # by (query, max_sentences)
 
     @cached_property
     def sentences(self) -> list[_Sentence]:
@@ -212,12 +213,16 @@ class SegmentText:
         only finds more of the query, so the windows of exactly `max_sentences` sentences (or
         the whole segment, if shorter) bound every other.
         """
-        size = min(max_sentences, len(self.sentences))
-        windows = (
-            self.document[self.sentences[i].start : self.sentences[i + size - 1].end]
-            for i in range(len(self.sentences) - size + 1)
-        )
-        return max((query_overlap(query, text) for text in windows), default=0.0) if size else 0.0
+        key = (query, max_sentences)
+        if key not in self._best_overlaps:  # asked when pushing the segment and at its margin
+            size = min(max_sentences, len(self.sentences))
+            windows = (
+                self.document[self.sentences[i].start : self.sentences[i + size - 1].end]
+                for i in range(len(self.sentences) - size + 1)
+            )
+            scores = (query_overlap(query, text) for text in windows)
+            self._best_overlaps[key] = max(scores, default=0.0) if size else 0.0
+        return self._best_overlaps[key]
 
     def closest_sentence(self, query: str) -> tuple[str, float]:
         """The sentence sharing most with the query (the first of equals) and its

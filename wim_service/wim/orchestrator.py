@@ -499,6 +499,9 @@ class WiMSession:
 
         Pipelined: margin i is submitted right after segment i's KV is computed, together with
         the push of segment i+1, so both share engine steps. Otherwise margin i is awaited first.
+        Segments whose margin is skipped (`no_note_can_be_kept`) need no boundary of their own:
+        they are pushed together with the segments after them, up to the next one with a
+        margin, in fewer and larger engine steps (each step has a fixed cost).
         Returns the margins' tasks, the last ones possibly still running (`answer` awaits them).
         """
         options = options or self.options
@@ -506,36 +509,51 @@ class WiMSession:
         concurrent = pipelined and self.backend.limits.concurrent_branches
         tasks: list[asyncio.Task[MarginNote | None]] = []
         try:
-            for segment in self.plan.segments:
-                chunk = self.plan.encoded.ids[segment.token_start : segment.token_end]
-                if segment.index == 0:
+            for group in self._push_groups(query, options):
+                first, last = group[0], group[-1]
+                chunk = self.plan.encoded.ids[first.token_start : last.token_end]
+                if first.index == 0:
                     chunk = self.plan.prefix_ids + chunk
                 cost = await self.context.extend(chunk)
                 ledger.add(cost, minimal=len(chunk))
-                emit(
-                    SegmentEvent(
-                        segment=segment.index,
-                        segments=len(self.plan.segments),
-                        tokens=segment.num_tokens,
-                        context_tokens=segment.token_end,
-                        char_start=segment.char_start,
-                        char_end=segment.char_end,
+                for segment in group:
+                    emit(
+                        SegmentEvent(
+                            segment=segment.index,
+                            segments=len(self.plan.segments),
+                            tokens=segment.num_tokens,
+                            context_tokens=segment.token_end,
+                            char_start=segment.char_start,
+                            char_end=segment.char_end,
+                        )
                     )
-                )
                 if query is None:
                     continue
-                task = asyncio.create_task(
-                    self._margin(segment, query, suffix, options, ledger, emit)
-                )
-                tasks.append(task)
-                if not concurrent:
-                    await task
+                for segment in group:
+                    task = asyncio.create_task(
+                        self._margin(segment, query, suffix, options, ledger, emit)
+                    )
+                    tasks.append(task)
+                    if not concurrent:
+                        await task
             timings.prefill_s = time.perf_counter() - started
         except BaseException:
             for task in tasks:
                 task.cancel()
             raise
         return tasks
+
+    def _push_groups(self, query: str | None, options: WiMOptions) -> list[list[Segment]]:
+        """Consecutive segments pushed as one: each group ends with a segment whose margin is
+        written, or with the document's last segment. Without a query, one segment each."""
+        groups: list[list[Segment]] = [[]]
+        for segment in self.plan.segments:
+            groups[-1].append(segment)
+            if query is None or not no_note_can_be_kept(
+                self.segment_texts[segment.index], query, options
+            ):
+                groups.append([])
+        return [group for group in groups if group]
 
     async def ask_margins(
         self, query: str, options: WiMOptions, emit: Emit, ledger: _Ledger
@@ -592,7 +610,11 @@ class WiMSession:
             return []  # the job is failing: `answer` raises it
         known: list[MarginNote] = []
         expected: list[MarginNote] = []
+        pending = 0  # margins that will hold KV: a skipped one (its task not yet run) holds none
         for segment, task in zip(self.plan.segments, margins, strict=True):  # one per segment
+            if not task.done():
+                segment_text = self.segment_texts[segment.index]
+                pending += not no_note_can_be_kept(segment_text, query, options)
             note = task.result() if task.done() else self._expected_note(segment, query, options)
             if note is not None:
                 expected.append(note)
@@ -601,7 +623,7 @@ class WiMSession:
         suffixes = [self._final_suffix(query, known, options)[0]]
         if (guess := self._final_suffix(query, expected, options)[0]) != suffixes[0]:
             suffixes.append(guess)
-        block, pending = self.backend.limits.block_size, len(margins) - len(done)
+        block = self.backend.limits.block_size
         while suffixes and not room.holds_early_answers(block, pending, [len(s) for s in suffixes]):
             suffixes.pop()  # the guess goes first
         return [self._start_early_answer(suffix, options) for suffix in suffixes]
