@@ -219,9 +219,11 @@ class WiMOptions(BaseModel):
     )
     answer_early: bool = Field(
         True,
-        description="Start the answer while the last margins are still being written, over the "
-        "notes kept so far, and hold its text back; it stands if no later margin is kept and "
-        "starts over with every note otherwise. The answer is the same either way.",
+        description="Start the answer while the last margins are still being written and hold "
+        "its text back: over the notes kept so far and, with grounding `snap`, also over those "
+        "plus the sentence each running margin is expected to copy. The one whose notes turn "
+        "out right stands; if neither does, the answer starts over with every note. The answer "
+        "is the same either way.",
     )
     margin_stop: StopList = Field(default_factory=lambda: ["\n\n"])
     answer_stop: StopList = Field(default_factory=list)
