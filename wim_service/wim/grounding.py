@@ -170,7 +170,9 @@ class SegmentText:
     def __init__(self, document: str, segment: Segment) -> None:
         self.document = document
         self.segment = segment
-        self._best_overlaps: dict[tuple[str, int], float] = {}  # by (query, max_sentences)
+        # The last (query, max_sentences) asked and its bound: a job asks when it pushes the
+        # segment and again at its margin; one entry keeps a long-lived session's memory flat.
+        self._best_overlap: tuple[tuple[str, int], float] | None = None
 
     @cached_property
     def sentences(self) -> list[_Sentence]:
@@ -214,15 +216,15 @@ class SegmentText:
         the whole segment, if shorter) bound every other.
         """
         key = (query, max_sentences)
-        if key not in self._best_overlaps:  # asked when pushing the segment and at its margin
+        if self._best_overlap is None or self._best_overlap[0] != key:
             size = min(max_sentences, len(self.sentences))
             windows = (
                 self.document[self.sentences[i].start : self.sentences[i + size - 1].end]
                 for i in range(len(self.sentences) - size + 1)
             )
             scores = (query_overlap(query, text) for text in windows)
-            self._best_overlaps[key] = max(scores, default=0.0) if size else 0.0
-        return self._best_overlaps[key]
+            self._best_overlap = (key, max(scores, default=0.0) if size else 0.0)
+        return self._best_overlap[1]
 
     def closest_sentence(self, query: str) -> tuple[str, float]:
         """The sentence sharing most with the query (the first of equals) and its
