@@ -609,19 +609,18 @@ class WiMSession:
         if any(task.cancelled() or task.exception() is not None for task in done):
             return []  # the job is failing: `answer` raises it
         known: list[MarginNote] = []
-        expected: list[MarginNote] = []
+        guessed: list[MarginNote] = []
         pending = 0  # margins that will hold KV: a skipped one (its task not yet run) holds none
         for segment, task in zip(self.plan.segments, margins, strict=True):  # one per segment
-            if not task.done():
-                segment_text = self.segment_texts[segment.index]
-                pending += not no_note_can_be_kept(segment_text, query, options)
-            note = task.result() if task.done() else self._expected_note(segment, query, options)
-            if note is not None:
-                expected.append(note)
-                if task.done():
+            if task.done():
+                if (note := task.result()) is not None:
                     known.append(note)
+            elif not no_note_can_be_kept(self.segment_texts[segment.index], query, options):
+                pending += 1
+                if (note := self._expected_note(segment, query, options)) is not None:
+                    guessed.append(note)
         suffixes = [self._final_suffix(query, known, options)[0]]
-        if (guess := self._final_suffix(query, expected, options)[0]) != suffixes[0]:
+        if (guess := self._final_suffix(query, known + guessed, options)[0]) != suffixes[0]:
             suffixes.append(guess)
         block = self.backend.limits.block_size
         while suffixes and not room.holds_early_answers(block, pending, [len(s) for s in suffixes]):
