@@ -44,16 +44,19 @@ async def plain_call(
 def grounding_seconds(document: str, query: str, job: JobResult, options: WiMOptions) -> float:
     """The time grounding took in `job`, replayed as the orchestrator runs it: every segment
     split into sentences (a fresh `SegmentText`) and, with `skip_unmatched_segments`, its
-    windows scored against the query; every margin written checked while it is written
-    (`cannot_ground` on every prefix of it, more calls than it had tokens) and at its end,
-    then the query-overlap score of its note. It runs on the job's event loop, beside the
-    engine, so this is an upper bound on what it adds to the job's wall time."""
+    windows scored against the query; every margin written guessed for the early answer (its
+    segment's `closest_sentence`, as if it were still running at the last push), checked
+    while it is written (`cannot_ground` on every prefix of it, more calls than it had
+    tokens) and at its end, then the query-overlap score of its note. It runs on the job's
+    event loop, beside the engine, so this is an upper bound on what it adds to the job's
+    wall time."""
     started = time.perf_counter()
     for margin in job.margins:
         segment = Segment(margin.segment, 0, 0, margin.char_start, margin.char_end)
         segment_text = SegmentText(document, segment)
         if no_note_can_be_kept(segment_text, query, options):
             continue
+        segment_text.closest_sentence(query)
         for end in range(len(margin.text) + 1):
             segment_text.cannot_ground(margin.text[:end])
         grounding = segment_text.ground(
