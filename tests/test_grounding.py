@@ -54,8 +54,17 @@ def test_margins_are_checked_against_the_segment(harbor, margin: str, grounded: 
         assert evidence.coverage >= 0.8
 
 
+NIGHT_GATE = "What is the access code for the night gate?"
+
+
+def hopeless(segment: SegmentText, partial: str, min_query_overlap: float = 0.0) -> bool:
+    return segment.cannot_keep(
+        partial, NIGHT_GATE, max_sentences=2, min_query_overlap=min_query_overlap
+    )
+
+
 @pytest.mark.parametrize(
-    ("partial", "hopeless"),
+    ("partial", "verdict"),
     [
         ("The access code for the night gate is 123456 ", True),  # written, and not there
         ("The access code for the night gate is 123456", False),  # may still grow
@@ -66,30 +75,74 @@ def test_margins_are_checked_against_the_segment(harbor, margin: str, grounded: 
         ("Tomas Reyes leads the pilot service", False),
         ("Reyez leads", False),  # a capitalised first word is not taken for a name
         ("The new code is kept in the lighthouse stairs", False),  # only coverage rules it out
+        # Both are in the report, but no two consecutive sentences hold both.
+        ("Tomas Reyes shares code 4417 ", True),
+        ("Tomas Reyes took over from Margaret ", False),
     ],
 )
 def test_a_margin_is_hopeless_once_it_names_what_the_segment_lacks(
-    harbor, partial: str, hopeless: bool
+    harbor, partial: str, verdict: bool
 ) -> None:
-    assert harbor.cannot_ground(partial) is hopeless
+    assert hopeless(harbor, partial) is verdict
 
 
-def test_no_start_of_a_groundable_margin_is_called_hopeless(harbor) -> None:
-    """Soundness: a margin is cut short only where no continuation could be grounded, so
-    cutting never changes which margins are kept."""
-    margins = [
+@pytest.mark.parametrize(
+    ("partial", "verdict"),
+    [
+        ("The new code is 4417 ", False),  # in the sentence that answers
+        ("The port employs 1,240 people", True),  # in the report, far from the question
+        ("Margaret Oyelaran retired", True),
+        # The gate's own sentence, but it shares too little with the question to be a note.
+        ("The night gate on Salt Lane is", True),
+        ("The night gate on Salt", False),  # "Salt" may still grow: nothing named yet
+        ("The access code for the night gate", False),  # no value yet: never hopeless
+    ],
+)
+def test_a_margin_is_hopeless_once_it_names_what_only_sentences_far_from_the_query_hold(
+    harbor, partial: str, verdict: bool
+) -> None:
+    """With snapping the note is the evidence, which must hold every value the margin names
+    and share 0.8 of the query: values that only distant sentences hold end the margin."""
+    assert hopeless(harbor, partial, min_query_overlap=0.8) is verdict
+    # Without the query filter, only values the segment lacks end a margin.
+    assert not hopeless(harbor, partial, min_query_overlap=0.0)
+
+
+@pytest.mark.parametrize("min_query_overlap", [0.0, 0.5, 0.8])
+def test_no_start_of_a_margin_that_would_be_kept_is_called_hopeless(
+    harbor, min_query_overlap: float
+) -> None:
+    """Soundness: a margin is cut short only where no continuation could be kept, so cutting
+    never changes the notes. Margins: every sentence and every pair of sentences of the
+    report copied (what the instruction asks for), and invented ones."""
+    sentences = harbor.sentences
+    copies = [
+        harbor.document[sentences[i].start : sentences[j].end]
+        for i in range(len(sentences))
+        for j in (i, i + 1)
+        if j < len(sentences)
+    ]
+    invented = [
         "The access code for the night gate is 4417, set in March.",
-        "The port employs 1,240 people.",
-        "Tomas Reyes took over the pilot service from Margaret Oyelaran.",
-        "Forty-two apprentices trained, and a simulator for pilots was added.",
         "The access code for the night gate is 123456, it says.",
         "Tomas Reyez leads the pilot service.",
     ]
-    for margin in margins:
-        grounded = harbor.ground(margin, min_coverage=0.8, max_sentences=2).grounded
-        hopeless = [margin[:n] for n in range(len(margin) + 1) if harbor.cannot_ground(margin[:n])]
-        assert not (grounded and hopeless), (margin, hopeless[:1])
-        assert bool(hopeless) is ("123456" in margin or "Reyez" in margin)
+    kept_somewhere = 0
+    for margin in copies + invented:
+        verdict = harbor.ground(margin, min_coverage=0.8, max_sentences=2)
+        kept = verdict.grounded and (
+            query_overlap(NIGHT_GATE, verdict.evidence.text) >= min_query_overlap
+        )
+        cut = next(
+            (n for n in range(len(margin) + 1) if hopeless(harbor, margin[:n], min_query_overlap)),
+            None,
+        )
+        assert not (kept and cut is not None), (margin, margin[:cut])
+        kept_somewhere += kept
+        if "123456" in margin or "Reyez" in margin:
+            assert cut is not None
+    # The check has something to pass: kept copies exist at every threshold.
+    assert kept_somewhere >= (2 if min_query_overlap else len(copies))
 
 
 def test_evidence_is_the_supporting_sentence(harbor) -> None:
@@ -514,8 +567,14 @@ async def test_a_margin_that_names_what_its_segment_lacks_is_cut_short(engine, r
     query = "How many passengers did the ferry to the islands carry?"
 
     async def margins(grounding: GroundingMode) -> tuple[dict[int, object], object]:
-        # Every segment written: no sentence of the report shares 0.8 of this query's words.
-        options = WiMOptions(segment_tokens=192, grounding=grounding, skip_unmatched_segments=False)
+        # Every segment written: no sentence of the report shares 0.8 of this query's words;
+        # without the query filter, only values the segment lacks cut a margin short.
+        options = WiMOptions(
+            segment_tokens=192,
+            grounding=grounding,
+            skip_unmatched_segments=False,
+            note_min_query_overlap=0.0,
+        )
         events = [e async for e in run_wim(engine, engine.tokenizer, report, query, options)]
         assert events[-1].type == "done", events[-1]
         return {e.segment: e for e in events if e.type == "margin"}, events[-1]
@@ -538,4 +597,54 @@ async def test_a_margin_that_names_what_its_segment_lacks_is_cut_short(engine, r
             assert len(whole[segment].text) > len(margin.text)
         else:
             assert whole[segment].text == margin.text
+    assert cut_done.usage.margin_tokens < whole_done.usage.margin_tokens
+
+
+@pytest.mark.engine
+async def test_a_margin_that_names_what_only_far_sentences_hold_is_cut_short(
+    engine, report
+) -> None:
+    """With the query filter on (the default), a margin also stops at a number or name that
+    only sentences far from the question hold. Each cut margin is the start of the margin the
+    model writes in full (grounding off, nothing cut), and snapping and the filter keep from
+    the full margins exactly the notes the job kept: cutting changed no note."""
+    query = "How many boats are registered at the port?"
+    options = WiMOptions(segment_tokens=192, skip_unmatched_segments=False)  # every margin
+    runs = {}
+    for grounding in (GroundingMode.SNAP, GroundingMode.OFF):
+        events = [
+            e
+            async for e in run_wim(
+                engine,
+                engine.tokenizer,
+                report,
+                query,
+                options.model_copy(update={"grounding": grounding}),
+            )
+        ]
+        assert events[-1].type == "done", events[-1]
+        runs[grounding] = ({e.segment: e for e in events if e.type == "margin"}, events[-1])
+    (cut, cut_done), (whole, whole_done) = runs[GroundingMode.SNAP], runs[GroundingMode.OFF]
+    far = []
+    for segment, margin in cut.items():
+        full = whole[segment].text
+        segment_text = SegmentText(
+            report, Segment(segment, 0, 0, margin.char_start, margin.char_end)
+        )
+        verdict = segment_text.ground(full, min_coverage=0.8, max_sentences=2)
+        kept_in_full = verdict.grounded and query_overlap(query, verdict.evidence.text) >= 0.8
+        assert margin.kept is kept_in_full, (segment, margin.text, full)
+        if margin.kept:
+            assert margin.evidence == verdict.evidence.text
+        if margin.cut_short:
+            assert full.startswith(margin.text) and len(full) > len(margin.text)
+            written = margin.text + " "
+            assert segment_text.cannot_keep(written, query, max_sentences=2, min_query_overlap=0.8)
+            # Every value it had named is in some window: only the query filter ruled it out.
+            if not segment_text.cannot_keep(written, query, max_sentences=2, min_query_overlap=0):
+                far.append(segment)
+        else:
+            assert full == margin.text
+    assert far, {s: m.text for s, m in cut.items()}
+    assert cut_done.notes == sorted(s for s, m in cut.items() if m.kept)
     assert cut_done.usage.margin_tokens < whole_done.usage.margin_tokens

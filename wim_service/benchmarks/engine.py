@@ -22,7 +22,7 @@ from wim_service.benchmarks.common import QUERIES, BenchSettings, JobResult, lin
 from wim_service.wim.backend import RequestKind
 from wim_service.wim.grounding import SegmentText, query_overlap
 from wim_service.wim.options import WiMOptions
-from wim_service.wim.orchestrator import no_note_can_be_kept
+from wim_service.wim.orchestrator import evidence_min_query_overlap, no_note_can_be_kept
 from wim_service.wim.prompts import PromptBuilder
 from wim_service.wim.segmentation import Segment
 
@@ -46,7 +46,7 @@ def grounding_seconds(document: str, query: str, job: JobResult, options: WiMOpt
     split into sentences (a fresh `SegmentText`) and, with `skip_unmatched_segments`, its
     windows scored against the query; every margin written guessed for the early answer (its
     segment's `closest_sentence`, as if it were still running at the last push), checked
-    while it is written (`cannot_ground` on every prefix of it, more calls than it had
+    while it is written (`cannot_keep` on every prefix of it, more calls than it had
     tokens) and at its end, then the query-overlap score of its note. It runs on the job's
     event loop, beside the engine, so this is an upper bound on what it adds to the job's
     wall time."""
@@ -58,7 +58,12 @@ def grounding_seconds(document: str, query: str, job: JobResult, options: WiMOpt
             continue
         segment_text.closest_sentence(query)
         for end in range(len(margin.text) + 1):
-            segment_text.cannot_ground(margin.text[:end])
+            segment_text.cannot_keep(
+                margin.text[:end],
+                query,
+                max_sentences=options.grounding_max_sentences,
+                min_query_overlap=evidence_min_query_overlap(options),
+            )
         grounding = segment_text.ground(
             margin.text,
             min_coverage=options.grounding_min_coverage,

@@ -41,8 +41,9 @@ class MarginOut(BaseModel):
     grounded: bool = Field(False, description="Its own segment supports what it says.")
     cut_short: bool = Field(
         False,
-        description="Writing stopped once it named a number or name its segment lacks (no "
-        "continuation could be supported); `text` ends there.",
+        description="Writing stopped once it named a number or name that its segment lacks, "
+        "or that only sentences far from the query hold (no continuation could be kept); "
+        "`text` ends there.",
     )
     skipped: bool = Field(
         False,

@@ -60,7 +60,8 @@ class MarginEvent(BaseModel):
     # The segment's own sentences support the margin (reported whatever the grounding mode).
     grounded: bool = False
     # Writing stopped early: the margin had named a number or name (or denied something) that
-    # its segment does not hold, so no continuation could be grounded. `text` ends there.
+    # no window of its segment holds, or (with snapping) only windows that share too little with
+    # the query, so no continuation could be kept. `text` ends there.
     cut_short: bool = False
     # Not written (`skip_unmatched_segments`): no window of the segment shares enough with the
     # query for a note to be kept, so no engine request was made; `text` is empty.

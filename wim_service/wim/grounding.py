@@ -164,15 +164,25 @@ class _Sentence:
     vocabulary: frozenset[str]
 
 
+@dataclass(frozen=True)
+class _Window:
+    """Consecutive sentences of the largest size evidence may have: every window `ground` can
+    return lies inside one of them, with a vocabulary (and so a query overlap) no larger."""
+
+    vocabulary: frozenset[str]  # as `ground` reads it: its sentences' vocabularies joined
+    query_overlap: float  # as the query filter reads its text
+
+
 class SegmentText:
     """A segment's sentences (punkt, as the segmenter cuts), with their vocabularies."""
 
     def __init__(self, document: str, segment: Segment) -> None:
         self.document = document
         self.segment = segment
-        # The last (query, max_sentences) asked and its bound: a job asks when it pushes the
-        # segment and again at its margin; one entry keeps a long-lived session's memory flat.
-        self._best_overlap: tuple[tuple[str, int], float] | None = None
+        # The last (query, max_sentences) asked and its windows: a job asks when it pushes the
+        # segment and again while its margin is written; one entry keeps a long-lived session's
+        # memory flat.
+        self._windows: tuple[tuple[str, int], list[_Window]] | None = None
 
     @cached_property
     def sentences(self) -> list[_Sentence]:
@@ -190,41 +200,54 @@ class SegmentText:
             sentences.append(_Sentence(s, s + len(stripped), vocabulary(stripped)))
         return sentences
 
-    @cached_property
-    def vocabulary(self) -> frozenset[str]:
-        """Every word and number of the segment: a superset of every window's vocabulary."""
-        return frozenset().union(*(s.vocabulary for s in self.sentences))
+    def largest_windows(self, query: str, max_sentences: int) -> list[_Window]:
+        """The windows of exactly `max_sentences` sentences (the whole segment, if shorter),
+        scored against `query`. A window's vocabulary holds every smaller window's inside it,
+        and a larger vocabulary only finds more, so these bound every evidence `ground` may
+        return: what none of them holds, no evidence does."""
+        key = (query, max_sentences)
+        if self._windows is None or self._windows[0] != key:
+            size = min(max_sentences, len(self.sentences))
+            windows = []
+            for i in range(len(self.sentences) - size + 1 if size else 0):
+                first, last = self.sentences[i], self.sentences[i + size - 1]
+                windows.append(
+                    _Window(
+                        frozenset().union(*(s.vocabulary for s in self.sentences[i : i + size])),
+                        query_overlap(query, self.document[first.start : last.end]),
+                    )
+                )
+            self._windows = (key, windows)
+        return self._windows[1]
 
-    def cannot_ground(self, partial: str) -> bool:
+    def best_query_overlap(self, query: str, max_sentences: int) -> float:
+        """The highest `query_overlap` that any evidence `ground` can return here may have."""
+        return max(
+            (w.query_overlap for w in self.largest_windows(query, max_sentences)), default=0.0
+        )
+
+    def cannot_keep(
+        self, partial: str, query: str, *, max_sentences: int, min_query_overlap: float
+    ) -> bool:
         """Whether `partial`, the start of a margin still being written, already holds a number
-        or name (or a denial) that no sentence of this segment holds. Then `ground` refuses
-        every continuation of it, and the margin need not be written to its end.
+        or name (or a denial) that no window of this segment holds together with
+        `min_query_overlap` of the query. Evidence must hold every such value, and with
+        snapping the note is the evidence, so then `ground` or the query filter refuses every
+        continuation of it, and the margin need not be written to its end (pass 0 when the
+        filter reads the margin's own words).
 
         Only what precedes the last whitespace counts as written: a word or number cannot
-        reach across whitespace, while "212," may still become "212,000".
+        reach across whitespace, while "212," may still become "212,000". A margin that has
+        written no such value yet is never hopeless: coverage alone may still ground it.
         """
         written = _LAST_WORD.sub("", partial)
         if len(written) == len(partial):
             return False  # no whitespace yet: every word may still grow
-        return not Claim.parse(written).exact_values <= self.vocabulary
-
-    def best_query_overlap(self, query: str, max_sentences: int) -> float:
-        """The highest `query_overlap` that any evidence `ground` can return here may have.
-
-        A window's vocabulary holds every smaller window's inside it, and a larger vocabulary
-        only finds more of the query, so the windows of exactly `max_sentences` sentences (or
-        the whole segment, if shorter) bound every other.
-        """
-        key = (query, max_sentences)
-        if self._best_overlap is None or self._best_overlap[0] != key:
-            size = min(max_sentences, len(self.sentences))
-            windows = (
-                self.document[self.sentences[i].start : self.sentences[i + size - 1].end]
-                for i in range(len(self.sentences) - size + 1)
-            )
-            scores = (query_overlap(query, text) for text in windows)
-            self._best_overlap = (key, max(scores, default=0.0) if size else 0.0)
-        return self._best_overlap[1]
+        values = Claim.parse(written).exact_values
+        return bool(values) and not any(
+            values <= window.vocabulary and window.query_overlap >= min_query_overlap
+            for window in self.largest_windows(query, max_sentences)
+        )
 
     def closest_sentence(self, query: str) -> tuple[str, float]:
         """The sentence sharing most with the query (the first of equals) and its

@@ -248,6 +248,13 @@ async def _consume(
     return _Generated(ids, text, cost)
 
 
+def evidence_min_query_overlap(options: WiMOptions) -> float:
+    """The share of the query a margin's evidence must hold for a note to be kept: with
+    snapping the note is the evidence, so the query filter reads it; otherwise the filter
+    reads the margin's own words, which evidence does not bound."""
+    return options.note_min_query_overlap if options.grounding is GroundingMode.SNAP else 0.0
+
+
 def no_note_can_be_kept(segment_text: SegmentText, query: str, options: WiMOptions) -> bool:
     """Whether every margin of this segment would fall to the query-overlap filter: with
     snapping, a note is one of the segment's sentence windows, and none shares enough."""
@@ -405,12 +412,17 @@ class WiMSession:
 
         cut_short = False
 
-        def ungroundable(text: str) -> bool:
+        def hopeless(text: str) -> bool:
             nonlocal cut_short
             # The margin as `ground` will see it: a first-token margin without its YES.
             if first_token:
                 text = _strip_relevance_word(text, self.builder.templates.yes)
-            cut_short = segment_text.cannot_ground(text)
+            cut_short = segment_text.cannot_keep(
+                text,
+                query,
+                max_sentences=options.grounding_max_sentences,
+                min_query_overlap=evidence_min_query_overlap(options),
+            )
             return cut_short
 
         prefix_tokens = len(self.plan.prefix_ids) + segment.token_end
@@ -419,8 +431,8 @@ class WiMSession:
             self.builder.tokenizer,
             stop=options.margin_stop,
             keep_going=keep_going if first_token else None,
-            # Grounding will drop it whatever follows; stop paying for its tokens.
-            give_up=ungroundable if options.grounding is not GroundingMode.OFF else None,
+            # Grounding or the query filter will drop it whatever follows; stop paying for it.
+            give_up=hopeless if options.grounding is not GroundingMode.OFF else None,
         )
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.margin_tokens += len(generated.token_ids)

@@ -188,7 +188,7 @@ function showProgress(done) {
 function dropReason(margin) {
   if (margin.skipped) return "not written: no sentence here shares enough with the question";
   if (!margin.text) return "no note";
-  if (margin.cut_short) return "cut short: it named what its segment does not say";
+  if (margin.cut_short) return "cut short: it named what no sentence near the question says";
   if (!margin.relevant) return "judged not relevant";
   if (!margin.grounded) return "not found in its segment";
   return "too little in common with the question";
