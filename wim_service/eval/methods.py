@@ -46,6 +46,7 @@ class Margin:
     kept: bool
     evidence: str
     skipped: bool  # not written: no sentence window of the segment was near the query
+    cut_short: bool  # stopped once no continuation could be kept
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,7 @@ def wim(
                         event.kept,
                         event.evidence,
                         event.skipped,
+                        event.cut_short,
                     )
                 )
             elif event.type == "error":
