@@ -567,6 +567,81 @@ async def test_an_answer_over_the_expected_notes_starts_beside_the_margins(
     assert backend.contexts[0].concluded == 0 and backend.reserved_blocks == 0
 
 
+CODES = {20: 1111, 35: 2222, 50: 3333}  # sentence number -> the gate code planted there
+CODED = " ".join(
+    f"The gate code is {CODES[i]}." if i in CODES else f"Sentence {i} is about the harbour."
+    for i in range(60)
+)
+
+
+async def test_early_answers_give_way_as_soon_as_a_margin_refutes_them(tokenizer) -> None:
+    """Three margins still run when the answers start (the engine holds every token until
+    then): the first strays, which refutes the answer over the expected notes; the second
+    is kept, which refutes the one without notes. Both are stopped then, not after the last
+    margin, and new ones start over what is known by then; the last margin copies its
+    sentence as expected, so one of those stands: no answer starts after the margins."""
+    query = "What is the gate code?"
+    answers = itertools.count(1)
+
+    def script(params: GenerationParams, prefix: int) -> str:
+        if params.kind is RequestKind.ANSWER:
+            backend.gate.set()  # margins and answers run side by side from here on
+            return f"Answer number {next(answers)} here, and it takes its time to say so."
+        read = tokenizer.decode(backend.contexts[-1].ids[:prefix])
+        code = int(read.rsplit("The gate code is ", 1)[1][:4])
+        sentence = f"The gate code is {code}."
+        return {1111: "Boats.", 2222: sentence}.get(code, " ".join([sentence] * 3))
+
+    backend = FakeBackend(tokenizer, script)
+    backend.gate.clear()
+    opts = options(note_min_query_overlap=1.0)
+    events = [e async for e in run_wim(backend, tokenizer, CODED, query, opts)]
+    done = events[-1]
+    assert done.type == "done", done
+    written = [e for e in events if e.type == "margin" and not e.skipped]
+    assert [m.kept for m in sorted(written, key=lambda m: m.segment)] == [False, True, True]
+    first, second, third = sorted(m.segment for m in written)
+    note = {
+        s: MarginNote(s, f"The gate code is {c}.", 1.0)
+        for s, c in zip((first, second, third), CODES.values(), strict=True)
+    }
+    builder = PromptBuilder(tokenizer, opts.prompts)
+    suffixes = [r.suffix for r in backend.requests if r.kind is RequestKind.ANSWER]
+    assert suffixes == [
+        builder.final_suffix(query, []),
+        builder.final_suffix(query, [note[first], note[second], note[third]]),
+        # Started when the second margin ended, both earlier answers refuted by then.
+        builder.final_suffix(query, [note[second]]),
+        builder.final_suffix(query, [note[second], note[third]]),
+    ]
+    # The engine's timeline after the last push (every answer reads the same prefix, so they
+    # are told apart by order): each refuted answer was stopped unfinished right when the
+    # margin that refuted it ended, the new ones started then, before the last margin ended.
+    last_push = max(i for i, entry in enumerate(backend.log) if entry[0] == "extend-done")
+    timeline = [
+        (entry[0], entry[1], entry[3] == entry[4] if entry[0] == "end" else None)
+        for entry in backend.log[last_push + 1 :]
+    ]
+    assert timeline[:9] == [
+        ("start", "margin", None),
+        ("start", "answer", None),
+        ("start", "answer", None),
+        ("end", "margin", True),  # strays: the answer over the expected notes is refuted
+        ("end", "answer", False),
+        ("end", "margin", True),  # kept: the answer over no notes is refuted
+        ("end", "answer", False),
+        ("start", "answer", None),
+        ("start", "answer", None),
+    ]
+    margin_ends = [i for i, entry in enumerate(timeline) if entry[:2] == ("end", "margin")]
+    assert len(margin_ends) == 3 and ("start", "answer", None) not in timeline[margin_ends[2] :]
+    assert done.notes == [second, third]
+    assert done.answer == "Answer number 4 here, and it takes its time to say so."
+    assert answer_events_follow_margins(events) == done.answer
+    assert done.usage.discarded_answer_tokens > 0
+    assert backend.contexts[0].concluded == 0 and backend.reserved_blocks == 0
+
+
 async def test_answer_early_off_answers_after_the_last_margin(tokenizer) -> None:
     backend = FakeBackend(tokenizer, answer_script("Sentence 99 is about the harbour."))
     events = await collect(backend, opts=options(answer_early=False))

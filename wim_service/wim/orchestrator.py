@@ -306,14 +306,29 @@ class _HeldText:
         self._held.clear()
 
 
+def _note_text(note: MarginNote | None) -> str | None:
+    """What a margin's outcome puts in the final prompt: its note's text, or nothing."""
+    return note.text if note is not None else None
+
+
 @dataclass
 class _EarlyAnswer:
-    """An answer started before the last margins ended, over the notes kept until then."""
+    """An answer started before the last margins ended, over the notes kept until then (and
+    maybe the notes the running margins are expected to give)."""
 
     suffix: list[int]  # its final prompt
+    # The note text (or None: no note) it takes each margin running at its start to give.
+    assumes: dict[int, str | None]
     text: _HeldText
     chunks: list[GenerationChunk]
     task: asyncio.Task[_Generated]
+
+    def refuted_by(self, segment: int, note: MarginNote | None) -> bool:
+        """Whether the margin of `segment` ended otherwise than this answer assumed: then its
+        final prompt is not the one the notes make (notes differing only in rank, which orders
+        them for the window alone, are taken as different: it may cost a restart, not a wrong
+        answer, since the answer that stands is always checked against the final prompt)."""
+        return segment in self.assumes and self.assumes[segment] != _note_text(note)
 
     async def discard(self, ledger: _Ledger) -> None:
         """Stop it (a later note changed the final prompt) and book the work it did."""
@@ -622,24 +637,60 @@ class WiMSession:
             return []  # the job is failing: `answer` raises it
         known: list[MarginNote] = []
         guessed: list[MarginNote] = []
+        running: list[int] = []
         pending = 0  # margins that will hold KV: a skipped one (its task not yet run) holds none
         for segment, task in zip(self.plan.segments, margins, strict=True):  # one per segment
             if task.done():
                 if (note := task.result()) is not None:
                     known.append(note)
-            elif not no_note_can_be_kept(self.segment_texts[segment.index], query, options):
+                continue
+            running.append(segment.index)
+            if not no_note_can_be_kept(self.segment_texts[segment.index], query, options):
                 pending += 1
                 if (note := self._expected_note(segment, query, options)) is not None:
                     guessed.append(note)
-        suffixes = [self._final_suffix(query, known, options)[0]]
-        if (guess := self._final_suffix(query, known + guessed, options)[0]) != suffixes[0]:
-            suffixes.append(guess)
+        versions = [(self._final_suffix(query, known, options)[0], dict.fromkeys(running))]
+        guess = self._final_suffix(query, known + guessed, options)[0]
+        if guess != versions[0][0]:
+            expected = dict.fromkeys(running) | {note.segment: note.text for note in guessed}
+            versions.append((guess, expected))
         block = self.backend.limits.block_size
-        while suffixes and not room.holds_early_answers(block, pending, [len(s) for s in suffixes]):
-            suffixes.pop()  # the guess goes first
-        return [self._start_early_answer(suffix, options) for suffix in suffixes]
+        while versions and not room.holds_early_answers(
+            block, pending, [len(suffix) for suffix, _ in versions]
+        ):
+            versions.pop()  # the guess goes first
+        return [self._start_early_answer(suffix, assumes, options) for suffix, assumes in versions]
 
-    def _start_early_answer(self, suffix: list[int], options: WiMOptions) -> _EarlyAnswer:
+    async def _await_margins(
+        self,
+        query: str,
+        margins: list[asyncio.Task[MarginNote | None]],
+        options: WiMOptions,
+        room: QueryRoom,
+        early: list[_EarlyAnswer],
+        ledger: _Ledger,
+    ) -> list[MarginNote]:
+        """The kept notes, once every margin has ended. Meanwhile an early answer is discarded
+        as soon as a margin ends otherwise than it assumed (it would only slow the engine
+        steps that the margins and the other answers share), and when none is left while
+        margins still run, new ones start over what is known by then (`_answers_early`).
+        `early` is updated in place: what is left of it may stand."""
+        segment_of = {task: index for index, task in enumerate(margins)}  # one per segment
+        running = {task for task in margins if not task.done()}
+        while running:
+            ended, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            outcomes = [(segment_of[task], task.result()) for task in ended]  # raises a failure
+            for answer in list(early):
+                if any(answer.refuted_by(segment, note) for segment, note in outcomes):
+                    early.remove(answer)
+                    await answer.discard(ledger)
+            if running and not early:
+                early.extend(self._answers_early(query, margins, options, room))
+        return [note for task in margins if (note := task.result()) is not None]
+
+    def _start_early_answer(
+        self, suffix: list[int], assumes: dict[int, str | None], options: WiMOptions
+    ) -> _EarlyAnswer:
         chunks: list[GenerationChunk] = []
         text = _HeldText()
         stream = self.context.branch(self.plan.context_tokens, suffix, self._answer_params(options))
@@ -651,7 +702,7 @@ class WiMSession:
                 on_text=text,
             )
         )
-        return _EarlyAnswer(suffix, text, chunks, task)
+        return _EarlyAnswer(suffix, assumes, text, chunks, task)
 
     def _expected_note(
         self, segment: Segment, query: str, options: WiMOptions
@@ -694,11 +745,13 @@ class WiMSession:
         margins end either as not kept or as expected; then one of those answers has exactly
         the final prompt every note makes, so it stands, and the margins' last decode steps
         carried it. The others are discarded (their tokens are counted as
-        `discarded_answer_tokens`), and if none stands the answer starts over with every note.
+        `discarded_answer_tokens`) as soon as a margin ends otherwise than they assumed, and
+        new ones start if none is left while margins still run (`_await_margins`); if none
+        stands at the end, the answer starts over with every note.
         """
         early = self._answers_early(query, margins, options, room)
         try:
-            notes = [note for note in await asyncio.gather(*margins) if note is not None]
+            notes = await self._await_margins(query, margins, options, room, early, ledger)
             if margins:
                 timings.margins_s = time.perf_counter() - started
             suffix, shown = self._final_suffix(query, notes, options)
