@@ -9,6 +9,7 @@ import pytest
 
 from tests.test_orchestrator import FakeBackend, FakeContext
 from tests.test_vllm_engine import spans_since, wait_for_baseline
+from wim_service.eval.tasks import TaskKind, generate_tasks
 from wim_service.wim.backend import EngineLimits, GenerationParams, RequestKind
 from wim_service.wim.grounding import Claim, SegmentText, query_overlap
 from wim_service.wim.options import GroundingMode, PromptTemplates, RelevanceMode, WiMOptions
@@ -648,3 +649,30 @@ async def test_a_margin_that_names_what_only_far_sentences_hold_is_cut_short(
     assert far, {s: m.text for s, m in cut.items()}
     assert cut_done.notes == sorted(s for s, m in cut.items() if m.kept)
     assert cut_done.usage.margin_tokens < whole_done.usage.margin_tokens
+
+
+@pytest.mark.engine
+async def test_a_margin_ends_after_its_first_sentence_on_the_real_engine(engine) -> None:
+    """margin_max_sentences (default 1) on a bAbI-style task, whose margins ramble on from
+    one filler sentence to the next: each margin is the first sentence of the margin written
+    without the limit, and the notes and the answer are the same, token for token."""
+    (task,) = generate_tasks(
+        engine.tokenizer, kinds=[TaskKind.BABI], lengths=[1024], samples=1, seed=0
+    )
+    runs = {}
+    for limit in (1, None):
+        options = WiMOptions(margin_max_sentences=limit)
+        events = [
+            e async for e in run_wim(engine, engine.tokenizer, task.document, task.query, options)
+        ]
+        assert events[-1].type == "done", events[-1]
+        runs[limit] = ({e.segment: e.text for e in events if e.type == "margin"}, events[-1])
+    (short, short_done), (full, full_done) = runs[1], runs[None]
+    assert short.keys() == full.keys()
+    longer = [s for s in short if short[s] != full[s]]
+    assert longer, full  # some margin went on past its first sentence
+    for segment in longer:
+        assert full[segment].startswith(short[segment]) and short[segment].endswith(".")
+    assert short_done.answer == full_done.answer and short_done.notes == full_done.notes
+    assert short_done.usage.answer_tokens == full_done.usage.answer_tokens
+    assert short_done.usage.margin_tokens < full_done.usage.margin_tokens

@@ -203,6 +203,31 @@ async def collect(backend, query="Where is the gate?", opts=None, **kw) -> list:
     ]
 
 
+@pytest.mark.parametrize("relevance", [RelevanceMode.NONE, RelevanceMode.FIRST_TOKEN])
+async def test_a_margin_ends_after_its_first_sentence(tokenizer, relevance) -> None:
+    """margin_max_sentences (default 1): the margin stops once its second sentence begins
+    (in first-token mode, counted without its YES), its request is cut there, and the token
+    that began the second sentence is not part of it; without a limit it runs to its end."""
+    first = "The harbour has boats."
+    rest = " The boats are in the harbour, and the gate is by the quay."
+    yes = "YES. " if relevance is RelevanceMode.FIRST_TOKEN else ""
+
+    def script(params: GenerationParams, prefix: int) -> str:
+        return "Done." if params.kind is RequestKind.ANSWER else yes + first + rest
+
+    for limit in (1, None):
+        backend = FakeBackend(tokenizer, script)
+        opts = options(relevance=relevance, margin_max_sentences=limit)
+        events = await collect(backend, opts=opts)
+        assert events[-1].type == "done", events[-1]
+        margins = [e for e in events if e.type == "margin"]
+        assert len(margins) == events[-1].usage.segments > 1
+        assert {m.text for m in margins} == {first if limit else first + rest}
+        ends = [entry[3:] for entry in backend.log if entry[:2] == ("end", "margin")]
+        assert len(ends) == len(margins)
+        assert all((sent < total) is (limit == 1) for sent, total in ends)
+
+
 async def test_first_token_no_drops_the_margin_at_its_first_token(tokenizer) -> None:
     def script(params: GenerationParams, prefix: int) -> str:
         if params.kind is RequestKind.MARGIN:

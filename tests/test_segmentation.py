@@ -9,7 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wim_service.wim.segmentation import _token_boundaries, segment_document, sentence_ends
+from wim_service.wim.segmentation import (
+    _token_boundaries,
+    leading_sentences,
+    segment_document,
+    sentence_ends,
+)
 
 WORDS = st.sampled_from(
     [
@@ -130,3 +135,21 @@ def test_the_smallest_target_is_one_token(tokenizer) -> None:
 def test_impossible_requests_are_refused(tokenizer, text, target, cap, message) -> None:
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         _segment(tokenizer, text, target, cap)
+
+
+@pytest.mark.parametrize(
+    ("text", "count", "leading"),
+    [
+        ("The code is 4417. The fish", 1, "The code is 4417."),
+        ("The code is 4417.", 1, None),  # the next sentence has not begun: it may go on
+        ("The code is 4417. ", 1, None),
+        ("Mr. Smith has code 4417. He", 1, "Mr. Smith has code 4417."),  # not at "Mr."
+        ("The port employs 1.5 thousand. It", 1, "The port employs 1.5 thousand."),
+        ("One. Two. Three", 2, "One. Two."),
+        ("One. Two", 2, None),
+    ],
+)
+def test_leading_sentences_end_where_the_next_sentence_has_begun(
+    text: str, count: int, leading: str | None
+) -> None:
+    assert leading_sentences(text, count) == leading

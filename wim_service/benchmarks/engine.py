@@ -24,7 +24,7 @@ from wim_service.wim.grounding import SegmentText, query_overlap
 from wim_service.wim.options import WiMOptions
 from wim_service.wim.orchestrator import evidence_min_query_overlap, no_note_can_be_kept
 from wim_service.wim.prompts import PromptBuilder
-from wim_service.wim.segmentation import Segment
+from wim_service.wim.segmentation import Segment, leading_sentences
 
 
 async def plain_call(
@@ -46,10 +46,10 @@ def grounding_seconds(document: str, query: str, job: JobResult, options: WiMOpt
     split into sentences (a fresh `SegmentText`) and, with `skip_unmatched_segments`, its
     windows scored against the query; every margin written guessed for the early answer (its
     segment's `closest_sentence`, as if it were still running at the last push), checked
-    while it is written (`cannot_keep` on every prefix of it, more calls than it had
-    tokens) and at its end, then the query-overlap score of its note. It runs on the job's
-    event loop, beside the engine, so this is an upper bound on what it adds to the job's
-    wall time."""
+    while it is written (its sentences counted and `cannot_keep` on every prefix of it, more
+    calls than it had tokens) and at its end, then the query-overlap score of its note. It
+    runs on the job's event loop, beside the engine, so this is an upper bound on what it adds
+    to the job's wall time."""
     started = time.perf_counter()
     for margin in job.margins:
         segment = Segment(margin.segment, 0, 0, margin.char_start, margin.char_end)
@@ -58,6 +58,8 @@ def grounding_seconds(document: str, query: str, job: JobResult, options: WiMOpt
             continue
         segment_text.closest_sentence(query)
         for end in range(len(margin.text) + 1):
+            if options.margin_max_sentences:
+                leading_sentences(margin.text[:end], options.margin_max_sentences)
             segment_text.cannot_keep(
                 margin.text[:end],
                 query,

@@ -42,7 +42,7 @@ from wim_service.wim.events import (
 from wim_service.wim.grounding import SegmentText, query_overlap
 from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
 from wim_service.wim.prompts import MarginNote, PromptBuilder
-from wim_service.wim.segmentation import Segment, segment_document
+from wim_service.wim.segmentation import Segment, leading_sentences, segment_document
 from wim_service.wim.tokenizer import EncodedText, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -426,14 +426,22 @@ class WiMSession:
             return verdict[0]
 
         cut_short = False
+        grounding_on = options.grounding is not GroundingMode.OFF
 
-        def hopeless(text: str) -> bool:
-            nonlocal cut_short
+        def written(text: str) -> str:
             # The margin as `ground` will see it: a first-token margin without its YES.
-            if first_token:
-                text = _strip_relevance_word(text, self.builder.templates.yes)
-            cut_short = segment_text.cannot_keep(
-                text,
+            return _strip_relevance_word(text, self.builder.templates.yes) if first_token else text
+
+        def enough(text: str) -> bool:
+            nonlocal cut_short
+            body = written(text)
+            if options.margin_max_sentences and leading_sentences(
+                body, options.margin_max_sentences
+            ):
+                return True
+            # Grounding or the query filter will drop it whatever follows; stop paying for it.
+            cut_short = grounding_on and segment_text.cannot_keep(
+                body,
                 query,
                 max_sentences=options.grounding_max_sentences,
                 min_query_overlap=evidence_min_query_overlap(options),
@@ -446,15 +454,18 @@ class WiMSession:
             self.builder.tokenizer,
             stop=options.margin_stop,
             keep_going=keep_going if first_token else None,
-            # Grounding or the query filter will drop it whatever follows; stop paying for it.
-            give_up=hopeless if options.grounding is not GroundingMode.OFF else None,
+            give_up=enough,
         )
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.margin_tokens += len(generated.token_ids)
         text = generated.text.strip()
         if first_token:
+            text = written(text) if verdict and verdict[0] else ""
+        if options.margin_max_sentences:
+            # The token that began the next sentence is not part of the margin.
+            text = leading_sentences(text, options.margin_max_sentences) or text
+        if first_token:
             relevant = bool(verdict and verdict[0])
-            text = _strip_relevance_word(text, self.builder.templates.yes) if relevant else ""
         elif options.relevance is RelevanceMode.CLASSIFIER:
             # A cut-short margin is dropped whatever the verdict: no request to judge it.
             relevant = not cut_short and await self._classify(query, text, options, ledger)

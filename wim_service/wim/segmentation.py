@@ -56,6 +56,13 @@ def sentence_ends(text: str) -> list[int]:
     return sorted(e for e in ends if 0 < e < len(text))
 
 
+def leading_sentences(text: str, count: int) -> str | None:
+    """`text` up to the end of its `count`-th sentence, once the next sentence has begun (so
+    that punkt sees the word after a full stop: "Mr. Smith" is one sentence); None before."""
+    ends = [end for end in sentence_ends(text) if text[end:].strip()]
+    return text[: ends[count - 1]].rstrip() if len(ends) >= count else None
+
+
 def _clean(encoded: EncodedText, k: int) -> bool:
     """True if a cut before token k splits no character (byte-level BPE splits some)."""
     return 0 < k < len(encoded.offsets) and encoded.offsets[k - 1][1] <= encoded.offsets[k][0]
