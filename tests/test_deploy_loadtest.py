@@ -349,6 +349,19 @@ class LocustRun:
     keys: list[str | None]
 
 
+def our_tracebacks(stderr: str) -> list[str]:
+    """The tracebacks in a Locust run's stderr, less Locust's own race at shutdown: 2.47
+    closes its CSV files in `shutdown()` while the greenlet that rewrites them every second
+    may run once more ("I/O operation on closed file" in `stats_writer`), after the run's rows
+    were written. Any other traceback (the locustfile's, a stats hook's) counts."""
+    blocks = stderr.split("Traceback (most recent call last):")[1:]
+    return [
+        block
+        for block in blocks
+        if not ("in stats_writer" in block and "I/O operation on closed file" in block)
+    ]
+
+
 def run_on_stub(
     handler: type[StubService], folder: Path, *options: str, env: dict[str, str] | None = None
 ) -> LocustRun:
@@ -360,7 +373,7 @@ def run_on_stub(
             *options,
             env=env,
         )
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not our_tracebacks(result.stderr), result.stderr[-3000:]
     stats = read_rows(folder / "locust_stats.csv")
     failures = read_rows(folder / "locust_failures.csv")
     return LocustRun(
