@@ -325,9 +325,9 @@ class _EarlyAnswer:
 
     def refuted_by(self, segment: int, note: MarginNote | None) -> bool:
         """Whether the margin of `segment` ended otherwise than this answer assumed: then its
-        final prompt is not the one the notes make (notes differing only in rank, which orders
-        them for the window alone, are taken as different: it may cost a restart, not a wrong
-        answer, since the answer that stands is always checked against the final prompt)."""
+        final prompt is not the one the notes make. Notes are compared by text: their rank only
+        orders them for the window, and the answer that stands is checked against the final
+        prompt itself, so a wrong call here costs time, never a wrong answer."""
         return segment in self.assumes and self.assumes[segment] != _note_text(note)
 
     async def discard(self, ledger: _Ledger) -> None:
