@@ -258,12 +258,11 @@ def evidence_min_query_overlap(options: WiMOptions) -> float:
 def no_note_can_be_kept(segment_text: SegmentText, query: str, options: WiMOptions) -> bool:
     """Whether every margin of this segment would fall to the query-overlap filter: with
     snapping, a note is one of the segment's sentence windows, and none shares enough."""
+    threshold = evidence_min_query_overlap(options)
     return (
         options.skip_unmatched_segments
-        and options.grounding is GroundingMode.SNAP
-        and options.note_min_query_overlap > 0
-        and segment_text.best_query_overlap(query, options.grounding_max_sentences)
-        < options.note_min_query_overlap
+        and threshold > 0
+        and segment_text.best_query_overlap(query, options.grounding_max_sentences) < threshold
     )
 
 
@@ -459,13 +458,14 @@ class WiMSession:
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.margin_tokens += len(generated.token_ids)
         text = generated.text.strip()
+        said_yes = bool(verdict and verdict[0])
         if first_token:
-            text = written(text) if verdict and verdict[0] else ""
+            text = written(text) if said_yes else ""
         if options.margin_max_sentences:
             # The token that began the next sentence is not part of the margin.
             text = leading_sentences(text, options.margin_max_sentences) or text
         if first_token:
-            relevant = bool(verdict and verdict[0])
+            relevant = said_yes
         elif options.relevance is RelevanceMode.CLASSIFIER:
             # A cut-short margin is dropped whatever the verdict: no request to judge it.
             relevant = not cut_short and await self._classify(query, text, options, ledger)
