@@ -11,7 +11,7 @@ from tests.test_orchestrator import FakeBackend, FakeContext
 from tests.test_vllm_engine import spans_since, wait_for_baseline
 from wim_service.eval.tasks import TaskKind, generate_tasks
 from wim_service.wim.backend import EngineLimits, GenerationParams, RequestKind
-from wim_service.wim.grounding import Claim, SegmentText, query_overlap
+from wim_service.wim.grounding import Claim, SegmentText, may_still_copy, query_overlap
 from wim_service.wim.options import GroundingMode, PromptTemplates, RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import run_wim
 from wim_service.wim.prompts import MarginNote, PromptBuilder
@@ -107,6 +107,43 @@ def test_a_margin_is_hopeless_once_it_names_what_only_sentences_far_from_the_que
     assert hopeless(harbor, partial, min_query_overlap=0.8) is verdict
     # Without the query filter, only values the segment lacks end a margin.
     assert not hopeless(harbor, partial, min_query_overlap=0.0)
+
+
+GATE = (
+    "The access code for the night gate keypad was changed in September; the new code is "
+    "4417, and only the duty guard and the harbour master may share it."
+)
+OFFICE = (
+    "Questions about this report can be sent to the harbour office on the east quay, which is "
+    "open on weekdays from eight in the morning until five in the afternoon."
+)
+BOATS = "Twenty-six boats are registered at the port, most of them under fifteen metres long."
+
+
+@pytest.mark.parametrize(
+    ("draft", "sentence", "follows"),
+    [
+        ("", GATE, True),  # nothing written yet
+        ("The access code for the night gate is 4417.", GATE, True),
+        ("The new code", GATE, True),
+        ("The access code for the night gate is 44", GATE, True),  # may still become 4417
+        ("The access code for the night gate is 4471 ", GATE, False),  # a value it lacks
+        ("Boats", GATE, True),  # no whitespace yet: nothing settled
+        ("Boats and ", GATE, False),
+        # Margins of the benchmark's queries, beside the sentences closest to them.
+        ("The harbour office is open on ", OFFICE, True),
+        ("The harbour office is open on February ", OFFICE, False),  # a name it lacks
+        ("Twenty-six boats are registered at the", BOATS, True),
+        ("The annual report of the Port of Keldmouth includes", BOATS, False),
+    ],
+)
+def test_a_draft_may_still_copy_its_expected_sentence(
+    draft: str, sentence: str, follows: bool
+) -> None:
+    """The forecast that picks the early answer worth computing: a margin still being
+    written is expected to copy the sentence while what it has settled could be grounded
+    by that sentence alone (its values there, `min_coverage` of its words)."""
+    assert may_still_copy(draft, sentence, min_coverage=0.8) is follows
 
 
 @pytest.mark.parametrize("min_query_overlap", [0.0, 0.5, 0.8])

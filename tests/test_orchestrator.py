@@ -599,25 +599,60 @@ CODED = " ".join(
 )
 
 
-async def test_early_answers_give_way_as_soon_as_a_margin_refutes_them(tokenizer) -> None:
-    """Three margins still run when the answers start (the engine holds every token until
-    then): the first strays, which refutes the answer over the expected notes; the second
-    is kept, which refutes the one without notes. Both are stopped then, not after the last
-    margin, and new ones start over what is known by then; the last margin copies its
-    sentence as expected, so one of those stands: no answer starts after the margins."""
-    query = "What is the gate code?"
+def coded_script(backend_of: Callable[[], FakeBackend], margins: dict[int, str]) -> Script:
+    """Margins by the code their segment holds (`margins[code]`, or a copy of its sentence);
+    answers say which one they are. The first answer request opens the gate: margins and
+    answers then run side by side."""
     answers = itertools.count(1)
 
     def script(params: GenerationParams, prefix: int) -> str:
+        backend = backend_of()
         if params.kind is RequestKind.ANSWER:
-            backend.gate.set()  # margins and answers run side by side from here on
+            backend.gate.set()
             return f"Answer number {next(answers)} here, and it takes its time to say so."
-        read = tokenizer.decode(backend.contexts[-1].ids[:prefix])
+        read = tokenizer_of(backend).decode(backend.contexts[-1].ids[:prefix])
         code = int(read.rsplit("The gate code is ", 1)[1][:4])
-        sentence = f"The gate code is {code}."
-        return {1111: "Boats.", 2222: sentence}.get(code, " ".join([sentence] * 3))
+        return margins.get(code, f"The gate code is {code}.")
 
-    backend = FakeBackend(tokenizer, script)
+    return script
+
+
+def tokenizer_of(backend: FakeBackend):
+    return backend.tokenizer
+
+
+def answer_timeline(backend: FakeBackend) -> list[tuple[str, str, bool | None]]:
+    """The engine's timeline after the last push: (start|end, kind, finished if an end).
+    Every answer reads the same prefix, so they are told apart by order."""
+    last_push = max(i for i, entry in enumerate(backend.log) if entry[0] == "extend-done")
+    return [
+        (entry[0], entry[1], entry[3] == entry[4] if entry[0] == "end" else None)
+        for entry in backend.log[last_push + 1 :]
+    ]
+
+
+def gate_notes(*segments: int) -> dict[int, MarginNote]:
+    return {
+        s: MarginNote(s, f"The gate code is {c}.", 1.0)
+        for s, c in zip(segments, CODES.values(), strict=True)
+    }
+
+
+async def test_early_answers_give_way_as_soon_as_a_margin_refutes_them(tokenizer) -> None:
+    """Three margins still run when the answers start (the engine holds every token until
+    then): the first strays, which refutes the answer over the expected notes, and the
+    answer over what is expected then starts at once; the second is kept, which refutes the
+    one without notes. Each is stopped right then, not after the last margin; the last
+    margin copies its sentence as expected, so the answer started when the first strayed
+    stands: no answer starts after the margins."""
+    query = "What is the gate code?"
+    backend: FakeBackend
+    backend = FakeBackend(
+        tokenizer,
+        coded_script(
+            lambda: backend, {1111: "Boats.", 3333: " ".join(["The gate code is 3333."] * 3)}
+        ),
+    )
     backend.gate.clear()
     opts = options(note_min_query_overlap=1.0)
     events = [e async for e in run_wim(backend, tokenizer, CODED, query, opts)]
@@ -626,44 +661,82 @@ async def test_early_answers_give_way_as_soon_as_a_margin_refutes_them(tokenizer
     written = [e for e in events if e.type == "margin" and not e.skipped]
     assert [m.kept for m in sorted(written, key=lambda m: m.segment)] == [False, True, True]
     first, second, third = sorted(m.segment for m in written)
-    note = {
-        s: MarginNote(s, f"The gate code is {c}.", 1.0)
-        for s, c in zip((first, second, third), CODES.values(), strict=True)
-    }
+    note = gate_notes(first, second, third)
     builder = PromptBuilder(tokenizer, opts.prompts)
     suffixes = [r.suffix for r in backend.requests if r.kind is RequestKind.ANSWER]
     assert suffixes == [
         builder.final_suffix(query, []),
         builder.final_suffix(query, [note[first], note[second], note[third]]),
-        # Started when the second margin ended, both earlier answers refuted by then.
-        builder.final_suffix(query, [note[second]]),
+        # Started when the first margin strayed, over the notes still expected then.
         builder.final_suffix(query, [note[second], note[third]]),
     ]
-    # The engine's timeline after the last push (every answer reads the same prefix, so they
-    # are told apart by order): each refuted answer was stopped unfinished right when the
-    # margin that refuted it ended, the new ones started then, before the last margin ended.
-    last_push = max(i for i, entry in enumerate(backend.log) if entry[0] == "extend-done")
-    timeline = [
-        (entry[0], entry[1], entry[3] == entry[4] if entry[0] == "end" else None)
-        for entry in backend.log[last_push + 1 :]
-    ]
-    assert timeline[:9] == [
+    assert answer_timeline(backend)[:8] == [
         ("start", "margin", None),
         ("start", "answer", None),
         ("start", "answer", None),
         ("end", "margin", True),  # strays: the answer over the expected notes is refuted
         ("end", "answer", False),
+        ("start", "answer", None),
         ("end", "margin", True),  # kept: the answer over no notes is refuted
+        ("end", "answer", False),
+    ]
+    margin_ends = [i for i, e in enumerate(answer_timeline(backend)) if e[:2] == ("end", "margin")]
+    assert ("start", "answer", None) not in answer_timeline(backend)[margin_ends[-1] :]
+    assert done.notes == [second, third]
+    assert done.answer == "Answer number 3 here, and it takes its time to say so."
+    assert answer_events_follow_margins(events) == done.answer
+    assert done.usage.discarded_answer_tokens > 0
+    assert backend.contexts[0].concluded == 0 and backend.reserved_blocks == 0
+
+
+async def test_an_answer_gives_way_once_a_running_margin_strays_from_its_note(tokenizer) -> None:
+    """The second margin writes at length about something else: once the first margin ends
+    (as expected), the answer over the expected notes is discarded for what the second has
+    written so far, not when it ends, and the answer over the first and third notes starts
+    then. It stands; the engine runs no answer after the last margin."""
+    query = "What is the gate code?"
+    stray = "Boats and ships and cranes and gulls and nets fill the busy harbour every day."
+    backend: FakeBackend
+    backend = FakeBackend(
+        tokenizer,
+        coded_script(
+            lambda: backend,
+            {2222: stray, 3333: "The gate code is 3333 and the gate code is 3333."},
+        ),
+    )
+    backend.gate.clear()
+    opts = options(note_min_query_overlap=1.0)
+    events = [e async for e in run_wim(backend, tokenizer, CODED, query, opts)]
+    done = events[-1]
+    assert done.type == "done", done
+    written = sorted(
+        (e for e in events if e.type == "margin" and not e.skipped), key=lambda m: m.segment
+    )
+    assert [m.kept for m in written] == [True, False, True]
+    first, second, third = (m.segment for m in written)
+    note = gate_notes(first, second, third)
+    builder = PromptBuilder(tokenizer, opts.prompts)
+    suffixes = [r.suffix for r in backend.requests if r.kind is RequestKind.ANSWER]
+    assert suffixes == [
+        builder.final_suffix(query, []),
+        builder.final_suffix(query, [note[first], note[second], note[third]]),
+        # Both refuted when the first margin ended: the one without notes by its note, the
+        # other by the second margin's draft. The second is expected to keep nothing now.
+        builder.final_suffix(query, [note[first]]),
+        builder.final_suffix(query, [note[first], note[third]]),
+    ]
+    timeline = answer_timeline(backend)
+    margin_ends = [i for i, entry in enumerate(timeline) if entry[:2] == ("end", "margin")]
+    assert timeline[margin_ends[0] + 1 : margin_ends[0] + 5] == [
+        ("end", "answer", False),
         ("end", "answer", False),
         ("start", "answer", None),
         ("start", "answer", None),
     ]
-    margin_ends = [i for i, entry in enumerate(timeline) if entry[:2] == ("end", "margin")]
-    assert len(margin_ends) == 3 and ("start", "answer", None) not in timeline[margin_ends[2] :]
-    assert done.notes == [second, third]
+    assert ("start", "answer", None) not in timeline[margin_ends[-1] :]
+    assert done.notes == [first, third]
     assert done.answer == "Answer number 4 here, and it takes its time to say so."
     assert answer_events_follow_margins(events) == done.answer
-    assert done.usage.discarded_answer_tokens > 0
     assert backend.contexts[0].concluded == 0 and backend.reserved_blocks == 0
 
 

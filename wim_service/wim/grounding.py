@@ -283,6 +283,20 @@ class SegmentText:
         return best
 
 
+def may_still_copy(partial: str, sentence: str, *, min_coverage: float) -> bool:
+    """Whether `partial`, the start of a margin still being written, may still be grounded by
+    `sentence`: what it has settled (up to its last whitespace, as in
+    `SegmentText.cannot_keep`) names no number or name the sentence lacks, and the sentence
+    holds `min_coverage` of its claim so far. A forecast, not a verdict (later words may raise
+    the coverage again): it only decides which early answer is worth computing."""
+    written = _LAST_WORD.sub("", partial)
+    claim = Claim.parse(written if len(written) < len(partial) else "")
+    if not claim.words:
+        return True
+    coverage, missing = _covered(claim, vocabulary(sentence))
+    return not missing and coverage >= min_coverage
+
+
 def query_overlap(query: str, text: str) -> float:
     """Share of the query's content characters found in `text` (fuzzy words, exact values):
     a lexical relevance score for ranking and filtering grounded notes."""

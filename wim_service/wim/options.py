@@ -231,10 +231,11 @@ class WiMOptions(BaseModel):
         True,
         description="Start the answer while the last margins are still being written and hold "
         "its text back: over the notes kept so far and, with grounding `snap`, also over those "
-        "plus the sentence each running margin is expected to copy. One is stopped as soon as "
-        "a margin ends otherwise than it assumed (new ones start if none is left while "
-        "margins run); the one whose notes turn out right stands, else the answer starts over "
-        "with every note. The answer is the same either way.",
+        "plus the sentence each running margin is expected to copy (while what it has written "
+        "still fits that sentence). One is stopped as soon as a margin ends otherwise than it "
+        "assumed, and the one over what is expected then starts; the one whose notes turn out "
+        "right stands, else the answer starts over with every note. The answer is the same "
+        "either way.",
     )
     margin_stop: StopList = Field(default_factory=lambda: ["\n\n"])
     answer_stop: StopList = Field(default_factory=list)

@@ -39,7 +39,7 @@ from wim_service.wim.events import (
     Usage,
     WiMEvent,
 )
-from wim_service.wim.grounding import SegmentText, query_overlap
+from wim_service.wim.grounding import SegmentText, may_still_copy, query_overlap
 from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
 from wim_service.wim.prompts import MarginNote, PromptBuilder
 from wim_service.wim.segmentation import Segment, leading_sentences, segment_document
@@ -378,6 +378,9 @@ class WiMSession:
         )
         # Each segment's sentences, parsed on first use and kept for every later query.
         self.segment_texts = [SegmentText(plan.text, s) for s in plan.segments]
+        # What each running margin has written so far (as `ground` will read it), by segment:
+        # early answers are started over the notes these drafts still point to.
+        self._drafts: dict[int, str] = {}
         self._closed = False
         self._lock = asyncio.Lock()  # one query at a time per session
 
@@ -434,6 +437,7 @@ class WiMSession:
         def enough(text: str) -> bool:
             nonlocal cut_short
             body = written(text)
+            self._drafts[segment.index] = body
             if options.margin_max_sentences and leading_sentences(
                 body, options.margin_max_sentences
             ):
@@ -448,13 +452,16 @@ class WiMSession:
             return cut_short
 
         prefix_tokens = len(self.plan.prefix_ids) + segment.token_end
-        generated = await _consume(
-            self.context.branch(prefix_tokens, suffix, params),
-            self.builder.tokenizer,
-            stop=options.margin_stop,
-            keep_going=keep_going if first_token else None,
-            give_up=enough,
-        )
+        try:
+            generated = await _consume(
+                self.context.branch(prefix_tokens, suffix, params),
+                self.builder.tokenizer,
+                stop=options.margin_stop,
+                keep_going=keep_going if first_token else None,
+                give_up=enough,
+            )
+        finally:
+            self._drafts.pop(segment.index, None)
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.margin_tokens += len(generated.token_ids)
         text = generated.text.strip()
@@ -636,11 +643,15 @@ class WiMSession:
         margins: list[asyncio.Task[MarginNote | None]],
         options: WiMOptions,
         room: QueryRoom,
+        early: Sequence[_EarlyAnswer],
     ) -> list[_EarlyAnswer]:
-        """Start answers beside the margins still running, if any are and the query's
-        reservation holds them together: one over the notes kept so far, and one that adds
-        the notes the running margins are expected to give (`_expected_note`), if any. At
-        most one of them has the final prompt the margins' notes make."""
+        """Answers to start beside the margins still running, if any are and the query's
+        reservation holds them together with `early`, the answers already running: the one
+        over the notes kept so far plus those the running margins are expected to give
+        (`_expected_note`) and, while no answer runs, the one over the kept notes alone, in
+        case the running margins keep nothing. An answer over a final prompt that one of
+        `early` already has is not started twice. At most one final prompt is the one the
+        margins' notes make."""
         done = [task for task in margins if task.done()]
         if not options.answer_early or len(done) == len(margins):
             return []
@@ -660,17 +671,27 @@ class WiMSession:
                 pending += 1
                 if (note := self._expected_note(segment, query, options)) is not None:
                     guessed.append(note)
-        versions = [(self._final_suffix(query, known, options)[0], dict.fromkeys(running))]
-        guess = self._final_suffix(query, known + guessed, options)[0]
-        if guess != versions[0][0]:
-            expected = dict.fromkeys(running) | {note.segment: note.text for note in guessed}
-            versions.append((guess, expected))
+        nothing_kept = dict.fromkeys(running)
+        versions = [] if early else [(self._final_suffix(query, known, options)[0], nothing_kept)]
+        versions.append(
+            (
+                self._final_suffix(query, known + guessed, options)[0],
+                nothing_kept | {note.segment: note.text for note in guessed},
+            )
+        )
+        suffixes = [answer.suffix for answer in early]
+        fresh: list[tuple[list[int], dict[int, str | None]]] = []
+        for suffix, assumes in versions:
+            if suffix not in suffixes:
+                suffixes.append(suffix)
+                fresh.append((suffix, assumes))
         block = self.backend.limits.block_size
-        while versions and not room.holds_early_answers(
-            block, pending, [len(suffix) for suffix, _ in versions]
+        while fresh and not room.holds_early_answers(
+            block, pending, [len(suffix) for suffix in suffixes]
         ):
-            versions.pop()  # the guess goes first
-        return [self._start_early_answer(suffix, assumes, options) for suffix, assumes in versions]
+            fresh.pop()  # the guess goes first
+            suffixes.pop()
+        return [self._start_early_answer(suffix, assumes, options) for suffix, assumes in fresh]
 
     async def _await_margins(
         self,
@@ -681,10 +702,11 @@ class WiMSession:
         early: list[_EarlyAnswer],
         ledger: _Ledger,
     ) -> list[MarginNote]:
-        """The kept notes, once every margin has ended. Meanwhile an early answer is discarded
-        as soon as a margin ends otherwise than it assumed (it would only slow the engine
-        steps that the margins and the other answers share), and when none is left while
-        margins still run, new ones start over what is known by then (`_answers_early`).
+        """The kept notes, once every margin has ended. Meanwhile, each time a margin ends, an
+        early answer is discarded if that margin ended otherwise than it assumed, or if a
+        margin still running has strayed from the note it expects of it (either would only
+        slow the engine steps that the margins and the other answers share), and the answer
+        over what is expected by then starts unless it runs already (`_answers_early`).
         `early` is updated in place: what is left of it may stand."""
         segment_of = {task: index for index, task in enumerate(margins)}  # one per segment
         running = {task for task in margins if not task.done()}
@@ -692,11 +714,13 @@ class WiMSession:
             ended, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             outcomes = [(segment_of[task], task.result()) for task in ended]  # raises a failure
             for answer in list(early):
-                if any(answer.refuted_by(segment, note) for segment, note in outcomes):
+                if any(
+                    answer.refuted_by(segment, note) for segment, note in outcomes
+                ) or not self._drafts_follow(answer, options):
                     early.remove(answer)
                     await answer.discard(ledger)
-            if running and not early:
-                early.extend(self._answers_early(query, margins, options, room))
+            if running:
+                early.extend(self._answers_early(query, margins, options, room, early))
         return [note for task in margins if (note := task.result()) is not None]
 
     def _start_early_answer(
@@ -720,14 +744,28 @@ class WiMSession:
     ) -> MarginNote | None:
         """The note a running margin gives if it copies its segment's sentence closest to the
         query, as the instruction asks (snapping only: otherwise a note is the margin's own
-        words, which cannot be foreseen). A wrong guess costs the early answer, not its
-        correctness: it stands only if its final prompt is the one the actual notes make."""
+        words, which cannot be foreseen), unless what it has written so far strays from that
+        sentence. A wrong guess costs the early answer, not its correctness: it stands only
+        if its final prompt is the one the actual notes make."""
         if options.grounding is not GroundingMode.SNAP:
             return None
         text, overlap = self.segment_texts[segment.index].closest_sentence(query)
         if not text or overlap < options.note_min_query_overlap:
             return None
+        draft = self._drafts.get(segment.index, "")
+        if not may_still_copy(draft, text, min_coverage=options.grounding_min_coverage):
+            return None
         return MarginNote(segment.index, text, rank=overlap)
+
+    def _drafts_follow(self, answer: _EarlyAnswer, options: WiMOptions) -> bool:
+        """Whether every running margin that `answer` expects a note of may still give it."""
+        return all(
+            note is None
+            or may_still_copy(
+                self._drafts.get(segment, ""), note, min_coverage=options.grounding_min_coverage
+            )
+            for segment, note in answer.assumes.items()
+        )
 
     async def answer(
         self,
@@ -757,10 +795,10 @@ class WiMSession:
         the final prompt every note makes, so it stands, and the margins' last decode steps
         carried it. The others are discarded (their tokens are counted as
         `discarded_answer_tokens`) as soon as a margin ends otherwise than they assumed, and
-        new ones start if none is left while margins still run (`_await_margins`); if none
+        the answer over what is expected then starts at once (`_await_margins`); if none
         stands at the end, the answer starts over with every note.
         """
-        early = self._answers_early(query, margins, options, room)
+        early = self._answers_early(query, margins, options, room, [])
         try:
             notes = await self._await_margins(query, margins, options, room, early, ledger)
             if margins:
