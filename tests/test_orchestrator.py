@@ -599,26 +599,45 @@ CODED = " ".join(
 )
 
 
-def coded_script(backend_of: Callable[[], FakeBackend], margins: dict[int, str]) -> Script:
-    """Margins by the code their segment holds (`margins[code]`, or a copy of its sentence);
-    answers say which one they are. The first answer request opens the gate: margins and
-    answers then run side by side."""
+GATE_QUERY = "What is the gate code?"
+
+
+async def gate_code_job(tokenizer, margins: dict[int, str]) -> tuple[FakeBackend, list, list]:
+    """A job over CODED whose margins are given by the code their segment holds
+    (`margins[code]`, or a copy of its sentence), and whose answers say which one they are.
+    The engine holds every token until the first answer starts: the margins and the answers
+    then run side by side. Returns the backend, the events and the written margins."""
     answers = itertools.count(1)
 
     def script(params: GenerationParams, prefix: int) -> str:
-        backend = backend_of()
         if params.kind is RequestKind.ANSWER:
             backend.gate.set()
             return f"Answer number {next(answers)} here, and it takes its time to say so."
-        read = tokenizer_of(backend).decode(backend.contexts[-1].ids[:prefix])
+        read = tokenizer.decode(backend.contexts[-1].ids[:prefix])
         code = int(read.rsplit("The gate code is ", 1)[1][:4])
         return margins.get(code, f"The gate code is {code}.")
 
-    return script
+    backend = FakeBackend(tokenizer, script)
+    backend.gate.clear()
+    opts = options(note_min_query_overlap=1.0)
+    events = [e async for e in run_wim(backend, tokenizer, CODED, GATE_QUERY, opts)]
+    assert events[-1].type == "done", events[-1]
+    written = sorted(
+        (e for e in events if e.type == "margin" and not e.skipped), key=lambda m: m.segment
+    )
+    assert answer_events_follow_margins(events) == events[-1].answer
+    assert backend.contexts[0].concluded == 0 and backend.reserved_blocks == 0
+    return backend, events, written
 
 
-def tokenizer_of(backend: FakeBackend):
-    return backend.tokenizer
+def answer_suffixes(backend: FakeBackend) -> list[list[int]]:
+    return [r.suffix for r in backend.requests if r.kind is RequestKind.ANSWER]
+
+
+def final_suffix(tokenizer, codes_by_segment: dict[int, int]) -> list[int]:
+    """The final prompt over the gate-code notes of these segments."""
+    notes = [MarginNote(s, f"The gate code is {c}.", 1.0) for s, c in codes_by_segment.items()]
+    return PromptBuilder(tokenizer, options().prompts).final_suffix(GATE_QUERY, notes)
 
 
 def answer_timeline(backend: FakeBackend) -> list[tuple[str, str, bool | None]]:
@@ -631,44 +650,28 @@ def answer_timeline(backend: FakeBackend) -> list[tuple[str, str, bool | None]]:
     ]
 
 
-def gate_notes(*segments: int) -> dict[int, MarginNote]:
-    return {
-        s: MarginNote(s, f"The gate code is {c}.", 1.0)
-        for s, c in zip(segments, CODES.values(), strict=True)
-    }
+def no_answer_starts_after_the_margins(backend: FakeBackend) -> bool:
+    timeline = answer_timeline(backend)
+    last = max(i for i, entry in enumerate(timeline) if entry[:2] == ("end", "margin"))
+    return ("start", "answer", None) not in timeline[last:]
 
 
 async def test_early_answers_give_way_as_soon_as_a_margin_refutes_them(tokenizer) -> None:
-    """Three margins still run when the answers start (the engine holds every token until
-    then): the first strays, which refutes the answer over the expected notes, and the
-    answer over what is expected then starts at once; the second is kept, which refutes the
-    one without notes. Each is stopped right then, not after the last margin; the last
-    margin copies its sentence as expected, so the answer started when the first strayed
-    stands: no answer starts after the margins."""
-    query = "What is the gate code?"
-    backend: FakeBackend
-    backend = FakeBackend(
-        tokenizer,
-        coded_script(
-            lambda: backend, {1111: "Boats.", 3333: " ".join(["The gate code is 3333."] * 3)}
-        ),
+    """Three margins still run when the answers start: the first strays, which refutes the
+    answer over the expected notes, and the answer over what is expected then starts at
+    once; the second is kept, which refutes the one without notes. Each is stopped right
+    then, not after the last margin; the last margin copies its sentence as expected, so the
+    answer started when the first strayed stands: no answer starts after the margins."""
+    backend, events, written = await gate_code_job(
+        tokenizer, {1111: "Boats.", 3333: " ".join(["The gate code is 3333."] * 3)}
     )
-    backend.gate.clear()
-    opts = options(note_min_query_overlap=1.0)
-    events = [e async for e in run_wim(backend, tokenizer, CODED, query, opts)]
-    done = events[-1]
-    assert done.type == "done", done
-    written = [e for e in events if e.type == "margin" and not e.skipped]
-    assert [m.kept for m in sorted(written, key=lambda m: m.segment)] == [False, True, True]
-    first, second, third = sorted(m.segment for m in written)
-    note = gate_notes(first, second, third)
-    builder = PromptBuilder(tokenizer, opts.prompts)
-    suffixes = [r.suffix for r in backend.requests if r.kind is RequestKind.ANSWER]
-    assert suffixes == [
-        builder.final_suffix(query, []),
-        builder.final_suffix(query, [note[first], note[second], note[third]]),
+    assert [m.kept for m in written] == [False, True, True]
+    first, second, third = (m.segment for m in written)
+    assert answer_suffixes(backend) == [
+        final_suffix(tokenizer, {}),
+        final_suffix(tokenizer, {first: 1111, second: 2222, third: 3333}),
         # Started when the first margin strayed, over the notes still expected then.
-        builder.final_suffix(query, [note[second], note[third]]),
+        final_suffix(tokenizer, {second: 2222, third: 3333}),
     ]
     assert answer_timeline(backend)[:8] == [
         ("start", "margin", None),
@@ -680,13 +683,11 @@ async def test_early_answers_give_way_as_soon_as_a_margin_refutes_them(tokenizer
         ("end", "margin", True),  # kept: the answer over no notes is refuted
         ("end", "answer", False),
     ]
-    margin_ends = [i for i, e in enumerate(answer_timeline(backend)) if e[:2] == ("end", "margin")]
-    assert ("start", "answer", None) not in answer_timeline(backend)[margin_ends[-1] :]
+    assert no_answer_starts_after_the_margins(backend)
+    done = events[-1]
     assert done.notes == [second, third]
     assert done.answer == "Answer number 3 here, and it takes its time to say so."
-    assert answer_events_follow_margins(events) == done.answer
     assert done.usage.discarded_answer_tokens > 0
-    assert backend.contexts[0].concluded == 0 and backend.reserved_blocks == 0
 
 
 async def test_an_answer_gives_way_once_a_running_margin_strays_from_its_note(tokenizer) -> None:
@@ -694,50 +695,32 @@ async def test_an_answer_gives_way_once_a_running_margin_strays_from_its_note(to
     (as expected), the answer over the expected notes is discarded for what the second has
     written so far, not when it ends, and the answer over the first and third notes starts
     then. It stands; the engine runs no answer after the last margin."""
-    query = "What is the gate code?"
     stray = "Boats and ships and cranes and gulls and nets fill the busy harbour every day."
-    backend: FakeBackend
-    backend = FakeBackend(
-        tokenizer,
-        coded_script(
-            lambda: backend,
-            {2222: stray, 3333: "The gate code is 3333 and the gate code is 3333."},
-        ),
-    )
-    backend.gate.clear()
-    opts = options(note_min_query_overlap=1.0)
-    events = [e async for e in run_wim(backend, tokenizer, CODED, query, opts)]
-    done = events[-1]
-    assert done.type == "done", done
-    written = sorted(
-        (e for e in events if e.type == "margin" and not e.skipped), key=lambda m: m.segment
+    backend, events, written = await gate_code_job(
+        tokenizer, {2222: stray, 3333: "The gate code is 3333 and the gate code is 3333."}
     )
     assert [m.kept for m in written] == [True, False, True]
     first, second, third = (m.segment for m in written)
-    note = gate_notes(first, second, third)
-    builder = PromptBuilder(tokenizer, opts.prompts)
-    suffixes = [r.suffix for r in backend.requests if r.kind is RequestKind.ANSWER]
-    assert suffixes == [
-        builder.final_suffix(query, []),
-        builder.final_suffix(query, [note[first], note[second], note[third]]),
+    assert answer_suffixes(backend) == [
+        final_suffix(tokenizer, {}),
+        final_suffix(tokenizer, {first: 1111, second: 2222, third: 3333}),
         # Both refuted when the first margin ended: the one without notes by its note, the
         # other by the second margin's draft. The second is expected to keep nothing now.
-        builder.final_suffix(query, [note[first]]),
-        builder.final_suffix(query, [note[first], note[third]]),
+        final_suffix(tokenizer, {first: 1111}),
+        final_suffix(tokenizer, {first: 1111, third: 3333}),
     ]
     timeline = answer_timeline(backend)
-    margin_ends = [i for i, entry in enumerate(timeline) if entry[:2] == ("end", "margin")]
-    assert timeline[margin_ends[0] + 1 : margin_ends[0] + 5] == [
+    first_end = next(i for i, entry in enumerate(timeline) if entry[:2] == ("end", "margin"))
+    assert timeline[first_end + 1 : first_end + 5] == [
         ("end", "answer", False),
         ("end", "answer", False),
         ("start", "answer", None),
         ("start", "answer", None),
     ]
-    assert ("start", "answer", None) not in timeline[margin_ends[-1] :]
+    assert no_answer_starts_after_the_margins(backend)
+    done = events[-1]
     assert done.notes == [first, third]
     assert done.answer == "Answer number 4 here, and it takes its time to say so."
-    assert answer_events_follow_margins(events) == done.answer
-    assert backend.contexts[0].concluded == 0 and backend.reserved_blocks == 0
 
 
 async def test_answer_early_off_answers_after_the_last_margin(tokenizer) -> None:
