@@ -236,14 +236,10 @@ class SegmentText:
         continuation of it, and the margin need not be written to its end (pass 0 when the
         filter reads the margin's own words).
 
-        Only what precedes the last whitespace counts as written: a word or number cannot
-        reach across whitespace, while "212," may still become "212,000". A margin that has
-        written no such value yet is never hopeless: coverage alone may still ground it.
+        Only what it has settled (`_settled`) counts as written. A margin that has written no
+        such value yet is never hopeless: coverage alone may still ground it.
         """
-        written = _LAST_WORD.sub("", partial)
-        if len(written) == len(partial):
-            return False  # no whitespace yet: every word may still grow
-        values = Claim.parse(written).exact_values
+        values = Claim.parse(_settled(partial)).exact_values
         return bool(values) and not any(
             values <= window.vocabulary and window.query_overlap >= min_query_overlap
             for window in self.largest_windows(query, max_sentences)
@@ -283,14 +279,21 @@ class SegmentText:
         return best
 
 
+def _settled(partial: str) -> str:
+    """What a text still being written has settled: all before its last whitespace (a word or
+    number cannot reach across whitespace, while "212," may still become "212,000"); nothing
+    before its first whitespace."""
+    written = _LAST_WORD.sub("", partial)
+    return written if len(written) < len(partial) else ""
+
+
 def may_still_copy(partial: str, sentence: str, *, min_coverage: float) -> bool:
     """Whether `partial`, the start of a margin still being written, may still be grounded by
-    `sentence`: what it has settled (up to its last whitespace, as in
-    `SegmentText.cannot_keep`) names no number or name the sentence lacks, and the sentence
-    holds `min_coverage` of its claim so far. A forecast, not a verdict (later words may raise
-    the coverage again): it only decides which early answer is worth computing."""
-    written = _LAST_WORD.sub("", partial)
-    claim = Claim.parse(written if len(written) < len(partial) else "")
+    `sentence`: what it has settled (`_settled`) names no number or name the sentence lacks,
+    and the sentence holds `min_coverage` of its claim so far. A forecast, not a verdict
+    (later words may raise the coverage again): it only decides which early answer is worth
+    computing."""
+    claim = Claim.parse(_settled(partial))
     if not claim.words:
         return True
     coverage, missing = _covered(claim, vocabulary(sentence))

@@ -752,18 +752,20 @@ class WiMSession:
         text, overlap = self.segment_texts[segment.index].closest_sentence(query)
         if not text or overlap < options.note_min_query_overlap:
             return None
-        draft = self._drafts.get(segment.index, "")
-        if not may_still_copy(draft, text, min_coverage=options.grounding_min_coverage):
+        if not self._draft_may_give(segment.index, text, options):
             return None
         return MarginNote(segment.index, text, rank=overlap)
+
+    def _draft_may_give(self, segment: int, note: str, options: WiMOptions) -> bool:
+        """Whether the margin of `segment`, if still running, may still give `note` (a margin
+        that is not running has no draft, and may)."""
+        draft = self._drafts.get(segment, "")
+        return may_still_copy(draft, note, min_coverage=options.grounding_min_coverage)
 
     def _drafts_follow(self, answer: _EarlyAnswer, options: WiMOptions) -> bool:
         """Whether every running margin that `answer` expects a note of may still give it."""
         return all(
-            note is None
-            or may_still_copy(
-                self._drafts.get(segment, ""), note, min_coverage=options.grounding_min_coverage
-            )
+            note is None or self._draft_may_give(segment, note, options)
             for segment, note in answer.assumes.items()
         )
 
