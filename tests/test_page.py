@@ -377,9 +377,11 @@ def ask_cancel_and_ask_again(page, base_url: str) -> None:
     screenshot(page, "page-desktop-real.png")
 
     # Cancel mid-job: the engine's KV use returns to what the parked document holds. The
-    # click follows the stream's response headers (the router has started the job); waiting
-    # for a margin instead loses the race, a cached document's margins all land at once.
+    # page's view of the stream is held (the job may finish on the server within a second:
+    # a cached document's margins land at once), so the click always meets a running ask;
+    # the click follows the stream's response headers (the router has started the job).
     baseline = kv_usage(base_url)
+    hold_next_stream(page)
     with page.expect_response(lambda r: r.url.endswith("/wim")):
         ask(page, SECOND)
     page.get_by_role("button", name="Cancel").click()
@@ -393,6 +395,30 @@ def ask_cancel_and_ask_again(page, base_url: str) -> None:
     ask(page, SECOND)
     wait_for_answer(page, timeout_ms=300_000)
     expect(page.locator("#history > li")).to_have_count(2)
+
+
+# The page's next `/wim` stream, held: its body delivers nothing until the page aborts it.
+# The request itself goes out and its abort closes the connection, as without the hold.
+HOLD_NEXT_STREAM = """() => {
+  const original = window.fetch;
+  window.fetch = async (url, init) => {
+    const response = await original(url, init);
+    if (!String(url).endsWith("/wim")) return response;
+    window.fetch = original;
+    const held = new ReadableStream({
+      start(controller) {
+        init.signal.addEventListener("abort", () => {
+          controller.error(new DOMException("The user aborted a request.", "AbortError"));
+        });
+      },
+    });
+    return new Response(held, { status: response.status, headers: response.headers });
+  };
+}"""
+
+
+def hold_next_stream(page) -> None:
+    page.evaluate(HOLD_NEXT_STREAM)
 
 
 def ask_over_the_openai_api(base_url: str, key: str) -> None:
