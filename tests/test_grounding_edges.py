@@ -4,9 +4,18 @@ denials, and claims that assert nothing. Verdicts on a real report are in test_g
 
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
 
-from wim_service.wim.grounding import Claim, Grounding, SegmentText, query_overlap
+from wim_service.wim.grounding import (
+    Claim,
+    Grounding,
+    SegmentText,
+    _opens_sentence,
+    query_overlap,
+)
 from wim_service.wim.segmentation import Segment
 
 SENTENCES = [
@@ -117,3 +126,23 @@ def test_names_are_capitalised_words_that_do_not_open_a_sentence() -> None:
 
 def test_a_query_of_stop_words_overlaps_nothing() -> None:
     assert query_overlap("What is it?", "What is it? It is the gate.") == 0.0
+
+
+# The regex `Claim.parse` searched on every word's prefix (quadratic in the text's words).
+_OPENER_REGEX = re.compile(r"(?:^|[.!?:;]\s+|\n)\s*[\"'(\[]*$")
+
+
+def test_sentence_openers_are_found_as_the_regex_found_them() -> None:
+    alphabet = ["a", "B", " ", "\n", ".", ";", ",", '"', "(", "[", "'", "\t", "?"]
+    rng = random.Random(7)
+    for _ in range(5000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        for start in range(len(text) + 1):
+            expected = _OPENER_REGEX.search(text[:start]) is not None
+            assert _opens_sentence(text, start) == expected, (text, start)
+
+
+def test_a_claim_of_many_capitalised_words_parses_in_one_pass() -> None:
+    # 200,000 capitalised words after one opener: each word's check reads only its own gap.
+    claim = Claim.parse("Start " + "Harbour " * 200_000)
+    assert claim.names == frozenset({"harbour"})

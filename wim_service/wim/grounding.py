@@ -31,7 +31,8 @@ from wim_service.wim.segmentation import Segment, sentence_ends
 _TOKEN = re.compile(r"\d+(?:[.,]\d+)*|[^\W\d_]+(?:['’][^\W\d_]+)?")
 # Whitespace and what follows it, up to the end: the word a stream may still be writing.
 _LAST_WORD = re.compile(r"\s\S*\Z")
-_SENTENCE_OPENER = re.compile(r"(?:^|[.!?:;]\s+|\n)\s*[\"'(\[]*$")
+_OPENING_MARKS = "\"'(["
+_SENTENCE_ENDS = ".!?:;"
 # A fuzzy word match: "works" ~ "work", but not "east" ~ "west" (75) or "Belmor" ~ "Belmora".
 _WORD_CUTOFF = 85.0
 _MIN_FUZZY_LENGTH = 5
@@ -64,6 +65,21 @@ def _normalize(text: str) -> str:
 
 def _is_number(token: str) -> bool:
     return token[0].isdigit()
+
+
+def _opens_sentence(text: str, start: int) -> bool:
+    """Whether the word at `start` opens a sentence: only opening marks, then white space,
+    stand between it and the text's start, a line break, or a sentence end. A scan back over
+    those marks and that space (linear over a whole text: each gap is read once), where a
+    regex searched on every word's prefix was quadratic in the text."""
+    at = start
+    while at > 0 and text[at - 1] in _OPENING_MARKS:
+        at -= 1
+    space_end = at
+    while at > 0 and text[at - 1].isspace():
+        at -= 1
+    space = text[at:space_end]
+    return at == 0 or "\n" in space or (bool(space) and text[at - 1] in _SENTENCE_ENDS)
 
 
 def _number_value(token: str) -> str:
@@ -105,8 +121,11 @@ class Claim:
             if word in STOP_WORDS:
                 continue
             words.append(word)
-            opens_sentence = _SENTENCE_OPENER.search(text[: match.start()]) is not None
-            if token[0].isupper() and not opens_sentence and not token.isupper():
+            if (
+                token[0].isupper()
+                and not token.isupper()
+                and not _opens_sentence(text, match.start())
+            ):
                 names.add(word)
         return cls(tuple(words), frozenset(numbers), frozenset(names))
 
