@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 
 import pytest
 
@@ -47,7 +48,7 @@ async def test_a_reserving_request_holds_its_blocks_until_it_ends(engine) -> Non
     prompt = door_prompt(engine)
     before = engine.load().reserved_blocks
     free = (await engine.kv_stats()).free_blocks
-    needed = plain_blocks(len(prompt), PlainParams(max_tokens=24), engine.limits.block_size)
+    needed = plain_blocks(len(prompt), params(24, "tenant:a"), engine.limits.block_size)
     stream = engine.stream_complete(prompt, max_tokens=24, reserve=True)
     await anext(stream)
     assert engine.load().reserved_blocks == before + needed
@@ -67,9 +68,26 @@ async def test_a_request_past_the_window_is_refused(engine) -> None:
     assert refused.value.code is ErrorCode.TOO_LONG
 
 
+def params(max_tokens: int, cache_salt: str) -> PlainParams:
+    return PlainParams(max_tokens=max_tokens, cache_salt=cache_salt)
+
+
+async def test_another_tenant_gets_no_cache_hit_on_the_same_prompt(engine) -> None:
+    """The prefix-cache side channel (vLLM's CVE-2025-46570, through our `cached_tokens`):
+    a prompt tenant A sent is cached for A alone."""
+    a, b = (f"tenant:{name}-{secrets.token_hex(4)}" for name in "ab")  # new to the engine
+    prompt = door_prompt(engine)
+    first = [e async for e in plain_events(engine, prompt, params(4, a))]
+    assert first[-1].usage.prompt_tokens_cached == 0
+    other = [e async for e in plain_events(engine, prompt, params(4, b))]
+    assert other[-1].usage.prompt_tokens_cached == 0
+    same = [e async for e in plain_events(engine, prompt, params(4, a))]
+    assert same[-1].usage.prompt_tokens_cached >= engine.limits.block_size
+
+
 async def test_plain_events_answer_with_usage(engine) -> None:
     prompt = door_prompt(engine)
-    events = [e async for e in plain_events(engine, prompt, PlainParams(max_tokens=24))]
+    events = [e async for e in plain_events(engine, prompt, params(24, "tenant:a"))]
     *answers, done = events
     assert {e.type for e in answers} == {"answer"} and done.type == "done"
     assert "".join(e.text for e in answers) == done.answer and "green" in done.answer.lower()
@@ -77,7 +95,7 @@ async def test_plain_events_answer_with_usage(engine) -> None:
     assert usage.prompt_tokens_submitted == len(prompt) and 0 < usage.answer_tokens <= 24
     assert usage.prompt_tokens_cached + usage.prompt_tokens_computed == len(prompt)
     assert 0 < done.timings.answer_ttft_s <= done.timings.total_s
-    again = [e async for e in plain_events(engine, prompt, PlainParams(max_tokens=24))]
+    again = [e async for e in plain_events(engine, prompt, params(24, "tenant:a"))]
     assert again[-1].usage.prompt_tokens_cached > 0  # the same prompt: its blocks are cached
-    refused = [e async for e in plain_events(engine, [1] * 4090, PlainParams(max_tokens=64))]
+    refused = [e async for e in plain_events(engine, [1] * 4090, params(64, "tenant:a"))]
     assert [e.type for e in refused] == ["error"] and refused[0].code == "too_long"

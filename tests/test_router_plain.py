@@ -21,7 +21,7 @@ from wim_service.wim.events import WiMEvent
 SESSION = "plain-test"
 # 30 prompt tokens + 2 answer tokens fill exactly two 16-token KV blocks.
 PROMPT = list(range(100, 130))
-PARAMS = PlainParams(max_tokens=2)
+PARAMS = PlainParams(max_tokens=2, cache_salt="tenant:test")
 BLOCKS = 2
 
 

@@ -80,6 +80,13 @@ class Tenant:
     limits: TenantLimits
     allow: frozenset[Capability] = frozenset(Capability)
 
+    @property
+    def cache_salt(self) -> str:
+        """The engine cache salt of the tenant's requests that have no context of their own
+        (plain requests): vLLM's prefix cache hits only requests of the same salt. Not a
+        secret (a client cannot choose a salt), and not `SALT_PREFIX`'s: nothing purges it."""
+        return "tenant:" + hashlib.sha256(self.name.encode()).hexdigest()[:32]
+
     def require(self, capability: Capability) -> None:
         if capability not in self.allow:
             raise HTTPFailure(ServiceCode.FORBIDDEN, f"this API key may not use {capability}")

@@ -510,7 +510,7 @@ class OpenAIService:
                 "context_length_exceeded",
                 param,
             )
-        params = PlainParams(max_tokens=max_tokens, stop=body.stops)
+        params = PlainParams(max_tokens=max_tokens, stop=body.stops, cache_salt=tenant.cache_salt)
         return Run(await self.router.start_plain(prompt_ids, params, tenant), max_tokens)
 
     # -- answers ----------------------------------------------------------------------------

@@ -27,6 +27,9 @@ class PlainParams(BaseModel):
 
     max_tokens: int = Field(..., ge=1)
     stop: list[str] = Field(default_factory=list)  # strings that end the answer (excluded)
+    # The tenant's (`Tenant.cache_salt`): its requests reuse each other's prefix cache, never
+    # another tenant's, so `cached_tokens` cannot tell one tenant what another sent.
+    cache_salt: str = Field(..., min_length=1)
 
 
 def plain_blocks(prompt_tokens: int, params: PlainParams, block_size: int) -> int:
@@ -44,7 +47,11 @@ async def plain_events(
     answer_tokens = cached = 0
     try:
         async for chunk in backend.stream_complete(
-            prompt_ids, max_tokens=params.max_tokens, stop=params.stop, reserve=True
+            prompt_ids,
+            max_tokens=params.max_tokens,
+            stop=params.stop,
+            cache_salt=params.cache_salt,
+            reserve=True,
         ):
             if chunk.cost is not None:
                 cached = chunk.cost.cached
