@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -131,13 +132,132 @@ def test_short_prompts_pass_straight_through(client: openai.OpenAI, service: Liv
     assert completion.choices[0].message.content == PLAIN_ANSWER
     assert completion.choices[0].message.reasoning_content is None  # no margins
     assert completion.usage.prompt_tokens == len(prompt_ids) < 64
-    assert params.max_tokens == 8192 - len(prompt_ids)  # the rest of the window
+    # Without max_tokens: RouterConfig.plain_max_tokens (the window's rest is larger here).
+    assert params.max_tokens == 1024 < 8192 - len(prompt_ids)
+    assert params.cache_salt == service.router.authenticate(f"Bearer {API_KEY}").cache_salt
     # A budget the answer reaches ends with finish_reason "length".
     cut = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=2
     )
     assert cut.choices[0].finish_reason == "length"
     assert cut.choices[0].message.content == " ".join(PLAIN_ANSWER.split()[:2])
+
+
+BAD_REQUESTS = [
+    # (what the body adds to a valid chat request, the parameter the 400 names)
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "x"}]}, "messages.0.name"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [f"s{i}" for i in range(100)]}, "stop"),
+    ({"temperature": 50}, "temperature"),
+    ({"temperature": 0.7}, "temperature"),
+    ({"top_p": 3}, "top_p"),
+    ({"top_logprobs": 1000}, "top_logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 5}, "logprobs"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"some_new_parameter": 1}, "some_new_parameter"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), BAD_REQUESTS)
+def test_what_cannot_be_honoured_is_refused_by_name(
+    service: LiveService, change: dict, param: str
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **change}
+    answer = httpx.post(
+        service.base_url + "/v1/chat/completions",
+        content=json.dumps(body),  # ASCII escapes: a lone surrogate goes over the wire as is
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["code"] in ("invalid_request", "unsupported") and "Traceback" not in answer.text
+
+
+def test_what_asks_for_nothing_is_accepted(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}],
+        temperature=0,
+        top_p=0.5,
+        seed=7,
+        user="end-user-1",
+        logprobs=False,
+        stop=["\n\n\n"],
+        response_format={"type": "text"},
+        extra_body={"tools": [], "parallel_tool_calls": None},
+    )
+    assert completion.choices[0].message.content == PLAIN_ANSWER
+
+
+def test_completions_refuse_what_they_cannot_honour(service: LiveService) -> None:
+    def refused(change: dict) -> dict:
+        answer = httpx.post(
+            service.base_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "Say hello.", **change},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )
+        assert answer.status_code == 400, answer.text
+        return answer.json()["error"]
+
+    assert refused({"echo": True})["param"] == "echo"
+    assert refused({"logprobs": 3})["param"] == "logprobs"
+    assert refused({"logprobs": 9})["param"] == "logprobs"
+    assert refused({"prompt": ["one", "two"]})["param"] == "prompt"
+    assert refused({"best_of": 3})["param"] == "best_of"
+
+
+def test_a_prompt_past_the_input_limit_is_refused_before_tokenization(
+    service: LiveService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = service.router.config.router.max_document_chars + MAX_QUERY_CHARS
+    tokenizer = service.router.dispatcher.sizer.tokenizer
+
+    def no_tokenizing(*_: object) -> None:
+        raise AssertionError("a prompt past the limit was tokenized")
+
+    monkeypatch.setattr(tokenizer, "render_chat", no_tokenizing)
+    monkeypatch.setattr(tokenizer, "encode_user_text", no_tokenizing)
+    answer = httpx.post(
+        service.base_url + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": "x" * (limit // 2)},
+                {"role": "user", "content": "y" * (limit // 2 + 1)},
+            ],
+        },
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_repeated_document_openings_do_not_stall_the_router(service: LiveService) -> None:
+    """400 KB of `<document>` (no closing): the delimiter scan was a backtracking regex,
+    quadratic on the router's event loop (over 120 s without /healthz). While it is refused,
+    /healthz answers within a second each time."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "<document>" * 40_000}]}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with (
+        httpx.Client(base_url=service.base_url, timeout=60) as http,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        pending = pool.submit(http.post, "/v1/chat/completions", json=body, headers=headers)
+        while not pending.done():
+            http.get("/healthz", timeout=1.0).raise_for_status()
+        answer = pending.result()
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_plain_prompts_keep_user_text_out_of_the_template(service: LiveService) -> None:

@@ -57,6 +57,9 @@ class RouterConfig(BaseModel):
     # OpenAI-API prompts (chat template included) with fewer tokens than this are answered by
     # one plain engine request; longer ones with a document run WiM (docs/openai.md).
     plain_prompt_tokens: int = Field(1024, ge=0)
+    # A plain request without `max_tokens` answers at most this many tokens (fewer if the
+    # context window leaves less): it reserves KV for all of them while it runs.
+    plain_max_tokens: int = Field(1024, ge=1)
     # Where document sessions (text, options, binding, expiry) live.
     store: StoreConfig = Field(default_factory=StoreConfig)
 

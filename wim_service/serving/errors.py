@@ -41,13 +41,17 @@ class ServiceCode(StrEnum):
     FORBIDDEN = "forbidden"  # the tenant may not do this
     RATE_LIMITED = "rate_limited"  # the tenant's own limits
     INTERNAL_ERROR = "internal_error"  # a bug: logged with the request id
+    UNSUPPORTED = "unsupported"  # a parameter or value this service cannot honour
+    MODEL_NOT_FOUND = "model_not_found"  # the OpenAI API's `model` names no model served here
 
 
 STATUS: dict[str, int] = {
     ErrorCode.INVALID_INPUT: 400,
+    ServiceCode.UNSUPPORTED: 400,
     ServiceCode.UNAUTHORIZED: 401,
     ServiceCode.FORBIDDEN: 403,
     ErrorCode.NOT_FOUND: 404,
+    ServiceCode.MODEL_NOT_FOUND: 404,
     ServiceCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.TOO_LONG: 413,
     ServiceCode.BODY_TOO_LARGE: 413,

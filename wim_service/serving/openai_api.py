@@ -46,9 +46,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from wim_service.assets.default_model import GGUF_FILE
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.api import WiMRequest
+from wim_service.serving.api import MAX_QUERY_CHARS, WiMRequest
 from wim_service.serving.auth import Tenant
-from wim_service.serving.errors import HTTPFailure, ServiceCode, framework_failure
+from wim_service.serving.errors import HTTPFailure, ServiceCode, framework_failure, status_of
 from wim_service.serving.openai_models import (
     AssistantMessage,
     ChatChoice,
@@ -90,30 +90,29 @@ STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-strea
 
 
 class OpenAIError(Exception):
-    """An error answered in OpenAI's shape."""
+    """An error answered in OpenAI's shape, its status from the one table (`errors.STATUS`)
+    as OpenAI clients expect it: a prompt too long for the window is 400
+    `context_length_exceeded`, a malformed request 400 (not 422)."""
 
     def __init__(
         self,
-        status: int,
-        message: str,
         code: str,
+        message: str,
         param: str | None = None,
         retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-        self.param, self.retry_after = param, retry_after
-
-    @classmethod
-    def of(cls, failure: HTTPFailure) -> OpenAIError:
-        """The service's error as OpenAI clients expect it: a prompt too long for the window
-        is 400 `context_length_exceeded`, a malformed request 400."""
-        status, code = failure.status, failure.code
+        status = status_of(code)
         if code == ErrorCode.TOO_LONG:
             status, code = 400, "context_length_exceeded"
         elif status == 422:
             status = 400
-        return cls(status, failure.message, code, retry_after=failure.retry_after)
+        self.status, self.message, self.code = status, message, str(code)
+        self.param, self.retry_after = param, retry_after
+
+    @classmethod
+    def of(cls, failure: HTTPFailure) -> OpenAIError:
+        return cls(failure.code, failure.message, retry_after=failure.retry_after)
 
     @property
     def type(self) -> str:
@@ -132,15 +131,24 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+# pydantic names the member of a union that failed in an error's location ("str",
+# "list[str]", "function-after[_utf8(), str]"): not a parameter's name.
+_UNION_MEMBER = re.compile(r"^(?:str|int|float|bool|none|list|dict)$|[\[(]")
+
+
+def _field_path(location: tuple[Any, ...]) -> str:
+    return ".".join(
+        str(part) for part in location if not (isinstance(part, str) and _UNION_MEMBER.search(part))
+    )
+
+
 def _invalid(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
-    message = "; ".join(
-        f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors
-    )
+    message = "; ".join(f"{_field_path(e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors)
     # The field at fault (a JSON syntax error's location is a character position: no field).
     where = errors[0]["loc"][1:] if errors else ()
-    param = ".".join(str(p) for p in where) if where and isinstance(where[0], str) else None
-    return OpenAIError(400, message, ServiceCode.INVALID_REQUEST, param)
+    param = _field_path(where) if where and isinstance(where[0], str) else None
+    return OpenAIError(ServiceCode.INVALID_REQUEST, message, param or None)
 
 
 class OpenAIRoute(APIRoute):
@@ -176,22 +184,23 @@ class Turn:
 def chat_turns(messages: list[ChatMessage]) -> list[Turn]:
     turns = []
     for index, message in enumerate(messages):
+        where = f"messages.{index}"
         if message.role in ("tool", "function"):
-            raise OpenAIError(
-                400, "tool messages are not supported", "unsupported", f"messages.{index}"
-            )
-        content = message.content or ""
-        if not isinstance(content, str):
-            if any(part.type != "text" for part in content):
+            raise OpenAIError(ServiceCode.UNSUPPORTED, "tool messages are not supported", where)
+        content = message.content
+        if content is None:
+            if message.role != "assistant":
                 raise OpenAIError(
-                    400, "only text content is supported", "unsupported", f"messages.{index}"
+                    ServiceCode.INVALID_REQUEST, f"a {message.role} message needs content", where
                 )
+            content = ""
+        if not isinstance(content, str):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise OpenAIError(ServiceCode.UNSUPPORTED, "only text content is supported", where)
             content = "".join(part.text or "" for part in content)
         turns.append(Turn("system" if message.role == "developer" else message.role, content))
     if not any(turn.role == "user" for turn in turns):
-        raise OpenAIError(
-            400, "the messages have no user turn", ServiceCode.INVALID_REQUEST, "messages"
-        )
+        raise OpenAIError(ServiceCode.INVALID_REQUEST, "the messages have no user turn", "messages")
     return turns
 
 
@@ -206,9 +215,8 @@ def chat_prompt_ids(tokenizer: Tokenizer, turns: list[Turn]) -> list[int]:
     pieces = _TURN_MARK_RE.split(rendered)
     if sorted(int(p) for p in pieces[1::2]) != list(range(len(turns))):
         raise OpenAIError(
-            400,
-            "the model's chat template cannot render these messages",
             ServiceCode.INVALID_REQUEST,
+            "the model's chat template cannot render these messages",
             "messages",
         )
     ids: list[int] = []
@@ -399,17 +407,26 @@ class OpenAIService:
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model, created=self.created, owned_by="wim")])
 
-    def _check(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+    def _check(self, body: ChatCompletionRequest | CompletionRequest, texts: list[str]) -> None:
+        """Refuse what cannot be honoured, and a prompt past the service's input limit before
+        any tokenization (the limit of `/wim`: a document and a query)."""
         if body.model != self.model:
             raise OpenAIError(
-                404, f"The model `{body.model}` does not exist.", "model_not_found", "model"
+                ServiceCode.MODEL_NOT_FOUND, f"The model `{body.model}` does not exist.", "model"
             )
-        if body.n != 1:
-            raise OpenAIError(400, "only n=1 is supported", "unsupported", "n")
+        for param, why in body.unhonoured():
+            raise OpenAIError(ServiceCode.UNSUPPORTED, f"{param}: {why}", param)
+        limit = self.router.config.router.max_document_chars + MAX_QUERY_CHARS
+        if (size := sum(len(text) for text in texts)) > limit:
+            raise OpenAIError(
+                ErrorCode.TOO_LONG,
+                f"the prompt has {size} characters; this service takes at most {limit}",
+                "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            )
 
     async def chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Run:
-        self._check(body)
         turns = chat_turns(body.messages)
+        self._check(body, [turn.text for turn in turns])
         if body.document_id is not None:
             query = [turn.text for turn in turns if turn.role == "user"][-1]
             return await self._session_query(body, tenant, query, "messages")
@@ -421,17 +438,13 @@ class OpenAIService:
         return await self._plain(body, tenant, prompt_ids, "messages")
 
     async def complete(self, body: CompletionRequest, tenant: Tenant) -> Run:
-        self._check(body)
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if len(prompts) != 1:
-            raise OpenAIError(400, "give exactly one prompt", "unsupported", "prompt")
+        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        self._check(body, [prompt])
         if body.document_id is not None:
-            return await self._session_query(body, tenant, prompts[0], "prompt")
-        prompt_ids = await asyncio.to_thread(
-            lambda: self.tokenizer.encode_user_text(prompts[0]).ids
-        )
+            return await self._session_query(body, tenant, prompt, "prompt")
+        prompt_ids = await asyncio.to_thread(lambda: self.tokenizer.encode_user_text(prompt).ids)
         if len(prompt_ids) >= self.router.config.router.plain_prompt_tokens:
-            document, query = split_document(prompts[0])
+            document, query = split_document(prompt)
             if document:
                 return await self._wim(body, tenant, query, "prompt", context=document)
         return await self._plain(body, tenant, prompt_ids, "prompt")
@@ -445,9 +458,8 @@ class OpenAIService:
     ) -> Run:
         if split_document(text)[0]:
             raise OpenAIError(
-                400,
-                "give the document either in the prompt or as document_id, not both",
                 ServiceCode.INVALID_REQUEST,
+                "give the document either in the prompt or as document_id, not both",
                 param,
             )
         return await self._wim(body, tenant, text.strip(), param, document_id=body.document_id)
@@ -463,7 +475,7 @@ class OpenAIService:
         except ValidationError as exc:
             first = exc.errors()[0]
             param = "max_tokens" if first["loc"][0] == "answer_max_tokens" else "wim"
-            raise OpenAIError(400, first["msg"], ServiceCode.INVALID_REQUEST, param) from exc
+            raise OpenAIError(ServiceCode.INVALID_REQUEST, first["msg"], param) from exc
 
     async def _wim(
         self,
@@ -477,17 +489,14 @@ class OpenAIService:
     ) -> Run:
         if not query:
             raise OpenAIError(
-                400,
-                "the prompt asks nothing besides its document",
-                ServiceCode.INVALID_REQUEST,
-                param,
+                ServiceCode.INVALID_REQUEST, "the prompt asks nothing besides its document", param
             )
         options = self._options(body)
         try:
             job = WiMRequest(context=context, document_id=document_id, query=query, options=options)
         except ValidationError as exc:  # e.g. a query longer than /wim takes
             message = "; ".join(e["msg"] for e in exc.errors())
-            raise OpenAIError(400, message, ServiceCode.INVALID_REQUEST, param) from exc
+            raise OpenAIError(ServiceCode.INVALID_REQUEST, message, param) from exc
         _, items = await self.router.start_job(job, tenant)
         return Run(items, options.answer_max_tokens)
 
@@ -499,15 +508,17 @@ class OpenAIService:
         param: str,
     ) -> Run:
         window = self.router.config.engine.max_model_len
-        max_tokens = body.answer_tokens or window - len(prompt_ids)
-        if len(prompt_ids) + max_tokens > window or max_tokens < 1:
+        # Without max_tokens the answer may take the window's room, up to `plain_max_tokens`:
+        # the request reserves KV for all of it while it runs.
+        room = window - len(prompt_ids)
+        max_tokens = body.answer_tokens or min(room, self.router.config.router.plain_max_tokens)
+        if max_tokens > room or max_tokens < 1:
             raise OpenAIError(
-                400,
+                ErrorCode.TOO_LONG,
                 f"This model's maximum context length is {window} tokens. However, you "
                 f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
                 f"{param}, {max_tokens} in the completion). Please reduce the length of the "
                 f"{param} or completion.",
-                "context_length_exceeded",
                 param,
             )
         params = PlainParams(max_tokens=max_tokens, stop=body.stops, cache_salt=tenant.cache_salt)

@@ -3,55 +3,90 @@ client's types (`openai.types.chat.ChatCompletion`, `ChatCompletionChunk`, `Comp
 `CompletionUsage`, `Model`) so that the SDK, LangChain, LlamaIndex and chat front ends read
 them unchanged.
 
-Requests accept and ignore the OpenAI parameters this service has no use for (every request
-decodes greedily); `wim` and `document_id` are this service's additions (the SDK's
-`extra_body`).
+Requests take OpenAI's documented ranges and limits (temperature 0-2, top_p 0-1, at most 4
+stop sequences, top_logprobs at most 20). Every parameter is honoured or refused by name
+(`OpenAIService` refuses values this service cannot honour, `unsupported()` any other
+parameter given a value): nothing a client asks for is dropped silently. `wim` and
+`document_id` are this service's additions (the SDK's `extra_body`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from wim_service.wim.options import WiMOptions
+from wim_service.wim.options import StopString, Utf8Text, WiMOptions
+
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_MESSAGES = 1024
+MAX_CONTENT_PARTS = 64
+# Values of an unknown parameter that ask for nothing (a client replaying OpenAI's defaults
+# or an SDK object's null fields): accepted, since they change nothing.
+_NOTHING_ASKED: tuple[Any, ...] = (None, False, [], {}, "none", "auto", {"type": "text"})
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    # Unknown keys are kept so that `unsupported()` can name them: refused unless they ask
+    # for nothing, where extra="ignore" would drop them silently.
+    model_config = ConfigDict(extra="allow")
 
+    def unsupported(self) -> list[str]:
+        """The unknown parameters given a value, as dotted paths (nested models included)."""
+        named = [
+            key for key, value in (self.model_extra or {}).items() if value not in _NOTHING_ASKED
+        ]
+        for key in type(self).model_fields:
+            value = getattr(self, key)
+            children = value if isinstance(value, list) else [value]
+            for index, child in enumerate(children):
+                if isinstance(child, _Strict):
+                    where = f"{key}.{index}" if isinstance(value, list) else key
+                    named += [f"{where}.{inner}" for inner in child.unsupported()]
+        return named
+
+
+class ContentPart(_Strict):
     type: str
-    text: str | None = None
+    text: Utf8Text | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    content: Utf8Text | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = (
+        None
+    )
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    # Unknown OpenAI parameters (temperature, top_p, seed, user, ...) are accepted and ignored.
-    model_config = ConfigDict(extra="ignore")
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)]
 
-    model: str
+
+class _Request(_Strict):
+    model: str = Field(..., max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1)
-    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=128)
+    stop: Stop | None = None
+    # Every request decodes greedily: temperature 0 is honoured, any other value is refused;
+    # under greedy decoding top_p and seed change nothing, so every valid value is honoured.
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    user: str | None = Field(None, max_length=256)  # an end user's id: not used
     wim: WiMOptions | None = Field(
         None, description="WiM options (`extra_body`), the fields of `WiMOptions`."
     )
     document_id: str | None = Field(
-        None, description="Ask about a document session from POST /documents (`extra_body`)."
+        None,
+        max_length=128,
+        description="Ask about a document session from POST /documents (`extra_body`).",
     )
 
     @property
@@ -64,22 +99,54 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def unhonoured(self) -> list[tuple[str, str]]:
+        """(parameter, why) for each parameter given a value this service cannot honour."""
+        refused = [(name, "this parameter is not supported") for name in self.unsupported()]
+        if self.n != 1:
+            refused.append(("n", "only n=1 is supported"))
+        if self.temperature:
+            refused.append(("temperature", "this service decodes greedily: give 0 or omit it"))
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                refused.append((name, "penalties are not supported: give 0 or omit it"))
+        return refused
+
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     @property
     def answer_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def unhonoured(self) -> list[tuple[str, str]]:
+        refused = super().unhonoured()
+        if self.logprobs:
+            refused.append(("logprobs", "log probabilities are not supported"))
+        if self.top_logprobs:
+            refused.append(("top_logprobs", "log probabilities are not supported"))
+        return refused
+
 
 class CompletionRequest(_Request):
-    prompt: str | list[str]
+    prompt: Utf8Text | Annotated[list[Utf8Text], Field(min_length=1, max_length=1)]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
 
     @property
     def answer_tokens(self) -> int | None:
         return self.max_tokens
+
+    def unhonoured(self) -> list[tuple[str, str]]:
+        refused = super().unhonoured()
+        if self.logprobs:
+            refused.append(("logprobs", "log probabilities are not supported"))
+        if self.echo:
+            refused.append(("echo", "echoing the prompt is not supported"))
+        return refused
 
 
 # -- responses ------------------------------------------------------------------------------
