@@ -16,8 +16,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from wim_service.serving.errors import HTTPFailure, install_error_handlers, status_of
-from wim_service.serving.limits import BodyLimitMiddleware
+from wim_service.serving.auth import Tenant
+from wim_service.serving.errors import HTTPFailure, ServiceCode, install_error_handlers, status_of
+from wim_service.serving.limits import EdgeMiddleware, RouteEdge
 from wim_service.serving.responses import first_item, with_late_errors
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import AnswerEvent, ErrorEvent, SegmentEvent, WiMEvent
@@ -205,6 +206,18 @@ class Exchange:
     received: int = 0  # messages the middleware or the app took from the client
 
 
+async def no_authentication(_: str | None) -> Tenant:
+    raise AssertionError("a public route authenticates nobody")
+
+
+def body_limit(app: EchoApp) -> EdgeMiddleware:
+    """The edge of a public route that takes `LIMIT` bytes."""
+    edge = RouteEdge(authenticated=False, max_body_bytes=LIMIT)
+    return EdgeMiddleware(
+        app, lambda _method, _path: edge, no_authentication, lambda _, failure: failure.response()
+    )
+
+
 async def call(
     messages: Iterable[Message], headers: dict[bytes, bytes] | None = None, **scope_extra: object
 ) -> tuple[Exchange, EchoApp]:
@@ -228,7 +241,7 @@ async def call(
         "path": "/wim",
         "headers": list((headers or {}).items()),
     }
-    await BodyLimitMiddleware(app, LIMIT)({**scope, **scope_extra}, receive, send)
+    await body_limit(app)({**scope, **scope_extra}, receive, send)
     return exchange, app
 
 
@@ -243,7 +256,7 @@ def assert_refused(exchange: Exchange, app: EchoApp) -> None:
     assert exchange.status == 413
     assert json.loads(exchange.body) == {
         "code": "body_too_large",
-        "message": f"the request body is larger than this service takes ({LIMIT} bytes)",
+        "message": f"the request body is larger than this route takes ({LIMIT} bytes)",
     }
     assert app.calls == []
 
@@ -306,5 +319,33 @@ async def test_other_scopes_pass_through() -> None:
     async def send(message: Message) -> None:
         raise AssertionError("nothing to send")
 
-    await BodyLimitMiddleware(app, LIMIT)({"type": "lifespan"}, receive, send)
+    await body_limit(app)({"type": "lifespan"}, receive, send)
     assert app.calls == [{"type": "lifespan"}]
+
+
+async def test_an_unknown_caller_is_refused_before_its_body_is_read() -> None:
+    app = EchoApp()
+    exchange = Exchange()
+    edge = RouteEdge(authenticated=True, max_body_bytes=LIMIT)
+
+    async def unknown(authorization: str | None) -> Tenant:
+        assert authorization == "Bearer nope"
+        raise HTTPFailure(ServiceCode.UNAUTHORIZED, "unknown API key")
+
+    async def receive() -> Message:
+        exchange.received += 1
+        return {"type": "http.request", "body": b"x" * 5, "more_body": False}
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            exchange.status = message["status"]
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/wim",
+        "headers": [(b"authorization", b"Bearer nope"), (b"content-length", b"5")],
+    }
+    middleware = EdgeMiddleware(app, lambda _m, _p: edge, unknown, lambda _, f: f.response())
+    await middleware(scope, receive, send)
+    assert exchange.status == 401 and exchange.received == 0 and app.calls == []

@@ -27,9 +27,11 @@ from wim_service.serving.auth import (
     check_open_mode,
     hash_key,
 )
+from wim_service.serving.config import RouterConfig
 from wim_service.serving.documents import DocumentTable
 from wim_service.serving.errors import HTTPFailure
-from wim_service.serving.http_app import build_http_app
+from wim_service.serving.http_app import build_http_app, route_edges
+from wim_service.serving.limits import SMALL_BODY_BYTES
 from wim_service.serving.replica_client import ReplicaLost
 from wim_service.serving.router import WiMRouter
 from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable
@@ -94,6 +96,44 @@ def test_requests_need_a_valid_key_and_public_endpoints_do_not() -> None:
     for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
         assert client.get(path).status_code == 200, path
     assert metric(client, "wim_requests_total", status="401") == 2
+
+
+PUBLIC_ROUTES = {"/", "/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc"}
+
+
+def test_every_api_route_authenticates_at_the_edge_and_public_ones_take_no_body() -> None:
+    """The edge's one table (`http_app.route_edges`) against the app's own routes: a route
+    added without an entry would be public by default, and this names it."""
+    client, _ = service()
+    edge_of = route_edges(RouterConfig())
+    spec = client.get("/openapi.json").json()
+    seen = 0
+    for template, methods in spec["paths"].items():
+        path = template.replace("{document_id}", "doc-1")
+        for method in methods:
+            edge = edge_of(method.upper(), path)
+            assert edge.authenticated == (template not in PUBLIC_ROUTES), (method, template)
+            assert edge.openai == template.startswith("/v1/")
+            if method != "post":
+                assert edge.max_body_bytes == SMALL_BODY_BYTES, (method, template)
+            seen += 1
+    assert seen >= 10
+    for path in PUBLIC_ROUTES:
+        assert not edge_of("GET", path).authenticated
+
+
+def test_the_edge_refuses_in_the_routes_own_shape() -> None:
+    client, _ = service(max_body_bytes=4096)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 8000}]}
+    anonymous = client.post("/v1/chat/completions", json=body)
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["code"] == "unauthorized"
+    large = client.post("/v1/chat/completions", json=body, headers=ACME)
+    assert large.status_code == 413 and large.json()["error"]["code"] == "body_too_large"
+    pdf = client.post("/extract/pdf", content=b"%PDF" + b"x" * 5000, headers=ACME)
+    assert pdf.status_code == 413 and pdf.json()["code"] == "body_too_large"
+    stray = client.request("DELETE", "/documents/doc-1", content=b"x" * 70_000, headers=ACME)
+    assert stray.status_code == 413 and stray.json()["code"] == "body_too_large"
 
 
 def test_a_tenant_cannot_see_query_or_delete_another_tenants_document() -> None:

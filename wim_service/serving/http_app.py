@@ -6,9 +6,10 @@ build the same app over a router with fake replicas.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 
@@ -20,9 +21,16 @@ from wim_service.serving.api import (
     WiMResponse,
 )
 from wim_service.serving.auth import Tenant
-from wim_service.serving.errors import STATUS, install_error_handlers
-from wim_service.serving.limits import BodyLimitMiddleware
-from wim_service.serving.openai_api import openai_routes
+from wim_service.serving.config import RouterConfig
+from wim_service.serving.errors import STATUS, HTTPFailure, install_error_handlers
+from wim_service.serving.limits import (
+    SMALL_BODY_BYTES,
+    EdgeMiddleware,
+    EdgeOf,
+    RouteEdge,
+    caller,
+)
+from wim_service.serving.openai_api import OpenAIError, openai_routes
 from wim_service.serving.openai_models import ErrorResponse
 from wim_service.serving.page import extract_routes, install_page
 
@@ -30,16 +38,34 @@ if TYPE_CHECKING:
     from wim_service.serving.router import WiMRouter
 
 
-async def authenticate(request: Request) -> Tenant:
-    """The caller's tenant (401 without a valid key), counted against its request rate."""
-    router: WiMRouter = request.app.state.wim_router
-    caller = router.authenticate(request.headers.get("authorization"))
-    request.state.tenant = caller
-    return caller
+# A route parameter of this type is the authenticated caller (in open mode: anyone).
+Caller = Annotated[Tenant, Depends(caller)]
 
 
-# A route parameter of this type requires a valid API key (in open mode: anyone).
-Caller = Annotated[Tenant, Depends(authenticate)]
+def route_edges(config: RouterConfig) -> EdgeOf:
+    """Each route's edge: the API routes need a key and take documents in their bodies; the
+    page, its files, the probes, `/metrics` and the API's own docs are public and take no
+    body. One table, so that no route is left out of authentication by accident."""
+    documents = RouteEdge(authenticated=True, max_body_bytes=config.max_body_bytes)
+    openai = RouteEdge(authenticated=True, max_body_bytes=config.max_body_bytes, openai=True)
+    keyed = RouteEdge(authenticated=True, max_body_bytes=SMALL_BODY_BYTES)
+    public = RouteEdge(authenticated=False, max_body_bytes=SMALL_BODY_BYTES)
+
+    def edge_of(method: str, path: str) -> RouteEdge:
+        if path.startswith("/v1/"):
+            return openai if method == "POST" else replace(openai, max_body_bytes=SMALL_BODY_BYTES)
+        if path in ("/wim", "/documents", "/extract/pdf"):
+            return documents if method == "POST" else keyed
+        if path.startswith("/documents/"):
+            return keyed
+        return public
+
+    return edge_of
+
+
+def refusal(edge: RouteEdge, failure: HTTPFailure) -> Response:
+    """A refusal at the edge in the route's own error shape."""
+    return OpenAIError.of(failure).response() if edge.openai else failure.response()
 
 
 class Readiness(BaseModel):
@@ -75,17 +101,21 @@ def build_http_app(router: WiMRouter) -> FastAPI:
         ),
         version="0.1.0",
     )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=router.config.router.max_body_bytes)
+    app.add_middleware(
+        EdgeMiddleware,
+        edge_of=route_edges(router.config.router),
+        authenticate=router.authenticate,
+        refuse=refusal,
+    )
     # Its request-id middleware goes outermost; it also names the router replica that
     # answered (several share one address behind Serve's proxy).
     install_error_handlers(app, {"X-WiM-Router": router.name})
     app.state.wim_router = router
     app.include_router(
         openai_routes(router),
-        dependencies=[Depends(authenticate)],
         responses=error_responses(ErrorResponse),  # the same statuses, in OpenAI's shape
     )
-    app.include_router(extract_routes(), dependencies=[Depends(authenticate)], responses=API_ERRORS)
+    app.include_router(extract_routes(), responses=API_ERRORS)
     install_page(app)
 
     @app.post(

@@ -49,6 +49,7 @@ from wim_service.engine.config import EngineConfig
 from wim_service.serving.api import MAX_QUERY_CHARS, WiMRequest
 from wim_service.serving.auth import Tenant
 from wim_service.serving.errors import HTTPFailure, ServiceCode, framework_failure, status_of
+from wim_service.serving.limits import caller
 from wim_service.serving.openai_models import (
     AssistantMessage,
     ChatChoice,
@@ -548,12 +549,6 @@ class OpenAIService:
         return JSONResponse(whole(head, await collect(run)).model_dump())
 
 
-def _tenant(request: Request) -> Tenant:
-    """The caller, as the app's authentication dependency left it on the request."""
-    tenant: Tenant = request.state.tenant
-    return tenant
-
-
 def openai_routes(router: WiMRouter) -> APIRouter:
     """The `/v1` routes over `router`. Include them behind the app's authentication."""
     service = OpenAIService(router)
@@ -567,13 +562,13 @@ def openai_routes(router: WiMRouter) -> APIRouter:
     @api.post("/chat/completions", response_model=ChatCompletion, responses=STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """A chat completion; a long document in the messages is read with WiM."""
-        run = await service.chat(body, _tenant(request))
+        run = await service.chat(body, caller(request))
         return await service.respond(body, run, "chatcmpl-", chat_stream, chat_answer)
 
     @api.post("/completions", response_model=Completion, responses=STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """A text completion; a long `<document>` in the prompt is read with WiM."""
-        run = await service.complete(body, _tenant(request))
+        run = await service.complete(body, caller(request))
         return await service.respond(body, run, "cmpl-", completion_stream, completion_answer)
 
     return api

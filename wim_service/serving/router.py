@@ -92,7 +92,7 @@ class WiMRouter:
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_app(self)
 
-    def authenticate(self, authorization: str | None) -> Tenant:
+    async def authenticate(self, authorization: str | None) -> Tenant:
         """The caller's tenant (401 without a valid key), counted against its request rate."""
         try:
             tenant = self.keys.tenant(authorization)
