@@ -41,6 +41,18 @@ def _open_gate() -> asyncio.Event:
     return gate
 
 
+# The fake engine's clock counts turns of the event loop, not seconds: a push lasts as long
+# as PUSH_STEPS tokens of every running generation, whatever the machine's load. (With
+# wall-clock sleeps, how many margin tokens fit in a push changed with the load, and so did
+# which early answers started: a test failed one run in three on a busy machine.)
+PUSH_STEPS = 20
+
+
+async def steps(turns: int) -> None:
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
 @dataclass
 class FakeContext:
     """Logs every push and request to `backend.log`: the log's order is the job's timeline."""
@@ -58,7 +70,7 @@ class FakeContext:
 
     async def extend(self, token_ids: list[int]) -> PromptCost:
         self.backend.log.append(("extend-start", len(self.ids)))
-        await asyncio.sleep(0.02)
+        await steps(PUSH_STEPS)
         self.ids.extend(token_ids)
         self.backend.log.append(("extend-done", len(self.ids)))
         return PromptCost(len(token_ids), 0)
@@ -72,7 +84,7 @@ class FakeContext:
         sent = 0
         try:
             for i, token in enumerate(ids):
-                await asyncio.sleep(0.001)
+                await steps(1)
                 await self.backend.gate.wait()
                 sent += 1
                 yield GenerationChunk(
@@ -661,9 +673,10 @@ async def test_early_answers_give_way_as_soon_as_a_margin_refutes_them(tokenizer
     answer over the expected notes, and the answer over what is expected then starts at
     once; the second is kept, which refutes the one without notes. Each is stopped right
     then, not after the last margin; the last margin copies its sentence as expected, so the
-    answer started when the first strayed stands: no answer starts after the margins."""
+    answer started when the first strayed stands: no answer starts after the margins. (The
+    last margin's sentence is the longest: margins run in lock-step on the fake engine.)"""
     backend, events, written = await gate_code_job(
-        tokenizer, {1111: "Boats.", 3333: " ".join(["The gate code is 3333."] * 3)}
+        tokenizer, {1111: "Boats.", 3333: "The gate code is 3333 and the gate code is 3333."}
     )
     assert [m.kept for m in written] == [False, True, True]
     first, second, third = (m.segment for m in written)
