@@ -35,6 +35,7 @@ from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.metrics import JobObserver, WiMMetrics
 from wim_service.serving.plain import PlainParams
+from wim_service.serving.recent import Recent
 from wim_service.serving.replica_client import ReplicaClient, ServeReplicaClient
 from wim_service.serving.responses import (
     Item,
@@ -49,6 +50,10 @@ from wim_service.serving.vllm_metrics import merge_replica_metrics
 from wim_service.wim.errors import ErrorCode, WiMError
 
 logger = logging.getLogger(__name__)
+
+# The engine replicas' metrics in `/metrics` are at most this old (a scrape every 15 s or
+# more is usual; faster scrapes share one fetch).
+METRICS_MAX_AGE_S = 5.0
 
 
 class WiMRouter:
@@ -88,6 +93,10 @@ class WiMRouter:
             self.metrics,
         )
         self._background: asyncio.Task[None] | None = None
+        # What the public probes and scrapes ask of the engine replicas, at most once per
+        # poll interval / `METRICS_MAX_AGE_S` however many requests come (`serving/recent.py`).
+        self._loads = Recent(self.fleet.refresh_loads, router.load_poll_interval_s)
+        self._replica_metrics = Recent(self._fetch_replica_metrics, METRICS_MAX_AGE_S)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_app(self)
@@ -118,7 +127,7 @@ class WiMRouter:
     async def _maintain(self) -> None:
         while True:
             with contextlib.suppress(Exception):
-                await self.fleet.refresh_loads()
+                await self._loads.get()
                 await self._expire_documents()
                 await self.documents.renew_held()
                 await self._claim_documents()
@@ -278,16 +287,21 @@ class WiMRouter:
     async def ready_replicas(self) -> list[str]:
         # Readiness probes come first: from here on the loads are polled in the background.
         self._start_background()
-        await self.fleet.refresh_loads()
+        await self._loads.get()
         return self.fleet.ready()
 
     async def metrics_text(self) -> str:
+        """This router's metrics (always current) and the engine replicas' (`Recent`)."""
+        replicas = await self._replica_metrics.get()
+        return generate_latest(self.metrics.registry).decode() + replicas
+
+    async def _fetch_replica_metrics(self) -> str:
         replicas = sorted(self.fleet.table.loads)
         texts = await asyncio.gather(
             *(asyncio.wait_for(self.client.call(r, "metrics_text"), 10) for r in replicas),
             return_exceptions=True,
         )
-        return generate_latest(self.metrics.registry).decode() + merge_replica_metrics(
+        return merge_replica_metrics(
             {r: t for r, t in zip(replicas, texts, strict=True) if isinstance(t, str)}
         )
 
