@@ -125,6 +125,7 @@ class WiMMetrics:
             ["replica"],
             registry=r,
         )
+        self.event_loop_lag = event_loop_lag(r)
 
 
 class JobObserver:
@@ -176,4 +177,5 @@ METRIC_NAMES = (
     "wim_prefix_cache_hit_tokens_total",
     "wim_replica_draining",
     "wim_kv_reserved_blocks",
+    "wim_event_loop_lag_seconds",
 )
