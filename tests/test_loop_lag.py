@@ -1,13 +1,15 @@
-"""`wim_event_loop_lag_seconds`: the loop monitor on a loop blocked on purpose, and its task
-on shutdown."""
+"""`wim_event_loop_lag_seconds`: the loop monitor on a loop blocked on purpose, its task on
+shutdown, and the router's `/metrics` with its own lag and an engine replica's (fakes, no Ray).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
+from tests.test_router_logic import FakeReplica, make_service, metric
 from wim_service.serving.loop_lag import LoopLagMonitor
 from wim_service.serving.metrics import event_loop_lag
 
@@ -54,3 +56,26 @@ async def test_stop_ends_the_monitor_task() -> None:
     monitor.stop()
     await asyncio.wait({task}, timeout=5)
     assert task.cancelled()
+
+
+class LaggingReplica(FakeReplica):
+    """Reports, as `EngineReplica.metrics_text` does, its loop's lag beside vLLM's metrics:
+    one wake 2 s late."""
+
+    def metrics_text(self) -> str:
+        registry = CollectorRegistry()
+        event_loop_lag(registry).labels("replica", self.name).observe(2.0)
+        return super().metrics_text() + generate_latest(registry).decode()
+
+
+def test_metrics_show_the_router_and_replica_loop_lag() -> None:
+    client, _ = make_service(LaggingReplica("a"))
+    with client:  # runs the app's lifespan, which starts the router's monitor
+        assert client.get("/readyz").status_code == 200  # the router learns replica "a"
+        deadline = time.monotonic() + 30
+        while metric(client, LAG + "_count", deployment="router", replica="local") == 0:
+            assert time.monotonic() < deadline, "the router's loop monitor took no sample"
+            time.sleep(INTERVAL_S)
+        assert client.get("/metrics").text.count(f"# TYPE {LAG} histogram") == 1  # one family
+        assert metric(client, LAG + "_count", deployment="replica", replica="a") == 1
+        assert metric(client, LAG + "_sum", deployment="replica", replica="a") == 2.0

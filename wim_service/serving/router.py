@@ -8,6 +8,8 @@
   elsewhere from the text and retries, so the client still gets its answer.
 * Errors are HTTP statuses with a JSON body `{code, message}` (`errors.py`); a streamed job
   reports late errors as an `error` event (`responses.py`).
+* `LoopLagMonitor` measures how late the router's event loop runs (`loop_lag.py`), from the
+  HTTP app's start to its shutdown.
 
 A plain class: `serving/app.py` makes it a Serve deployment and ingress.
 """
@@ -22,7 +24,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Response
-from prometheus_client import generate_latest
 
 from wim_service.serving.api import DocumentRequest, DocumentResponse, WiMRequest
 from wim_service.serving.auth import ApiKeys, Capability, Tenant, TenantGate, check_open_mode
@@ -33,6 +34,7 @@ from wim_service.serving.errors import HTTPFailure, ServiceCode, status_of
 from wim_service.serving.failover import Dispatcher
 from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.http_app import build_http_app
+from wim_service.serving.loop_lag import LoopLagMonitor
 from wim_service.serving.metrics import JobObserver, WiMMetrics
 from wim_service.serving.plain import PlainParams
 from wim_service.serving.replica_client import ReplicaClient, ServeReplicaClient
@@ -71,6 +73,9 @@ class WiMRouter:
         self.gate = TenantGate(self.config.router.retry_after_s)
         self.name = _replica_name()
         self.metrics = WiMMetrics()
+        self.loop_lag = LoopLagMonitor(
+            self.metrics.event_loop_lag.labels(deployment="router", replica=self.name)
+        )
         self.client = client or ServeReplicaClient(engine)
         self.fleet = ReplicaFleet(self.client, self.config.router, self.metrics)
         router = self.config.router
@@ -287,8 +292,9 @@ class WiMRouter:
             *(asyncio.wait_for(self.client.call(r, "metrics_text"), 10) for r in replicas),
             return_exceptions=True,
         )
-        return generate_latest(self.metrics.registry).decode() + merge_replica_metrics(
-            {r: t for r, t in zip(replicas, texts, strict=True) if isinstance(t, str)}
+        return merge_replica_metrics(
+            self.metrics.registry,
+            {r: t for r, t in zip(replicas, texts, strict=True) if isinstance(t, str)},
         )
 
 
