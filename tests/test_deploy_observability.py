@@ -39,6 +39,7 @@ REQUIRED_ALERTS = {
     "WiMKVCacheNearlyFull",
     "WiMSessionFailovers",
     "WiMQueryTTFTHigh",
+    "WiMEventLoopStalled",
 }
 VLLM_METRICS_USED_BY_THE_DASHBOARD = {
     "vllm:kv_cache_usage_perc",

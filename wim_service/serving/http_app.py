@@ -6,6 +6,8 @@ build the same app over a router with fake replicas.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -91,6 +93,16 @@ API_ERRORS = error_responses(ErrorBody)
 
 
 def build_http_app(router: WiMRouter) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # The loop that serves the app (Serve's replica, uvicorn, a TestClient's) runs its
+        # lifespan; the router may have been built off it (tests build it in their own thread).
+        router.loop_lag.start()
+        try:
+            yield
+        finally:
+            router.loop_lag.stop()
+
     app = FastAPI(
         title="wim_service",
         summary="Long-document question answering with Writing in the Margins on vLLM.",
@@ -100,6 +112,7 @@ def build_http_app(router: WiMRouter) -> FastAPI:
             '`document_id`. Add `"stream": true` for server-sent events.'
         ),
         version="0.1.0",
+        lifespan=lifespan,
     )
     app.add_middleware(
         EdgeMiddleware,

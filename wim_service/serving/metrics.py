@@ -14,6 +14,27 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # (untyped in promet
 
 # Seconds buckets spanning a sub-second margin to a multi-minute document on CPU.
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
+# Event-loop lag: a healthy loop wakes within a millisecond or two; from a second on, requests
+# and health checks visibly wait; 30 s and more is a stall (+Inf).
+_LAG_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+def event_loop_lag(registry: CollectorRegistry) -> Histogram:
+    """`wim_event_loop_lag_seconds` in `registry`: the router's (`WiMMetrics`), and each engine
+    replica's own, which reaches `/metrics` through the router (`vllm_metrics`)."""
+    # A histogram rather than a gauge of the last window's maximum: its counts only grow, so a
+    # stall stays in them until Prometheus scrapes, whatever the scrape interval, and the
+    # largest lag of any window is `histogram_quantile(1, ...)` of them (WiMEventLoopStalled).
+    # Not their p99: a stalled loop takes one sample per stall and a healthy one 4 a second, so
+    # in 5 minutes a 2-minute stall is 1 sample beside 720 and no percentile but the top sees it.
+    return Histogram(
+        "wim_event_loop_lag_seconds",
+        "How late the event loop woke from a fixed sleep, per process: deployment (router or "
+        "replica) and its Serve replica.",
+        ["deployment", "replica"],
+        buckets=_LAG_SECONDS,
+        registry=registry,
+    )
 
 
 class WiMMetrics:
@@ -104,6 +125,7 @@ class WiMMetrics:
             ["replica"],
             registry=r,
         )
+        self.event_loop_lag = event_loop_lag(r)
 
 
 class JobObserver:
@@ -155,4 +177,5 @@ METRIC_NAMES = (
     "wim_prefix_cache_hit_tokens_total",
     "wim_replica_draining",
     "wim_kv_reserved_blocks",
+    "wim_event_loop_lag_seconds",
 )

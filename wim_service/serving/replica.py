@@ -2,8 +2,8 @@
 
 Thin over the engine layer: every method turns a call into `run_wim` / `WiMSession` work and
 streams the events back (typed models of `wim.events` and `serving.contracts`). It reports its
-load for the router's bounded-load placement, and its engine's `vllm:*` metrics for the
-router's `/metrics`.
+load for the router's bounded-load placement, and its engine's `vllm:*` metrics and its event
+loop's lag (`loop_lag.py`) for the router's `/metrics`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import REGISTRY, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from ray import serve
 
 from wim_service.engine.config import EngineConfig
 from wim_service.serving.contracts import DocumentOpened, EngineDead, OpenResult, ReplicaLoad
+from wim_service.serving.loop_lag import LoopLagMonitor
+from wim_service.serving.metrics import event_loop_lag
 from wim_service.serving.plain import PlainParams, plain_events
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import ErrorEvent, WiMEvent
@@ -58,6 +60,13 @@ class EngineReplica:
         self.documents: dict[str, _Document] = {}
         self.orphan_timeout_s = DEFAULT_ORPHAN_TIMEOUT_S
         self._reaper: asyncio.Task[None] | None = None
+        # This replica's own metrics; vLLM's are in the process's global registry.
+        self.registry = CollectorRegistry()
+        lag = event_loop_lag(self.registry).labels(deployment="replica", replica=self.replica)
+        self.loop_lag = LoopLagMonitor(lag)
+        # Serve calls the constructor and `__del__` from a coroutine on the event loop that
+        # runs this replica's async methods: the loop to watch.
+        self.loop_lag.start()
 
     def _ensure_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():
@@ -185,8 +194,9 @@ class EngineReplica:
         }
 
     def metrics_text(self) -> str:
-        """This engine's own `vllm:*` Prometheus metrics (the router adds a replica label)."""
-        return generate_latest(REGISTRY).decode()
+        """This engine's own `vllm:*` Prometheus metrics and this replica's event-loop lag (the
+        router adds a replica label)."""
+        return generate_latest(REGISTRY).decode() + generate_latest(self.registry).decode()
 
     async def check_health(self) -> None:
         """Serve's health check: a dead engine makes Serve replace this replica."""
@@ -194,5 +204,9 @@ class EngineReplica:
             raise RuntimeError("the vLLM engine of this replica is dead")
 
     def __del__(self) -> None:
+        # Each on its own: a failing stop (a constructor that failed first, the garbage
+        # collector's call once the loop is closed) must not skip the engine's shutdown.
+        with contextlib.suppress(Exception):
+            self.loop_lag.stop()
         with contextlib.suppress(Exception):
             self.backend.shutdown()

@@ -8,6 +8,8 @@
   elsewhere from the text and retries, so the client still gets its answer.
 * Errors are HTTP statuses with a JSON body `{code, message}` (`errors.py`); a streamed job
   reports late errors as an `error` event (`responses.py`).
+* `LoopLagMonitor` measures how late the router's event loop runs (`loop_lag.py`), from the
+  HTTP app's start to its shutdown.
 
 A plain class: `serving/app.py` makes it a Serve deployment and ingress.
 """
@@ -22,7 +24,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Response
-from prometheus_client import generate_latest
 
 from wim_service.serving.api import DocumentRequest, DocumentResponse, WiMRequest
 from wim_service.serving.auth import ApiKeys, Capability, Tenant, TenantGate, check_open_mode
@@ -33,6 +34,7 @@ from wim_service.serving.errors import HTTPFailure, ServiceCode, status_of
 from wim_service.serving.failover import Dispatcher
 from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.http_app import build_http_app
+from wim_service.serving.loop_lag import LoopLagMonitor
 from wim_service.serving.metrics import JobObserver, WiMMetrics
 from wim_service.serving.plain import PlainParams
 from wim_service.serving.recent import Recent
@@ -76,6 +78,9 @@ class WiMRouter:
         self.gate = TenantGate(self.config.router.retry_after_s)
         self.name = _replica_name()
         self.metrics = WiMMetrics()
+        self.loop_lag = LoopLagMonitor(
+            self.metrics.event_loop_lag.labels(deployment="router", replica=self.name)
+        )
         self.client = client or ServeReplicaClient(engine)
         self.fleet = ReplicaFleet(self.client, self.config.router, self.metrics)
         router = self.config.router
@@ -291,19 +296,16 @@ class WiMRouter:
         return self.fleet.ready()
 
     async def metrics_text(self) -> str:
-        """This router's metrics (always current) and the engine replicas' (`Recent`)."""
-        replicas = await self._replica_metrics.get()
-        return generate_latest(self.metrics.registry).decode() + replicas
+        """This router's metrics (always current) with the engine replicas' (`Recent`)."""
+        return merge_replica_metrics(self.metrics.registry, await self._replica_metrics.get())
 
-    async def _fetch_replica_metrics(self) -> str:
+    async def _fetch_replica_metrics(self) -> dict[str, str]:
         replicas = sorted(self.fleet.table.loads)
         texts = await asyncio.gather(
             *(asyncio.wait_for(self.client.call(r, "metrics_text"), 10) for r in replicas),
             return_exceptions=True,
         )
-        return merge_replica_metrics(
-            {r: t for r, t in zip(replicas, texts, strict=True) if isinstance(t, str)}
-        )
+        return {r: t for r, t in zip(replicas, texts, strict=True) if isinstance(t, str)}
 
 
 def _serve_http_host() -> str:

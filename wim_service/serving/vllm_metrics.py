@@ -1,8 +1,9 @@
-"""Re-export every engine replica's own `vllm:*` metrics through the router's `/metrics`.
+"""Re-export every engine replica's own metrics through the router's `/metrics`.
 
-Each replica renders its process's Prometheus registry; the router keeps the `vllm:` families,
+Each replica renders its process's Prometheus registry and its own event-loop lag; the router
+keeps the `vllm:` families and those it exports itself too (`wim_event_loop_lag_seconds`),
 labels every sample with the replica it came from, and merges same-named families into one (a
-Prometheus exposition may name a family only once).
+Prometheus exposition may name a family only once), its own included.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ class _Static:
         return self._families
 
 
-def merge_replica_metrics(texts: dict[str, str]) -> str:
-    """Prometheus text of the `vllm:*` families of every replica, with a `replica` label."""
-    merged: dict[str, Metric] = {}
+def merge_replica_metrics(own: CollectorRegistry, texts: dict[str, str]) -> str:
+    """Prometheus text of the router's registry `own` and of every replica's `vllm:*` families
+    and families that `own` has too, the replicas' samples with a `replica` label."""
+    merged: dict[str, Metric] = {family.name: family for family in own.collect()}
+    shared = set(merged)
     for replica, text in sorted(texts.items()):
         for family in text_string_to_metric_families(text):
-            if not family.name.startswith(PREFIX):
+            if not family.name.startswith(PREFIX) and family.name not in shared:
                 continue
             target = merged.setdefault(
                 family.name, Metric(family.name, family.documentation, family.type, family.unit)
@@ -39,8 +42,6 @@ def merge_replica_metrics(texts: dict[str, str]) -> str:
                 Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
                 for s in family.samples
             )
-    if not merged:
-        return ""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Static(list(merged.values())))
     return generate_latest(registry).decode()
