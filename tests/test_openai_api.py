@@ -134,7 +134,7 @@ def test_short_prompts_pass_straight_through(client: openai.OpenAI, service: Liv
     assert completion.usage.prompt_tokens == len(prompt_ids) < 64
     # Without max_tokens: RouterConfig.plain_max_tokens (the window's rest is larger here).
     assert params.max_tokens == 1024 < 8192 - len(prompt_ids)
-    assert params.cache_salt == service.router.authenticate(f"Bearer {API_KEY}").cache_salt
+    assert params.cache_salt == service.router.keys.tenant(f"Bearer {API_KEY}").cache_salt
     # A budget the answer reaches ends with finish_reason "length".
     cut = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=2

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 async def authenticate(request: Request) -> Tenant:
     """The caller's tenant (401 without a valid key), counted against its request rate."""
     router: WiMRouter = request.app.state.wim_router
-    caller = router.authenticate(request.headers.get("authorization"))
+    caller = await router.authenticate(request.headers.get("authorization"))
     request.state.tenant = caller
     return caller
 
