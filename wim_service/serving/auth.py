@@ -117,6 +117,11 @@ class ApiKeys:
     def open(self) -> bool:
         return not self._by_hash
 
+    @property
+    def document_tenants(self) -> frozenset[str]:
+        """The tenants that may open document sessions (those a fair share is shared by)."""
+        return frozenset(t.name for t in self._by_hash.values() if Capability.DOCUMENTS in t.allow)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> ApiKeys:
         if env.get(KEYS_FILE_ENV):

@@ -76,7 +76,7 @@ class WiMRouter:
         router = self.config.router
         store = store or make_store(router.store)
         # Tenant limits are counted in the session store: with Redis, across every router.
-        self.gate = TenantGate(store, router)
+        self.gate = TenantGate(store, router, self.keys.document_tenants)
         self.documents = DocumentTable(
             store, hold_s=router.request_timeout_s, retry_after_s=router.retry_after_s
         )
@@ -250,7 +250,7 @@ class WiMRouter:
         new = StoredSession("doc-" + secrets.token_hex(12), body.options, ttl, tenant=tenant.name)
         status = "error"
         try:
-            async with self.gate.opening(new, tenant):
+            async with self.gate.opening(new, tenant, self.fleet.session_capacity()):
                 session = await self.dispatcher.open_document(new, body.context)
             self.metrics.binding.labels(BindResult.NEW).inc()
             status = "201"
