@@ -23,16 +23,19 @@ import pytest
 from tests.redis_server import RedisServer, redis_binary
 from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.test_router_trust import ACME, KEYS
+from wim_service.engine.config import EngineConfig
 from wim_service.serving.auth import ApiKeys, KeysConfig
 from wim_service.serving.config import StoreConfig
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.router import WiMRouter
+from wim_service.serving.sizing import JobSizer
 from wim_service.serving.store import MemorySessionStore, SessionStore
 from wim_service.serving.store.redis_store import RedisSessionStore, connect
 
 ROUNDS = 10
 # The maintenance loop runs once when a router starts; tests drive expiry and claims.
 ROUTER = {"replica_wait_s": 0, "load_poll_interval_s": 3600}
+SIZER = JobSizer(EngineConfig())
 
 
 class Routers:
@@ -43,16 +46,23 @@ class Routers:
         self.stack = stack
 
     async def new(
-        self, *replicas: FakeReplica, keys: KeysConfig | None = None
+        self,
+        *replicas: FakeReplica,
+        keys: KeysConfig | None = None,
+        client: FakeClient | None = None,
+        **router: Any,
     ) -> tuple[httpx.AsyncClient, WiMRouter]:
+        """A router over `replicas` (or `client`), with `router` config on top of `ROUTER`."""
         wim_router = WiMRouter(
             None,
-            {"router": ROUTER},
-            client=FakeClient(*replicas),
+            {"router": {**ROUTER, **router}},
+            client=client or FakeClient(*replicas),
             keys=ApiKeys(keys),
             http_host="127.0.0.1",
             store=self.store_factory(),
         )
+        # One tokenizer for every router of the tests: loading one takes seconds.
+        wim_router.dispatcher.sizer = SIZER
         self.stack.push_async_callback(_stop, wim_router)
         transport = httpx.ASGITransport(app=build_http_app(wim_router))
         client = httpx.AsyncClient(transport=transport, base_url="http://router")
@@ -66,17 +76,20 @@ async def _stop(router: WiMRouter) -> None:
     await router.documents.store.close()
 
 
+def on_redis(server: RedisServer, stack: AsyncExitStack) -> Routers:
+    """Routers with a Redis client each on `server`, under a key prefix of their own."""
+    config = StoreConfig(backend="redis", key_prefix=f"test-{secrets.token_hex(4)}:")
+    return Routers(lambda: RedisSessionStore(connect(server.url, config), config), stack)
+
+
 @pytest.fixture(params=["memory", "redis"])
 async def routers(request: pytest.FixtureRequest) -> AsyncIterator[Routers]:
-    if request.param == "memory":
-        shared = MemorySessionStore()
-        factory: Callable[[], SessionStore] = lambda: shared  # noqa: E731
-    else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        config = StoreConfig(backend="redis", key_prefix=f"test-{secrets.token_hex(4)}:")
-        factory = lambda: RedisSessionStore(connect(server.url, config), config)  # noqa: E731
     async with AsyncExitStack() as stack:
-        yield Routers(factory, stack)
+        if request.param == "memory":
+            shared = MemorySessionStore()
+            yield Routers(lambda: shared, stack)
+        else:
+            yield on_redis(request.getfixturevalue("redis_server"), stack)
 
 
 def replicas_of(*replicas: FakeReplica, document_id: str) -> list[str]:

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -22,7 +23,6 @@ from wim_service.serving.auth import (
     ApiKeys,
     KeysConfig,
     Tenant,
-    TenantGate,
     TenantLimits,
     check_open_mode,
     hash_key,
@@ -32,9 +32,10 @@ from wim_service.serving.documents import DocumentTable
 from wim_service.serving.errors import HTTPFailure
 from wim_service.serving.http_app import build_http_app, route_edges
 from wim_service.serving.limits import SMALL_BODY_BYTES
+from wim_service.serving.quotas import TenantGate
 from wim_service.serving.replica_client import ReplicaLost
 from wim_service.serving.router import WiMRouter
-from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable
+from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable, memory
 from wim_service.wim.options import WiMOptions
 
 KEYS = KeysConfig.model_validate(
@@ -559,39 +560,42 @@ def test_open_mode_knows_loopback_by_name_and_refuses_a_public_name(
     ]
 
 
-def test_the_request_rate_is_a_sliding_minute_per_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_request_rate_is_a_sliding_minute_per_tenant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     now = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    gate = TenantGate(retry_after_s=2.0)
+    # The memory store's clock only: the event loop keeps the real one.
+    monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: now[0], time=time.time))
+    gate = TenantGate(MemorySessionStore(), RouterConfig(retry_after_s=2), frozenset())
     two = Tenant("two", TenantLimits(requests_per_minute=2))
-    gate.admit(two)  # t = 1000
+    await gate.admit(two)  # t = 1000
     now[0] = 1010.0
-    gate.admit(two)
+    await gate.admit(two)
     now[0] = 1020.0
     with pytest.raises(HTTPFailure) as refused:
-        gate.admit(two)
+        await gate.admit(two)
     # Come back when the oldest request leaves the minute: 1000 + 60 - 1020.
     assert (refused.value.status, refused.value.retry_after) == (429, 40.0)
     assert refused.value.message == "more than 2 requests in a minute"
-    gate.admit(Tenant("other", TenantLimits(requests_per_minute=2)))  # its own count
+    await gate.admit(Tenant("other", TenantLimits(requests_per_minute=2)))  # its own count
     now[0] = 1059.5
     with pytest.raises(HTTPFailure) as soon:
-        gate.admit(two)
+        await gate.admit(two)
     assert soon.value.retry_after == 1.0  # at least a second
     now[0] = 1060.0  # the first request is exactly a minute old: out of the window
-    gate.admit(two)
+    await gate.admit(two)
     with pytest.raises(HTTPFailure):
-        gate.admit(two)
+        await gate.admit(two)
 
 
 async def test_a_tenants_jobs_at_once_are_held_and_given_back() -> None:
-    gate = TenantGate(retry_after_s=2.5)
+    gate = TenantGate(MemorySessionStore(), RouterConfig(retry_after_s=3), frozenset())
     one = Tenant("one", TenantLimits(concurrent_jobs=1))
     async with gate.job(one):
         with pytest.raises(HTTPFailure) as refused:
             async with gate.job(one):
                 pass
-        assert (refused.value.status, refused.value.retry_after) == (429, 2.5)
+        assert (refused.value.status, refused.value.retry_after) == (429, 3)
         assert refused.value.message == "1 jobs of this tenant are running; the limit is 1"
     async with gate.job(one):  # given back
         pass

@@ -233,6 +233,54 @@ async def test_of_two_concurrent_rebinds_exactly_one_wins(
     assert await b.rebind(new.session_id, None, "rb")
 
 
+async def test_reservations_count_against_the_tenants_limit_for_every_router(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    one, two = routers
+    first, second, third = session(), session(), session(tenant_name="globex")
+    assert await one.reserve(first, 2, lease_s=60) == {"acme": 1}
+    assert await two.reserve(second, 2, lease_s=60) == {"acme": 2}
+    assert await one.reserve(session(), 2, lease_s=60) is None  # two held: the limit
+    await one.create(first, TEXT)  # the reservation becomes the session: still one each
+    assert await two.reserve(third, 2, lease_s=60) == {"acme": 2, "globex": 1}
+    await two.unreserve(second)
+    assert await one.reserve(session(), 2, lease_s=0.3) == {"acme": 2, "globex": 1}
+    await asyncio.sleep(0.4)  # an abandoned reservation runs out
+    assert await two.reserve(session(), 2, lease_s=60) == {"acme": 2, "globex": 1}
+
+
+async def test_job_leases_count_until_they_end_or_run_out(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    one, two = routers
+    assert await one.start_job("acme", "j1", 2, lease_s=0.6) is None
+    assert await two.start_job("acme", "j2", 2, lease_s=0.6) is None
+    assert await one.start_job("acme", "j3", 2, lease_s=0.6) == 2
+    assert await one.start_job("globex", "j3", 2, lease_s=0.6) is None  # its own count
+    await two.end_job("acme", "j2")
+    for _ in range(3):  # j1 renewed past its first lease; j2 ended stays ended
+        await asyncio.sleep(0.3)
+        await one.renew_jobs([("acme", "j1"), ("acme", "j2")], lease_s=0.6)
+    assert await two.start_job("acme", "j4", 2, lease_s=0.6) is None
+    assert await two.start_job("acme", "j5", 2, lease_s=0.6) == 2
+    await asyncio.sleep(0.7)  # nobody renews: every lease runs out
+    assert await one.start_job("acme", "j6", 1, lease_s=0.6) is None
+
+
+async def test_the_request_window_slides_for_every_router(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    one, two = routers
+    assert await one.admit_request("acme", 2, window_s=0.5) is None
+    await asyncio.sleep(0.2)
+    assert await two.admit_request("acme", 2, window_s=0.5) is None
+    wait_s = await one.admit_request("acme", 2, window_s=0.5)
+    assert wait_s is not None and 0.1 < wait_s <= 0.3  # until the first leaves the window
+    assert await two.admit_request("globex", 2, window_s=0.5) is None
+    await asyncio.sleep(wait_s + 0.05)
+    assert await two.admit_request("acme", 2, window_s=0.5) is None
+
+
 async def test_memory_store_ends_sessions_and_tombstones_at_their_instant(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -12,16 +12,13 @@ on loopback, or when `WIM_ALLOW_OPEN=1` says so explicitly (logged loudly).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import ipaddress
 import json
 import logging
 import os
-import time
-from collections import deque
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
@@ -120,6 +117,11 @@ class ApiKeys:
     def open(self) -> bool:
         return not self._by_hash
 
+    @property
+    def document_tenants(self) -> frozenset[str]:
+        """The tenants that may open document sessions (those a fair share is shared by)."""
+        return frozenset(t.name for t in self._by_hash.values() if Capability.DOCUMENTS in t.allow)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> ApiKeys:
         if env.get(KEYS_FILE_ENV):
@@ -170,48 +172,3 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-@dataclass
-class _Usage:
-    jobs: int = 0
-    recent: deque[float] = field(default_factory=deque)  # request times, last minute
-
-
-class TenantGate:
-    """Per-tenant limits of one router: requests per minute and jobs at once."""
-
-    def __init__(self, retry_after_s: float) -> None:
-        self.retry_after_s = retry_after_s
-        self._usage: dict[str, _Usage] = {}
-
-    def admit(self, tenant: Tenant) -> None:
-        """Count one request against the tenant's rate; 429 past it."""
-        usage = self._usage.setdefault(tenant.name, _Usage())
-        now = time.monotonic()
-        while usage.recent and usage.recent[0] <= now - 60:
-            usage.recent.popleft()
-        if len(usage.recent) >= tenant.limits.requests_per_minute:
-            raise HTTPFailure(
-                ServiceCode.RATE_LIMITED,
-                f"more than {tenant.limits.requests_per_minute} requests in a minute",
-                max(1.0, usage.recent[0] + 60 - now),
-            )
-        usage.recent.append(now)
-
-    @contextlib.asynccontextmanager
-    async def job(self, tenant: Tenant) -> AsyncIterator[None]:
-        """Hold one of the tenant's concurrent jobs while the block runs."""
-        usage = self._usage.setdefault(tenant.name, _Usage())
-        if usage.jobs >= tenant.limits.concurrent_jobs:
-            raise HTTPFailure(
-                ServiceCode.RATE_LIMITED,
-                f"{usage.jobs} jobs of this tenant are running; the limit is "
-                f"{tenant.limits.concurrent_jobs}",
-                self.retry_after_s,
-            )
-        usage.jobs += 1
-        try:
-            yield
-        finally:
-            usage.jobs -= 1

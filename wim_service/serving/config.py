@@ -54,6 +54,13 @@ class RouterConfig(BaseModel):
     max_failovers: int = Field(2, ge=0, le=10)
     # Retry-After sent with 429/503.
     retry_after_s: int = Field(5, ge=1)
+    # A running job counts against its tenant's `concurrent_jobs` as a lease in the session
+    # store, renewed every third of this while the job runs: the jobs of a router that died
+    # stop counting at most this long after it.
+    job_lease_s: float = Field(30.0, gt=0)
+    # When at most this fraction of the fleet's session slots is free, a new document session
+    # goes only to a tenant under its fair share (serving/quotas.py, docs/security.md).
+    fair_share_headroom: float = Field(0.25, ge=0, lt=1)
     # OpenAI-API prompts (chat template included) with fewer tokens than this are answered by
     # one plain engine request; longer ones with a document run WiM (docs/openai.md).
     plain_prompt_tokens: int = Field(1024, ge=0)

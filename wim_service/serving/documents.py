@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections import Counter
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -18,11 +17,9 @@ from weakref import WeakValueDictionary
 
 from wim_service.serving.api import DocumentResponse
 from wim_service.serving.errors import HTTPFailure, ServiceCode
-from wim_service.serving.store import SessionStore, StoredSession, StoreUnavailable
-from wim_service.wim.errors import ErrorCode
+from wim_service.serving.store import SessionStore, StoredSession, StoreUnavailable, reachable
 from wim_service.wim.options import WiMOptions
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Options that shape a document's KV: fixed when the document is read.
@@ -77,15 +74,7 @@ class DocumentTable:
         self._locks: WeakValueDictionary[str, asyncio.Lock] = WeakValueDictionary()
 
     async def _call(self, call: Awaitable[T]) -> T:
-        try:
-            return await call
-        except StoreUnavailable as exc:
-            logger.warning("session store unavailable: %s", exc)
-            raise HTTPFailure(
-                ErrorCode.UNAVAILABLE,
-                "document sessions are unavailable for a moment; retry later",
-                self.retry_after_s,
-            ) from exc
+        return await reachable(call, "document sessions are", self.retry_after_s)
 
     def lock(self, document_id: str) -> asyncio.Lock:
         lock = self._locks.get(document_id)
@@ -111,9 +100,6 @@ class DocumentTable:
     async def remove(self, document_id: str) -> StoredSession | None:
         """End the session for every router; what it was (its replica to close), or None."""
         return await self._call(self.store.delete(document_id))
-
-    async def count(self, tenant: str) -> int:
-        return sum(1 for s in await self._call(self.store.sessions()) if s.tenant == tenant)
 
     async def sessions(self) -> list[StoredSession]:
         """Every live session (their replicas are told who holds them)."""

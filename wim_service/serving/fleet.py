@@ -64,6 +64,15 @@ class ReplicaFleet:
     def ready(self) -> list[str]:
         return [load.replica for load in self.table.loads.values() if load.healthy]
 
+    def session_capacity(self) -> int:
+        """The sessions the replicas that take new ones admit at once (their `max_sessions`):
+        what the tenants' fair shares divide."""
+        return sum(
+            load.max_sessions
+            for load in self.table.loads.values()
+            if load.healthy and not load.draining
+        )
+
     async def place(self, session: str | None, needed: int, exclude: set[str]) -> str:
         """Bind a session to a replica with room (None: only choose one), waiting a while for
         one to come up."""

@@ -22,6 +22,12 @@ from wim_service.wim.events import DoneEvent, ErrorEvent, WiMEvent
 Item = tuple[str, WiMEvent]
 
 
+async def close(items: AsyncIterator[Item]) -> None:
+    """End a job's events now, and with them its bookkeeping (its tenant's job lease), rather
+    than whenever the event loop finalizes the abandoned generators."""
+    await items.aclose()  # type: ignore[attr-defined]
+
+
 async def first_item(items: AsyncIterator[Item]) -> Item:
     """The job's first event; an error before it (or as it) is raised as an HTTPFailure."""
     try:
@@ -32,7 +38,7 @@ async def first_item(items: AsyncIterator[Item]) -> Item:
         raise HTTPFailure(ErrorCode.ENGINE_ERROR, "the job produced no output") from exc
     event = first[1]
     if isinstance(event, ErrorEvent):
-        await items.aclose()  # type: ignore[attr-defined]  # ends the job's bookkeeping now
+        await close(items)
         raise HTTPFailure(event.code, event.message, event.retry_after_s)
     return first
 
@@ -46,6 +52,8 @@ async def with_late_errors(first: Item, items: AsyncIterator[Item]) -> AsyncIter
             yield replica, event
     except WiMError as exc:
         yield replica, ErrorEvent.of(exc)
+    finally:
+        await close(items)  # closing this generator does not close the one it reads
 
 
 async def json_response(items: AsyncIterator[Item], session_id: str) -> Response:
@@ -66,6 +74,7 @@ async def json_response(items: AsyncIterator[Item], session_id: str) -> Response
                 session_id=session_id,
                 replica=replica,
             )
+            await close(items)
             return JSONResponse(body.model_dump())
     raise HTTPFailure(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
 

@@ -26,17 +26,18 @@ from typing import Any
 from fastapi import FastAPI, Response
 
 from wim_service.serving.api import DocumentRequest, DocumentResponse, WiMRequest
-from wim_service.serving.auth import ApiKeys, Capability, Tenant, TenantGate, check_open_mode
+from wim_service.serving.auth import ApiKeys, Capability, Tenant, check_open_mode
 from wim_service.serving.bindings import BindResult
 from wim_service.serving.config import ServiceConfig
 from wim_service.serving.documents import DocumentTable, check_document_options, document_response
-from wim_service.serving.errors import HTTPFailure, ServiceCode, status_of
+from wim_service.serving.errors import HTTPFailure, status_of
 from wim_service.serving.failover import Dispatcher
 from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.loop_lag import LoopLagMonitor
 from wim_service.serving.metrics import JobObserver, WiMMetrics
 from wim_service.serving.plain import PlainParams
+from wim_service.serving.quotas import TenantGate
 from wim_service.serving.recent import Recent
 from wim_service.serving.replica_client import ReplicaClient, ServeReplicaClient
 from wim_service.serving.responses import (
@@ -75,7 +76,6 @@ class WiMRouter:
         self.config = ServiceConfig.model_validate(config)
         self.keys = keys or ApiKeys.from_env()
         check_open_mode(self.keys, http_host or _serve_http_host())
-        self.gate = TenantGate(self.config.router.retry_after_s)
         self.name = _replica_name()
         self.metrics = WiMMetrics()
         self.loop_lag = LoopLagMonitor(
@@ -84,10 +84,11 @@ class WiMRouter:
         self.client = client or ServeReplicaClient(engine)
         self.fleet = ReplicaFleet(self.client, self.config.router, self.metrics)
         router = self.config.router
+        store = store or make_store(router.store)
+        # Tenant limits are counted in the session store: with Redis, across every router.
+        self.gate = TenantGate(store, router, self.keys.document_tenants)
         self.documents = DocumentTable(
-            store or make_store(router.store),
-            hold_s=router.request_timeout_s,
-            retry_after_s=router.retry_after_s,
+            store, hold_s=router.request_timeout_s, retry_after_s=router.retry_after_s
         )
         self.dispatcher = Dispatcher(
             self.client,
@@ -110,7 +111,7 @@ class WiMRouter:
         """The caller's tenant (401 without a valid key), counted against its request rate."""
         try:
             tenant = self.keys.tenant(authorization)
-            self.gate.admit(tenant)
+            await self.gate.admit(tenant)
         except HTTPFailure as exc:
             self.metrics.requests.labels(str(exc.status)).inc()
             raise
@@ -257,19 +258,14 @@ class WiMRouter:
     async def create_document(self, body: DocumentRequest, tenant: Tenant) -> DocumentResponse:
         tenant.require(Capability.DOCUMENTS)
         self._check_size(body.context, tenant)
-        if await self.documents.count(tenant.name) >= tenant.limits.open_documents:
-            raise HTTPFailure(
-                ServiceCode.RATE_LIMITED,
-                f"{tenant.limits.open_documents} document sessions are open; delete one first",
-                self.config.router.retry_after_s,
-            )
         await self._started()
         router = self.config.router
         ttl = min(body.ttl_s or router.session_ttl_s, router.max_session_ttl_s)
         new = StoredSession("doc-" + secrets.token_hex(12), body.options, ttl, tenant=tenant.name)
         status = "error"
         try:
-            session = await self.dispatcher.open_document(new, body.context)
+            async with self.gate.opening(new, tenant, self.fleet.session_capacity()):
+                session = await self.dispatcher.open_document(new, body.context)
             self.metrics.binding.labels(BindResult.NEW).inc()
             status = "201"
         except HTTPFailure as exc:

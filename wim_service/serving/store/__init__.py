@@ -6,7 +6,12 @@ promises (`base.py`).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable
+from typing import TypeVar
+
 from wim_service.serving.config import StoreConfig
+from wim_service.serving.errors import HTTPFailure
 from wim_service.serving.store.base import (
     SessionExists,
     SessionStore,
@@ -14,6 +19,10 @@ from wim_service.serving.store.base import (
     StoreUnavailable,
 )
 from wim_service.serving.store.memory import MemorySessionStore
+from wim_service.wim.errors import ErrorCode
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = [
     "MemorySessionStore",
@@ -22,6 +31,7 @@ __all__ = [
     "StoreUnavailable",
     "StoredSession",
     "make_store",
+    "reachable",
 ]
 
 
@@ -32,3 +42,16 @@ def make_store(config: StoreConfig) -> SessionStore:
 
         return RedisSessionStore.from_env(config)
     return MemorySessionStore(config.tombstone_ttl_s)
+
+
+async def reachable(call: Awaitable[T], what: str, retry_after_s: float) -> T:
+    """`call`'s result, or 503 `unavailable` with Retry-After if the store cannot be reached:
+    new work fails closed rather than run unchecked or unrecorded. `what` names what is
+    unavailable in the answer."""
+    try:
+        return await call
+    except StoreUnavailable as exc:
+        logger.warning("session store unavailable: %s", exc)
+        raise HTTPFailure(
+            ErrorCode.UNAVAILABLE, f"{what} unavailable for a moment; retry later", retry_after_s
+        ) from exc

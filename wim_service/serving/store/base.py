@@ -12,6 +12,16 @@ Promises of every backend (tests/test_session_store.py checks them on each):
 * `sweep` hands each expired session to exactly one caller (to close its KV), then forgets it.
 * The document text is removed with the session.
 * A backend that cannot be reached raises `StoreUnavailable`.
+
+It also keeps each tenant's counts, so that a tenant's limits hold across every router that
+shares the store (`serving/quotas.py`):
+
+* `admit_request` counts a request in a sliding window, or refuses it, in one step.
+* `start_job` counts a running job as a lease that `renew_jobs` extends while it runs; a job
+  whose router died stops counting when its lease runs out.
+* `reserve` counts and reserves a new session against the tenant's limit in one step; `create`
+  turns the reservation into the session, `unreserve` gives it back, and an abandoned one
+  expires. Two concurrent reservations never both pass the limit.
 """
 
 from __future__ import annotations
@@ -52,8 +62,9 @@ class StoredSession:
 
 class SessionStore(Protocol):
     async def create(self, session: StoredSession, text: str) -> StoredSession:
-        """Store a new session and its text; it expires `ttl_s` from now. Returns it with
-        `expires_at` set; raises `SessionExists` if the id is taken or was deleted recently."""
+        """Store a new session and its text; it expires `ttl_s` from now, and its reservation
+        (`reserve`), if any, ends. Returns it with `expires_at` set; raises `SessionExists` if
+        the id is taken or was deleted recently."""
         ...
 
     async def get(self, session_id: str) -> StoredSession | None:
@@ -86,6 +97,37 @@ class SessionStore(Protocol):
 
     async def sweep(self) -> list[StoredSession]:
         """Remove expired sessions and return them, each to exactly one caller."""
+        ...
+
+    async def admit_request(self, tenant: str, limit: int, window_s: float) -> float | None:
+        """Count one request of the tenant unless `limit` were made in the last `window_s`;
+        None if counted, else the seconds until the oldest of them leaves the window."""
+        ...
+
+    async def start_job(self, tenant: str, job_id: str, limit: int, lease_s: float) -> int | None:
+        """Count the job, leased for `lease_s`, unless the tenant runs `limit` (leases not
+        expired); None if counted, else how many run."""
+        ...
+
+    async def renew_jobs(self, jobs: list[tuple[str, str]], lease_s: float) -> None:
+        """Extend the leases of these (tenant, job id) to `lease_s` from now; a lease that has
+        already expired stays gone."""
+        ...
+
+    async def end_job(self, tenant: str, job_id: str) -> None:
+        """The job ended: it no longer counts."""
+        ...
+
+    async def reserve(
+        self, session: StoredSession, limit: int, lease_s: float
+    ) -> dict[str, int] | None:
+        """Reserve a new session for its tenant for `lease_s` unless the tenant holds `limit`
+        (sessions and reservations); None if refused, else every tenant's holdings, this
+        reservation included."""
+        ...
+
+    async def unreserve(self, session: StoredSession) -> None:
+        """Give back a reservation that will not become a session."""
         ...
 
     async def close(self) -> None:

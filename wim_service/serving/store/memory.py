@@ -6,6 +6,7 @@ Every method runs without awaiting anything, so on the router's event loop each 
 from __future__ import annotations
 
 import time
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, replace
 
 from wim_service.serving.store.base import SessionExists, StoredSession
@@ -22,6 +23,11 @@ class MemorySessionStore:
         self.tombstone_ttl_s = tombstone_ttl_s
         self._entries: dict[str, _Entry] = {}
         self._tombstones: dict[str, float] = {}  # session id -> until (unix seconds)
+        # Per tenant: request times in the window; job id -> lease end. Reservations: session
+        # id -> (tenant, lease end). All in monotonic seconds.
+        self._requests: defaultdict[str, deque[float]] = defaultdict(deque)
+        self._jobs: defaultdict[str, dict[str, float]] = defaultdict(dict)
+        self._reserved: dict[str, tuple[str, float]] = {}
 
     def _live(self, session_id: str) -> _Entry | None:
         entry = self._entries.get(session_id)
@@ -36,6 +42,7 @@ class MemorySessionStore:
             raise SessionExists(sid)
         stored = replace(session, expires_at=now + session.ttl_s)
         self._entries[sid] = _Entry(stored, text)
+        self._reserved.pop(sid, None)
         return stored
 
     async def get(self, session_id: str) -> StoredSession | None:
@@ -55,6 +62,9 @@ class MemorySessionStore:
         return expires_at
 
     async def sessions(self) -> list[StoredSession]:
+        return self._live_sessions()
+
+    def _live_sessions(self) -> list[StoredSession]:
         now = time.time()
         return [e.session for e in self._entries.values() if e.session.expires_at > now]
 
@@ -77,6 +87,52 @@ class MemorySessionStore:
         for session in ended:
             del self._entries[session.session_id]
         return ended
+
+    async def admit_request(self, tenant: str, limit: int, window_s: float) -> float | None:
+        now = time.monotonic()
+        recent = self._requests[tenant]
+        while recent and recent[0] <= now - window_s:
+            recent.popleft()
+        if len(recent) >= limit:
+            return recent[0] + window_s - now
+        recent.append(now)
+        return None
+
+    async def start_job(self, tenant: str, job_id: str, limit: int, lease_s: float) -> int | None:
+        now = time.monotonic()
+        jobs = self._jobs[tenant]
+        for expired in [j for j, until in jobs.items() if until <= now]:
+            del jobs[expired]
+        if len(jobs) >= limit:
+            return len(jobs)
+        jobs[job_id] = now + lease_s
+        return None
+
+    async def renew_jobs(self, jobs: list[tuple[str, str]], lease_s: float) -> None:
+        now = time.monotonic()
+        for tenant, job_id in jobs:
+            leases = self._jobs[tenant]
+            if leases.get(job_id, 0.0) > now:
+                leases[job_id] = now + lease_s
+
+    async def end_job(self, tenant: str, job_id: str) -> None:
+        self._jobs[tenant].pop(job_id, None)
+
+    async def reserve(
+        self, session: StoredSession, limit: int, lease_s: float
+    ) -> dict[str, int] | None:
+        now = time.monotonic()
+        self._reserved = {s: r for s, r in self._reserved.items() if r[1] > now}
+        held = Counter(s.tenant for s in self._live_sessions())
+        held.update(tenant for tenant, _ in self._reserved.values())
+        if held[session.tenant] >= limit:
+            return None
+        self._reserved[session.session_id] = (session.tenant, now + lease_s)
+        held[session.tenant] += 1
+        return dict(held)
+
+    async def unreserve(self, session: StoredSession) -> None:
+        self._reserved.pop(session.session_id, None)
 
     async def close(self) -> None:
         """Nothing to release: the sessions live as long as this process."""

@@ -8,6 +8,12 @@ Per session (prefix `P`, default `wim:`):
 * `P{id}:t`, a tombstone left by `delete`, for `tombstone_ttl_s`;
 * `Pexpiry`, a sorted set of session ids by expiry, for `sweep`.
 
+Per tenant `T` (`serving/quotas.py` counts its limits here):
+
+* `Ptenant:T:requests`, a sorted set of request ids by time, the last `window_s`;
+* `Ptenant:T:jobs`, a sorted set of running job ids by lease end;
+* `Popening`, one sorted set of session reservations (`id|tenant`) by lease end.
+
 Every read-check-write is one Lua script, so it is atomic against every other router, and
 every expiry is judged by Redis' own clock (`TIME`), so routers with skewed clocks agree. A
 session is expired at `expires_ms`; Redis drops its keys by TTL `expiry_grace_s` later, which
@@ -19,6 +25,7 @@ replica/Sentinel for failover), not a Redis Cluster.
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import replace
 from typing import Any
 
@@ -42,15 +49,30 @@ local function live(key)
   local e = redis.call('HGET', key, 'expires_ms')
   return e and tonumber(e) > now
 end
+-- fn(id, key) of every live session in the expiry index. The session keys are built here,
+-- not declared: one more reason for one Redis, not a Cluster.
+local function each_live(index, prefix, fn)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', index, '(' .. now, '+inf')) do
+    local key = prefix .. '{' .. id .. '}:s'
+    if live(key) then fn(id, key) end
+  end
+end
+-- A sorted set of leases goes when its last lease ends (none of it is needed after that).
+local function expire_with_last(key)
+  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if last[2] then redis.call('PEXPIREAT', key, last[2]) end
+end
 """
 
-# KEYS: session, text, tombstone, expiry index. ARGV: id, text, ttl_ms, grace_ms, then the
-# hash's field/value pairs. Returns expires_ms, or 0 if the id is taken or tombstoned.
+# KEYS: session, text, tombstone, expiry index, reservations. ARGV: id, text, ttl_ms, grace_ms,
+# reservation, then the hash's field/value pairs. Returns expires_ms, or 0 if the id is taken
+# or tombstoned.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1], KEYS[3]) > 0 then return 0 end
 local ttl = tonumber(ARGV[3])
 local expires = now + ttl
-redis.call('HSET', KEYS[1], 'ttl_ms', ttl, 'expires_ms', expires, unpack(ARGV, 5))
+redis.call('ZREM', KEYS[5], ARGV[5])
+redis.call('HSET', KEYS[1], 'ttl_ms', ttl, 'expires_ms', expires, unpack(ARGV, 6))
 redis.call('PEXPIRE', KEYS[1], ttl + ARGV[4])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ttl + ARGV[4])
 redis.call('ZADD', KEYS[4], expires, ARGV[1])
@@ -82,17 +104,13 @@ redis.call('ZADD', KEYS[3], expires, ARGV[1])
 return expires
 """
 
-# KEYS: expiry index. ARGV: key prefix. Every live session: id, hash, id, hash, ... The
-# session keys are built here, not declared: one more reason for one Redis, not a Cluster.
+# KEYS: expiry index. ARGV: key prefix. Every live session: id, hash, id, hash, ...
 _SESSIONS = """
 local out = {}
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
-  local key = ARGV[1] .. '{' .. id .. '}:s'
-  if live(key) then
-    out[#out + 1] = id
-    out[#out + 1] = redis.call('HGETALL', key)
-  end
-end
+each_live(KEYS[1], ARGV[1], function(id, key)
+  out[#out + 1] = id
+  out[#out + 1] = redis.call('HGETALL', key)
+end)
 return out
 """
 
@@ -130,6 +148,69 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 return fields
 """
 
+# KEYS: the tenant's requests. ARGV: request id, limit, window_ms. Returns nil if counted,
+# else the ms until the oldest request leaves the window.
+_ADMIT_REQUEST = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ARGV[3])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return tonumber(oldest[2]) + ARGV[3] - now
+end
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return false
+"""
+
+# KEYS: the tenant's jobs. ARGV: job id, limit, lease_ms. Returns nil if counted, else how
+# many jobs run (leases not expired).
+_START_JOB = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local running = redis.call('ZCARD', KEYS[1])
+if running >= tonumber(ARGV[2]) then return running end
+redis.call('ZADD', KEYS[1], now + ARGV[3], ARGV[1])
+expire_with_last(KEYS[1])
+return false
+"""
+
+# KEYS: each job's tenant's jobs. ARGV: lease_ms, then each job's id. A lease that ended is
+# not renewed: its job stopped counting, maybe for good (an `end_job` raced this renewal).
+_RENEW_JOBS = """
+for i, key in ipairs(KEYS) do
+  local until_ms = redis.call('ZSCORE', key, ARGV[i + 1])
+  if until_ms and tonumber(until_ms) > now then
+    redis.call('ZADD', key, now + ARGV[1], ARGV[i + 1])
+    expire_with_last(key)
+  end
+end
+"""
+
+# KEYS: expiry index, reservations. ARGV: key prefix, reservation (`id|tenant`), tenant, limit,
+# lease_ms. Returns nil if the tenant holds `limit` sessions and reservations, else every
+# tenant's holdings with this reservation: tenant, count, tenant, count, ...
+_RESERVE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local held = {}
+local function count(tenant) held[tenant] = (held[tenant] or 0) + 1 end
+each_live(KEYS[1], ARGV[1], function(_, key) count(redis.call('HGET', key, 'tenant')) end)
+for _, reservation in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  count(string.sub(reservation, string.find(reservation, '|', 1, true) + 1))
+end
+if (held[ARGV[3]] or 0) >= tonumber(ARGV[4]) then return false end
+redis.call('ZADD', KEYS[2], now + ARGV[5], ARGV[2])
+count(ARGV[3])
+local out = {}
+for tenant, n in pairs(held) do
+  out[#out + 1] = tenant
+  out[#out + 1] = n
+end
+return out
+"""
+
+# KEYS: a sorted set. ARGV: a member, removed (a job that ended, a reservation given back).
+_REMOVE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
 # Sessions a sweep takes at most (the next sweep takes the rest).
 SWEEP_BATCH = 100
 
@@ -154,6 +235,11 @@ class RedisSessionStore:
                 "delete": _DELETE,
                 "expired": _EXPIRED,
                 "claim": _CLAIM,
+                "admit_request": _ADMIT_REQUEST,
+                "start_job": _START_JOB,
+                "renew_jobs": _RENEW_JOBS,
+                "reserve": _RESERVE,
+                "remove": _REMOVE,
             }.items()
         }
 
@@ -173,6 +259,13 @@ class RedisSessionStore:
     @property
     def _index(self) -> str:
         return f"{self.config.key_prefix}expiry"
+
+    def _tenant_key(self, tenant: str, kind: str) -> str:
+        return f"{self.config.key_prefix}tenant:{tenant}:{kind}"
+
+    @property
+    def _reservations(self) -> str:
+        return f"{self.config.key_prefix}opening"
 
     async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         try:
@@ -198,12 +291,17 @@ class RedisSessionStore:
         }
         expires_ms = await self._run(
             "create",
-            [self._key(sid, "s"), self._key(sid, "d"), self._key(sid, "t"), self._index],
+            [
+                *(self._key(sid, kind) for kind in ("s", "d", "t")),
+                self._index,
+                self._reservations,
+            ],
             [
                 sid,
                 self.cipher.seal(sid, text),
                 round(session.ttl_s * 1000),
                 self._grace_ms,
+                _reservation(session),
                 *(item for pair in fields.items() for item in pair),
             ],
         )
@@ -259,6 +357,52 @@ class RedisSessionStore:
                 ended.append(_session(sid, _fields(flat)))
         return ended
 
+    async def admit_request(self, tenant: str, limit: int, window_s: float) -> float | None:
+        wait_ms = await self._run(
+            "admit_request",
+            [self._tenant_key(tenant, "requests")],
+            [secrets.token_hex(8), limit, round(window_s * 1000)],
+        )
+        return wait_ms / 1000 if wait_ms is not None else None
+
+    async def start_job(self, tenant: str, job_id: str, limit: int, lease_s: float) -> int | None:
+        running: int | None = await self._run(
+            "start_job", [self._tenant_key(tenant, "jobs")], [job_id, limit, round(lease_s * 1000)]
+        )
+        return running
+
+    async def renew_jobs(self, jobs: list[tuple[str, str]], lease_s: float) -> None:
+        if jobs:
+            await self._run(
+                "renew_jobs",
+                [self._tenant_key(tenant, "jobs") for tenant, _ in jobs],
+                [round(lease_s * 1000), *(job_id for _, job_id in jobs)],
+            )
+
+    async def end_job(self, tenant: str, job_id: str) -> None:
+        await self._run("remove", [self._tenant_key(tenant, "jobs")], [job_id])
+
+    async def reserve(
+        self, session: StoredSession, limit: int, lease_s: float
+    ) -> dict[str, int] | None:
+        flat = await self._run(
+            "reserve",
+            [self._index, self._reservations],
+            [
+                self.config.key_prefix,
+                _reservation(session),
+                session.tenant,
+                limit,
+                round(lease_s * 1000),
+            ],
+        )
+        if flat is None:
+            return None
+        return {t.decode(): int(n) for t, n in zip(flat[::2], flat[1::2], strict=True)}
+
+    async def unreserve(self, session: StoredSession) -> None:
+        await self._run("remove", [self._reservations], [_reservation(session)])
+
     async def close(self) -> None:
         await self.client.aclose()
 
@@ -273,6 +417,11 @@ def connect(url: str, config: StoreConfig) -> Redis:
         socket_timeout=config.timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1),
     )
+
+
+def _reservation(session: StoredSession) -> str:
+    """A reservation names its tenant after the id (ids have no `|`: `doc-<hex>`)."""
+    return f"{session.session_id}|{session.tenant}"
 
 
 def _fields(flat: list[bytes]) -> dict[str, str]:
