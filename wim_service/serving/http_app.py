@@ -6,6 +6,8 @@ build the same app over a router with fake replicas.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -65,6 +67,12 @@ API_ERRORS = error_responses(ErrorBody)
 
 
 def build_http_app(router: WiMRouter) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Serve runs this when the router replica stops: no PDF worker outlives the router.
+        router.pdf.close()
+
     app = FastAPI(
         title="wim_service",
         summary="Long-document question answering with Writing in the Margins on vLLM.",
@@ -74,6 +82,7 @@ def build_http_app(router: WiMRouter) -> FastAPI:
             '`document_id`. Add `"stream": true` for server-sent events.'
         ),
         version="0.1.0",
+        lifespan=lifespan,
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=router.config.router.max_body_bytes)
     # Its request-id middleware goes outermost; it also names the router replica that

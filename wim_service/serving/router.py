@@ -34,6 +34,7 @@ from wim_service.serving.failover import Dispatcher
 from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.metrics import JobObserver, WiMMetrics
+from wim_service.serving.pdf import PdfExtractor
 from wim_service.serving.plain import PlainParams
 from wim_service.serving.replica_client import ReplicaClient, ServeReplicaClient
 from wim_service.serving.responses import (
@@ -87,6 +88,7 @@ class WiMRouter:
             self.config.router,
             self.metrics,
         )
+        self.pdf = PdfExtractor(self.config.router)
         self._background: asyncio.Task[None] | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
