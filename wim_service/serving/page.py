@@ -16,6 +16,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from wim_service.serving.auth import Tenant
 from wim_service.serving.errors import HTTPFailure
 from wim_service.serving.pdf import ExtractedText
 from wim_service.wim.errors import ErrorCode
@@ -82,11 +83,13 @@ def extract_routes() -> APIRouter:
     )
     async def extract_pdf(request: Request) -> ExtractedText:
         """The text of a PDF, page by page (for the page's upload), read within the bounds of
-        the router's `pdf_*` settings."""
+        the router's `pdf_*` settings; it counts as one of the tenant's concurrent jobs."""
         data = await request.body()
         if not data.startswith(b"%PDF"):
             raise HTTPFailure(ErrorCode.INVALID_INPUT, "the body is not a PDF file")
         router: WiMRouter = request.app.state.wim_router
-        return await _unless_the_client_leaves(request, router.pdf.extract(data))
+        tenant: Tenant = request.state.tenant  # set by the app's authentication
+        async with router.gate.job(tenant):
+            return await _unless_the_client_leaves(request, router.pdf.extract(data))
 
     return api
