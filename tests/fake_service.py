@@ -24,7 +24,7 @@ from typing import Any
 import uvicorn
 
 from tests.test_router_logic import FakeClient, FakeReplica
-from wim_service.serving.auth import ApiKeys, KeysConfig, TenantConfig, hash_key
+from wim_service.serving.auth import ApiKeys, KeysConfig, TenantConfig, TenantLimits, hash_key
 from wim_service.serving.contracts import DocumentOpened
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.plain import PlainParams
@@ -222,8 +222,8 @@ class ScriptedClient(FakeClient):
                 target.cancelled += 1
 
 
-def keys() -> ApiKeys:
-    tenant = TenantConfig(keys=[hash_key(API_KEY)])
+def keys(limits: TenantLimits | None = None) -> ApiKeys:
+    tenant = TenantConfig(keys=[hash_key(API_KEY)], limits=limits or TenantLimits())
     return ApiKeys(KeysConfig(tenants={"test": tenant}))
 
 
@@ -236,13 +236,19 @@ def free_port() -> int:
 class LiveService:
     """The app on a real loopback port; `client` and `replica` for what the tests inspect."""
 
-    def __init__(self, router: dict[str, Any] | None = None, *, delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        router: dict[str, Any] | None = None,
+        *,
+        delay_s: float = 0.0,
+        limits: TenantLimits | None = None,
+    ) -> None:
         self.replica = ScriptedReplica("a")
         self.client = ScriptedClient(self.replica, delay_s=delay_s)
         # Loads polled often: a test that fills the replica sees it soon.
         config = {"router": {"replica_wait_s": 0, "load_poll_interval_s": 0.1, **(router or {})}}
         self.router = WiMRouter(
-            None, config, client=self.client, keys=keys(), http_host="127.0.0.1"
+            None, config, client=self.client, keys=keys(limits), http_host="127.0.0.1"
         )
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

@@ -30,6 +30,7 @@ from tests.live_stack import (
     settled,
     wait_for,
 )
+from tests.pdfs import tiny_pdf
 from wim_service.wim.options import WiMOptions
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -278,31 +279,6 @@ def test_a_wrong_key_is_reported(page_at, service: LiveService) -> None:
     # The key lives in this tab's sessionStorage only.
     assert page.evaluate("sessionStorage.getItem('wim.apiKey')") == "not-the-key"
     assert page.evaluate("localStorage.length") == 0
-
-
-def tiny_pdf(text: str) -> bytes:
-    """A one-page PDF showing `text` (Helvetica), with a correct cross-reference table."""
-    content = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
-    objects = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
-        b"/Resources << /Font << /F1 5 0 R >> >> >>",
-        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(content), content),
-        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-    ]
-    out, offsets = b"%PDF-1.4\n", []
-    for number, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objects) + 1,
-        xref,
-    )
-    return out
 
 
 def test_a_pdf_upload_fills_in_its_text(page_at, service: LiveService, tmp_path: Path) -> None:

@@ -67,6 +67,15 @@ class RouterConfig(BaseModel):
     # A plain request without `max_tokens` answers at most this many tokens (fewer if the
     # context window leaves less): it reserves KV for all of them while it runs.
     plain_max_tokens: int = Field(1024, ge=1)
+    # PDF uploads (`POST /extract/pdf`) are read in a worker process (serving/pdf.py): more
+    # pages than this are refused (413 `too_long`), as is more text than max_document_chars.
+    pdf_max_pages: int = Field(500, ge=1)
+    # A worker still reading after this long (its start-up included) is killed: 422
+    # `too_complex`.
+    pdf_timeout_s: float = Field(10.0, gt=0, le=600)
+    # The worker's address space; pypdf's allocations past it fail: 422 `too_complex`. Python
+    # and pypdf take about 60 MiB of it before the PDF is read.
+    pdf_max_memory_bytes: int = Field(512 * 2**20, ge=128 * 2**20)
     # Where document sessions (text, options, binding, expiry) live.
     store: StoreConfig = Field(default_factory=StoreConfig)
 

@@ -37,6 +37,7 @@ class ServiceCode(StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"  # the route exists, not with this method
     OPTIONS_FIXED = "options_fixed"  # a query changes options fixed when its document was read
     BODY_TOO_LARGE = "body_too_large"
+    TOO_COMPLEX = "too_complex"  # an upload takes more time or memory to read than it is given
     UNAUTHORIZED = "unauthorized"  # no API key, or an unknown one
     FORBIDDEN = "forbidden"  # the tenant may not do this
     RATE_LIMITED = "rate_limited"  # the tenant's own limits
@@ -57,6 +58,7 @@ STATUS: dict[str, int] = {
     ServiceCode.BODY_TOO_LARGE: 413,
     ServiceCode.INVALID_REQUEST: 422,
     ServiceCode.OPTIONS_FIXED: 422,
+    ServiceCode.TOO_COMPLEX: 422,
     ErrorCode.OVERLOADED: 429,
     ServiceCode.RATE_LIMITED: 429,
     ErrorCode.CANCELLED: 499,

@@ -102,6 +102,8 @@ def build_http_app(router: WiMRouter) -> FastAPI:
             yield
         finally:
             router.loop_lag.stop()
+            # Serve runs this when the router replica stops: no PDF worker outlives it.
+            router.pdf.close()
 
     app = FastAPI(
         title="wim_service",

@@ -8,16 +8,23 @@ the API key the user typed (`Authorization: Bearer`), kept in the tab's sessionS
 from __future__ import annotations
 
 import asyncio
-import io
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel
 
 from wim_service.serving.errors import HTTPFailure
+from wim_service.serving.limits import caller
+from wim_service.serving.pdf import ExtractedText
 from wim_service.wim.errors import ErrorCode
+
+if TYPE_CHECKING:
+    from wim_service.serving.router import WiMRouter
+
+T = TypeVar("T")
 
 STATIC = Path(__file__).parent / "static"
 # The page runs only its own files and talks only to this origin.
@@ -41,21 +48,25 @@ def install_page(app: FastAPI) -> None:
         return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
 
 
-class ExtractedText(BaseModel):
-    text: str
-    pages: int
+async def _unless_the_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or `cancelled` (499) as soon as the client disconnects: then `work` is
+    cancelled and awaited, so nothing it started outlives the request. (Serve cancels a request
+    whose client left, uvicorn alone does not: this holds under both.)"""
 
+    async def client_left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
-def pdf_text(data: bytes) -> ExtractedText:
-    from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
-
+    working, leaving = asyncio.ensure_future(work), asyncio.ensure_future(client_left())
     try:
-        reader = PdfReader(io.BytesIO(data))
-        pages = [page.extract_text() or "" for page in reader.pages]
-    except (PdfReadError, ValueError, KeyError) as exc:
-        raise HTTPFailure(ErrorCode.INVALID_INPUT, f"not a readable PDF: {exc}") from exc
-    return ExtractedText(text="\n\n".join(p.strip() for p in pages).strip(), pages=len(pages))
+        await asyncio.wait((working, leaving), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        working.cancel()
+        leaving.cancel()
+        await asyncio.wait((working, leaving))
+    if working.cancelled():
+        raise HTTPFailure(ErrorCode.CANCELLED, "the client went away")
+    return working.result()
 
 
 def extract_routes() -> APIRouter:
@@ -71,10 +82,13 @@ def extract_routes() -> APIRouter:
         },
     )
     async def extract_pdf(request: Request) -> ExtractedText:
-        """The text of a PDF, page by page (for the page's upload)."""
+        """The text of a PDF, page by page (for the page's upload), read within the bounds of
+        the router's `pdf_*` settings; it counts as one of the tenant's concurrent jobs."""
         data = await request.body()
         if not data.startswith(b"%PDF"):
             raise HTTPFailure(ErrorCode.INVALID_INPUT, "the body is not a PDF file")
-        return await asyncio.to_thread(pdf_text, data)
+        router: WiMRouter = request.app.state.wim_router
+        async with router.gate.job(caller(request)):
+            return await _unless_the_client_leaves(request, router.pdf.extract(data))
 
     return api

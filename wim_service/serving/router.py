@@ -36,6 +36,7 @@ from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.loop_lag import LoopLagMonitor
 from wim_service.serving.metrics import JobObserver, WiMMetrics
+from wim_service.serving.pdf import PdfExtractor
 from wim_service.serving.plain import PlainParams
 from wim_service.serving.quotas import TenantGate
 from wim_service.serving.recent import Recent
@@ -98,6 +99,7 @@ class WiMRouter:
             self.config.router,
             self.metrics,
         )
+        self.pdf = PdfExtractor(self.config.router)
         self._background: asyncio.Task[None] | None = None
         # What the public probes and scrapes ask of the engine replicas, at most once per
         # poll interval / `METRICS_MAX_AGE_S` however many requests come (`serving/recent.py`).

@@ -1,0 +1,230 @@
+"""`POST /extract/pdf` on hostile PDFs (serving/pdf.py): each is refused with a 4xx in the
+error table's shape and a message of ours (no pypdf text, no traceback), within the deadline
+(pytest-timeout: the deadline plus a margin for a busy machine), and leaves no worker process
+behind; a normal PDF still reads afterwards. An extraction holds one of the tenant's concurrent
+jobs; a client that leaves, and a router that shuts down, take the worker with them.
+
+The app runs on fake replicas (tests/fake_service.py): no engine, no Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+
+from tests.fake_service import API_KEY, LiveService
+from tests.pdfs import HELVETICA, pages_pdf, pdf_file, shown, stream, tiny_pdf
+from tests.test_router_logic import FakeClient, FakeReplica
+from wim_service.serving.auth import TenantLimits
+from wim_service.serving.config import RouterConfig
+from wim_service.serving.errors import HTTPFailure
+from wim_service.serving.http_app import build_http_app
+from wim_service.serving.pdf import WORKER
+from wim_service.serving.router import WiMRouter
+
+DEADLINE_S = RouterConfig().pdf_timeout_s
+MAX_PAGES = RouterConfig().pdf_max_pages
+MARGIN_S = 15  # a worker starts in about a second; more on a busy machine
+# The tight service: the least memory, little text, one job at a time.
+TIGHT_CHARS = 2000
+TIGHT = {"pdf_max_memory_bytes": 128 * 2**20, "max_document_chars": TIGHT_CHARS}
+# 250,000 text operators in one content stream (34 kB deflated): pypdf parses them for a
+# minute, then gives up past its budget of 2,000,000 tokens (LimitReachedError).
+HUGE_CONTENT = shown("page text here") * 250_000
+NORMAL = "The night gate code is 4417."
+HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/pdf"}
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[LiveService]:
+    """The default bounds."""
+    with LiveService().running() as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def tight() -> Iterator[LiveService]:
+    with LiveService(TIGHT, limits=TenantLimits(concurrent_jobs=1)).running() as live:
+        yield live
+
+
+def workers() -> list[psutil.Process]:
+    """The PDF workers among this process's children (the app runs in a thread of it)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if WORKER in child.cmdline():
+                found.append(child)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
+
+
+def extract(live: LiveService, pdf: bytes) -> httpx.Response:
+    return httpx.post(live.base_url + "/extract/pdf", content=pdf, headers=HEADERS, timeout=120)
+
+
+def assert_refused(response: httpx.Response, status: int, code: str, message: str) -> None:
+    """A refusal in the error table's shape with exactly our `message`, and no worker left."""
+    assert response.status_code == status, response.text
+    assert response.json() == {"code": code, "message": message}
+    assert not workers()
+
+
+def assert_reads(live: LiveService) -> None:
+    response = extract(live, tiny_pdf(NORMAL))
+    assert response.status_code == 200, response.text
+    assert response.json() == {"text": NORMAL, "pages": 1}
+    assert not workers()
+
+
+@pytest.mark.timeout(DEADLINE_S + MARGIN_S, func_only=True)
+def test_20000_pages_sharing_one_huge_content_stream_are_refused_by_their_count(
+    service: LiveService,
+) -> None:
+    # 3.2 MB: pypdf walks the page tree for seconds, then spends a minute on the first page.
+    pdf = pages_pdf(20_000, HUGE_CONTENT, compress=True)
+    assert_refused(
+        extract(service, pdf),
+        413,
+        "too_long",
+        f"the PDF has 20000 pages; this service reads at most {MAX_PAGES}",
+    )
+    assert_reads(service)
+
+
+@pytest.mark.parametrize("declared", [MAX_PAGES + 1, 1], ids=["declared", "understated"])
+@pytest.mark.timeout(DEADLINE_S + MARGIN_S, func_only=True)
+def test_more_pages_than_the_cap_are_refused(service: LiveService, declared: int) -> None:
+    pdf = pages_pdf(MAX_PAGES + 1, shown("a page"), count=declared)
+    assert_refused(
+        extract(service, pdf),
+        413,
+        "too_long",
+        f"the PDF has {MAX_PAGES + 1} pages; this service reads at most {MAX_PAGES}",
+    )
+    assert_reads(service)
+
+
+def parent_cycle() -> bytes:
+    """A page inheriting its resources from a parent that is its own parent: pypdf raises
+    `LimitReachedError`, which is no `PdfReadError`."""
+    return pdf_file(
+        [
+            b"<< /Type /Catalog /Pages 2 0 R >>",
+            b"<< /Type /Pages /Kids [5 0 R] /Count 1 >>",
+            stream(shown(NORMAL)),
+            HELVETICA,
+            b"<< /Type /Page /Parent 6 0 R /MediaBox [0 0 612 792] /Contents 3 0 R >>",
+            b"<< /Parent 6 0 R >>",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "pdf",
+    [
+        b"%PDF-1.7\n" + bytes(range(256)) * 40,
+        tiny_pdf(NORMAL)[:300],
+        parent_cycle(),
+    ],
+    ids=["garbage", "truncated", "parent-cycle"],
+)
+@pytest.mark.timeout(DEADLINE_S + MARGIN_S, func_only=True)
+def test_an_unreadable_pdf_gets_a_fixed_message(service: LiveService, pdf: bytes) -> None:
+    assert_refused(extract(service, pdf), 400, "invalid_input", "not a readable PDF")
+    assert_reads(service)
+
+
+@pytest.mark.timeout(DEADLINE_S + MARGIN_S, func_only=True)
+def test_a_huge_content_stream_is_stopped_at_the_deadline(service: LiveService) -> None:
+    assert_refused(
+        extract(service, pages_pdf(1, HUGE_CONTENT, compress=True)),
+        422,
+        "too_complex",
+        f"reading this PDF took longer than {DEADLINE_S:g} s, the most this service gives it",
+    )
+    assert_reads(service)
+
+
+@pytest.mark.timeout(DEADLINE_S + MARGIN_S, func_only=True)
+def test_a_stream_that_inflates_past_the_memory_limit_is_refused(tight: LiveService) -> None:
+    # 40 kB that inflate to a 40 MB string; reading it needs several times that.
+    pdf = pages_pdf(1, shown("A" * 40_000_000), compress=True)
+    assert_refused(
+        extract(tight, pdf),
+        422,
+        "too_complex",
+        "reading this PDF needs more than 128 MiB, the most this service gives it",
+    )
+    assert_reads(tight)
+
+
+@pytest.mark.timeout(DEADLINE_S + MARGIN_S, func_only=True)
+def test_more_text_than_the_service_takes_is_refused(tight: LiveService) -> None:
+    pdf = pages_pdf(3, shown("x" * (TIGHT_CHARS // 2)))
+    assert_refused(
+        extract(tight, pdf),
+        413,
+        "too_long",
+        f"the PDF's text is longer than {TIGHT_CHARS} characters, the most this service takes",
+    )
+    assert_reads(tight)
+
+
+@pytest.mark.timeout(2 * (DEADLINE_S + MARGIN_S), func_only=True)
+def test_an_extraction_holds_one_of_the_tenants_concurrent_jobs(tight: LiveService) -> None:
+    slow: list[httpx.Response] = []
+    holder = threading.Thread(
+        target=lambda: slow.append(extract(tight, pages_pdf(1, HUGE_CONTENT, compress=True)))
+    )
+    holder.start()
+    while not workers():
+        time.sleep(0.02)
+    refused = extract(tight, tiny_pdf(NORMAL))
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["code"] == "rate_limited" and refused.headers["Retry-After"]
+    holder.join()
+    assert slow[0].status_code == 422, slow[0].text
+    assert_reads(tight)  # the job is given back
+
+
+@pytest.mark.timeout(DEADLINE_S - 2, func_only=True)  # before the deadline would stop it
+def test_a_client_that_leaves_takes_its_worker_with_it(service: LiveService) -> None:
+    pdf = pages_pdf(1, HUGE_CONTENT, compress=True)
+    head = (
+        f"POST /extract/pdf HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/pdf\r\nContent-Length: {len(pdf)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", service.port)) as client:
+        client.sendall(head.encode() + pdf)
+        while not workers():
+            time.sleep(0.02)
+    while workers():
+        time.sleep(0.02)
+    assert_reads(service)
+
+
+@pytest.mark.timeout(DEADLINE_S - 2, func_only=True)
+async def test_a_router_that_shuts_down_kills_its_workers() -> None:
+    router = WiMRouter(None, {}, client=FakeClient(FakeReplica("a")), http_host="127.0.0.1")
+    app = build_http_app(router)
+    async with app.router.lifespan_context(app):  # as Serve runs it around a router replica
+        extraction = asyncio.ensure_future(
+            router.pdf.extract(pages_pdf(1, HUGE_CONTENT, compress=True))
+        )
+        while not workers():
+            await asyncio.sleep(0.02)
+    with pytest.raises(HTTPFailure) as refused:
+        await extraction
+    assert (refused.value.status, refused.value.code) == (503, "unavailable")
+    assert not workers()
+    with pytest.raises(HTTPFailure, match="shutting down"):  # and it starts no new one
+        await router.pdf.extract(tiny_pdf(NORMAL))
