@@ -15,6 +15,7 @@ import contextlib
 import http.client
 import json
 import secrets
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -39,6 +40,7 @@ from tests.live_stack import (
     settled,
     wait_for,
 )
+from tests.pdfs import pages_pdf, tiny_pdf
 from wim_service.serving.errors import STATUS, ServiceCode
 from wim_service.wim.errors import ErrorCode
 
@@ -377,6 +379,165 @@ def test_another_tenants_document_is_as_unknown_as_a_missing_one(
     assert asked.status_code == 200, asked.text
     assert client.delete(f"/documents/{document_id}").status_code == 204
     assert_recovered(client)
+
+
+# -- every route, every class of hostile payload --------------------------------------------
+
+# Each class is built for each route that takes it: the text field of each route's body.
+TEXT_FIELD = {
+    "/wim": lambda text: {"context": text, "query": QUERY},
+    "/documents": lambda text: {"context": text},
+    "/v1/chat/completions": lambda text: {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": text}],
+    },
+    "/v1/completions": lambda text: {"model": "SmolLM2-135M-Instruct", "prompt": text},
+}
+STOPS = {  # where each route takes stop strings
+    "/wim": lambda stops: job(options={"answer_stop": stops}),
+    "/v1/chat/completions": lambda stops: {
+        **TEXT_FIELD["/v1/chat/completions"]("hi"),
+        "stop": stops,
+    },
+    "/v1/completions": lambda stops: {**TEXT_FIELD["/v1/completions"]("hi"), "stop": stops},
+}
+
+
+def hostile_cases(method: str, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(name, httpx request arguments) of every hostile payload class that `path` takes."""
+    keyed = path not in ("/", "/healthz", "/readyz", "/metrics", "/openapi.json")
+    if keyed:
+        yield "no API key", {"headers": {"Authorization": ""}}
+        yield "unknown API key", {"headers": {"Authorization": "Bearer sk-nobody"}}
+        yield "a key of 10 KB", {"headers": {"Authorization": "Bearer " + "k" * 10_000}}
+    if method in ("GET", "DELETE") and path.startswith("/documents/"):
+        yield "another tenant's or no document", {}
+        yield "a 70 KB body where none is taken", {"content": b"x" * 70_000}
+    if method != "POST":
+        return
+    yield "a body past the route's cap", {"content": b"x" * (MAX_BODY + 1)}
+    if path == "/extract/pdf":
+        yield "not a PDF", {"content": b"not a pdf"}
+        yield "a truncated PDF", {"content": tiny_pdf("The gate code is 4417.")[:200]}
+        yield "5,000 pages", {"content": pages_pdf(5_000, b"BT /F1 9 Tf (x) Tj ET" * 50)}
+        return
+    yield "not JSON", {"content": b"{not json"}
+    yield "invalid UTF-8", {"content": b'{"context": "\xff\xfe"}'}
+    yield "nesting 100,000 deep", {"content": b"[" * 100_000 + b"]" * 100_000}
+    yield "a 100,000-digit number", {"content": b'{"n": ' + b"9" * 100_000 + b"}"}
+    if path in TEXT_FIELD:
+        body = TEXT_FIELD[path]
+        yield "a lone surrogate", {"content": json.dumps(body("x\ud800")).encode()}
+        yield "repeated openings", {"json": body("<document>" * 40_000)}
+        yield "past the text limit", {"json": body("a" * (MAX_DOCUMENT_CHARS + 25_000))}
+    if path in STOPS:
+        yield "100 stop strings", {"json": STOPS[path]([f"s{i}" for i in range(100)])}
+        yield "an empty stop string", {"json": STOPS[path]([""])}
+
+
+def shape_problems(response: httpx.Response, openai: bool) -> list[str]:
+    """What is wrong with a refusal of a route whose errors come in OpenAI's shape or ours."""
+    found = [] if 400 <= response.status_code < 500 else [f"status {response.status_code}"]
+    found += [f"{leak!r} in the body" for leak in LEAKS if leak in response.text]
+    try:
+        body = response.json()
+    except ValueError:
+        return [*found, f"not JSON: {response.text[:200]!r}"]
+    if openai:
+        error = body.get("error") if isinstance(body, dict) else None
+        if set(body) != {"error"} or set(error) != {"message", "type", "param", "code"}:
+            found.append(f"not OpenAI's error shape: {response.text[:200]!r}")
+    elif set(body) != {"code", "message"}:
+        found.append(f"not {{code, message}}: {response.text[:200]!r}")
+    return found
+
+
+class HealthWatch:
+    """Polls /healthz from a thread of its own while the block runs: the slowest answer."""
+
+    def __init__(self) -> None:
+        self.slowest = 0.0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+
+    def _poll(self) -> None:
+        with httpx.Client(base_url=BASE, timeout=5) as http:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    http.get("/healthz").raise_for_status()
+                except httpx.HTTPError as exc:
+                    self.failures.append(repr(exc))
+                self.slowest = max(self.slowest, time.monotonic() - started)
+                self._stop.wait(0.1)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[HealthWatch]:
+        thread = threading.Thread(target=self._poll, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join()
+
+
+def test_every_route_refuses_every_hostile_class_in_its_shape_while_healthz_answers(
+    client: httpx.Client,
+) -> None:
+    spec = client.get("/openapi.json").json()
+    problems: dict[str, list[str]] = {}
+    slow: dict[str, float] = {}
+    sent = 0
+    with HealthWatch().watching() as health:
+        for template, operations in spec["paths"].items():
+            path = template.replace("{document_id}", "doc-" + secrets.token_hex(12))
+            for method in (m.upper() for m in operations):
+                for name, arguments in hostile_cases(method, path):
+                    started = time.monotonic()
+                    response = client.request(method, path, timeout=30, **arguments)
+                    took = time.monotonic() - started
+                    what = f"{method} {template}: {name}"
+                    if found := shape_problems(response, template.startswith("/v1/")):
+                        problems[what] = found
+                    if took > 10:
+                        slow[what] = round(took, 1)
+                    sent += 1
+    print(f"hostile cases: {sent}; slowest /healthz {health.slowest:.3f} s")
+    assert sent >= 60
+    assert not problems, json.dumps(problems, indent=1)
+    assert not slow, slow  # each refused within a few seconds
+    assert not health.failures and health.slowest < 1.0, (health.failures, health.slowest)
+    assert_recovered(client)
+
+
+def test_one_tenant_cannot_tell_what_another_sent_through_cached_tokens(
+    client: httpx.Client,
+) -> None:
+    """vLLM's prefix-cache side channel (CVE-2025-46570) through our `usage`: tenant gamma
+    sends what alpha sent and is served from the cache no more than for a text of its own
+    (the chat template's part that gamma itself sent before); alpha's repeat is."""
+
+    def text(word: str) -> str:
+        return f"{word} {secrets.token_hex(4)}: " + "the harbour office paid 1,240 crowns. " * 12
+
+    def cached(tenant: str, content: str) -> int:
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 2,
+        }
+        with open_client(tenant) as http:
+            answer = http.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return int(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    cached("gamma", text("Memo"))  # gamma's own template prefix, now in its cache
+    template = cached("gamma", text("Note"))
+    secret = text("Invoice")
+    first = cached("alpha", secret)
+    assert cached("gamma", secret) == template
+    assert cached("alpha", secret) > max(first, template) + 64  # alpha's text itself
 
 
 # -- schemathesis --------------------------------------------------------------------------
