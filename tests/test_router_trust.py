@@ -599,3 +599,16 @@ async def test_a_tenants_jobs_at_once_are_held_and_given_back() -> None:
         assert refused.value.message == "1 jobs of this tenant are running; the limit is 1"
     async with gate.job(one):  # given back
         pass
+
+
+async def test_nothing_of_a_router_outlives_its_shutdown() -> None:
+    """What the app's lifespan runs when Serve stops a router replica."""
+    _, router = service()
+    router.start()
+    assert await router.ready_replicas() == ["a"]  # starts the maintenance loop
+    background, monitor = router._background, router.loop_lag._task
+    assert background is not None and monitor is not None
+    router.shutdown()
+    for _ in range(3):  # a cancelled task ends on its next turn of the loop
+        await asyncio.sleep(0)
+    assert background.cancelled() and monitor.cancelled()

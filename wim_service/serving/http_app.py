@@ -97,13 +97,11 @@ def build_http_app(router: WiMRouter) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # The loop that serves the app (Serve's replica, uvicorn, a TestClient's) runs its
         # lifespan; the router may have been built off it (tests build it in their own thread).
-        router.loop_lag.start()
+        router.start()
         try:
             yield
         finally:
-            router.loop_lag.stop()
-            # Serve runs this when the router replica stops: no PDF worker outlives it.
-            router.pdf.close()
+            router.shutdown()  # Serve runs this when the router replica stops
 
     app = FastAPI(
         title="wim_service",

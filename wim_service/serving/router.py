@@ -121,6 +121,18 @@ class WiMRouter:
 
     # -- background: loads, TTL ------------------------------------------------------------
 
+    def start(self) -> None:
+        """What runs beside the requests, on the loop that serves them."""
+        self.loop_lag.start()
+
+    def shutdown(self) -> None:
+        """Nothing of this router outlives it: its loop monitor, maintenance loop and PDF
+        workers end."""
+        self.loop_lag.stop()
+        self.pdf.close()
+        if self._background is not None:
+            self._background.cancel()
+
     def _start_background(self) -> None:
         """Start the maintenance loop (loads, TTL, claims) unless it runs."""
         if self._background is None or self._background.done():
