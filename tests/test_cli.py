@@ -5,18 +5,18 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from wim_service.cli.lifecycle import run_command
+from wim_service.cli.lifecycle import GRACE_S, SUBPROCESS_STOP_S
 from wim_service.wim.backend import EngineLimits
 from wim_service.wim.options import RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import plan_document
@@ -149,19 +149,73 @@ def test_run_json_with_model_relevance_and_segment_size(model_dir: Path, tokeniz
     assert result["timings"]["total_s"] > 0
 
 
-def test_sigterm_cancels_the_command_and_runs_its_cleanup() -> None:
-    """The same SIGTERM path as below, in process: the command's `finally` runs, status 143."""
-    cleaned: list[bool] = []
+# A command as `wim_service.cli` runs one, in a process of its own: stopping it kills its
+# process tree, which in this process would include the test session's engine. It starts a
+# child, prints that child's pid and waits in the way argv[1] names.
+STOPPED_COMMAND = """
+import asyncio, subprocess, sys, time
+from wim_service.cli.lifecycle import run_command, run_subprocess
 
-    async def command() -> int:
-        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
-        try:
-            await asyncio.sleep(30)
-            return 0
-        finally:
-            cleaned.append(True)
+async def command(wait):
+    child = subprocess.Popen(["sleep", "60"])
+    print(child.pid, flush=True)
+    try:
+        if wait == "blocked":
+            time.sleep(60)  # as vLLM's start blocks the event loop
+        else:
+            await asyncio.sleep(60)
+    finally:
+        print("cleaned up", flush=True)
+        if wait == "hung cleanup":
+            time.sleep(60)
 
-    started = time.monotonic()
-    assert run_command(command()) == 128 + signal.SIGTERM
-    assert cleaned == [True]
-    assert time.monotonic() - started < 10
+if sys.argv[1] == "subprocess":  # a child that ignores Ctrl-C, started by `wim serve`'s way
+    code = (
+        "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "print(0, flush=True); time.sleep(60)"
+    )
+    sys.exit(run_subprocess([sys.executable, "-c", code], {}))
+sys.exit(run_command(command(sys.argv[1])))
+"""
+
+
+@pytest.mark.parametrize(
+    ("wait", "signum", "within_s"),
+    [
+        ("awaiting", signal.SIGTERM, 4),  # the task is cancelled, its `finally` runs
+        ("blocked", signal.SIGINT, 4),  # interrupted in the blocking call
+        ("hung cleanup", signal.SIGTERM, GRACE_S + 3),  # the watchdog kills and exits
+        ("subprocess", signal.SIGINT, SUBPROCESS_STOP_S + 3),  # killed after its time
+    ],
+)
+def test_a_signal_stops_the_command_and_kills_what_it_started(
+    wait: str, signum: signal.Signals, within_s: float
+) -> None:
+    command = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_COMMAND, wait],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    descendants: list[psutil.Process] = []
+    try:
+        assert command.stdout is not None
+        command.stdout.readline()  # its child runs
+        descendants = psutil.Process(command.pid).children(recursive=True)
+        assert descendants
+        started = time.monotonic()
+        command.send_signal(signum)
+        out, err = command.communicate(timeout=within_s + 5)
+        took = time.monotonic() - started
+        _, alive = psutil.wait_procs(descendants, timeout=1)
+        assert command.returncode == 128 + signum, err
+        assert took < within_s
+        assert not alive
+        assert f"wim: stopped by {signum.name}" in err
+        if wait != "subprocess":
+            assert "cleaned up" in out
+    finally:
+        command.kill()
+        for process in descendants:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
