@@ -88,6 +88,7 @@ class ProcessTree:
             alive = self.record()
             elapsed = time.monotonic() - sent
             if not alive:
+                self.root.wait()  # a zombie already: sets its returncode
                 return elapsed
             assert elapsed < within_s, (
                 f"alive {within_s} s after {signum.name}:\n"
