@@ -10,14 +10,18 @@ So either signal raises `Interrupted` (a KeyboardInterrupt, as Ctrl-C does witho
 wherever the main thread is: an engine start unwinds at once, and in the event loop
 `asyncio.run` cancels the command's task, whose `finally` shuts its engine down. Whatever that
 leaves running (an engine interrupted mid-start, one whose shutdown hangs) is killed with the
-command's process tree: when the stop is done, or by a watchdog `GRACE_S` after the signal,
-which then exits.
+command's process tree: when the stop is done, or by a watchdog `ORDERLY_S` after the signal
+(which unblocks a main thread waiting for those processes). The command then exits at once:
+after a signal the interpreter's own exit (vLLM's, Ray's and gRPC's exit hooks and threads)
+was seen hanging past any deadline. The watchdog exits anyway `GRACE_S` after the signal, and
+faulthandler's, which needs no GIL, a second later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import functools
 import os
 import signal
@@ -27,19 +31,19 @@ import threading
 import time
 from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 
 from wim_service.engine.lifetime import die_with_parent
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# What the orderly stop gets before the watchdog kills the process tree: vLLM's shutdown
+# takes ~2 s (engine/vllm_engine.py), `serve run`'s would take longer than the deadline.
+ORDERLY_S = 4.0
 # From the signal to the exit at the latest: well inside the 10 s a supervisor (or
 # tests/test_signals.py) gives before it kills.
 GRACE_S = 7.0
-# What a supervised command (`run_subprocess`) gets of GRACE_S to stop by itself; the rest is
-# for killing what it leaves.
-SUBPROCESS_STOP_S = 5.0
 # How often the stopping command records its descendants (see `_Stop.record`).
 RECORD_INTERVAL_S = 0.2
 
@@ -91,23 +95,34 @@ class _Stop:
             for child in psutil.Process().children(recursive=True):
                 self._tree.setdefault(child.pid, child)
 
-    def _watchdog(self) -> None:
-        deadline = time.monotonic() + GRACE_S
+    def _record_until(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             self.record()
             time.sleep(RECORD_INTERVAL_S)
-        print(f"wim: not stopped {GRACE_S:g} s after the signal; killing", file=sys.stderr)
-        os._exit(self.finish())
 
-    def finish(self) -> int:
-        """Kill what is left of the tree; the command's exit status (128 + the signal)."""
-        assert self.signum is not None
+    def _kill_tree(self) -> None:
         self.record()
         with self._lock:
             tree = list(self._tree.values())
         kill_processes(tree)
+
+    def _watchdog(self) -> None:
+        started = time.monotonic()
+        faulthandler.dump_traceback_later(GRACE_S + 1, exit=True)
+        self._record_until(started + ORDERLY_S)
+        self._kill_tree()
+        self._record_until(started + GRACE_S)
+        print(f"wim: not stopped {GRACE_S:g} s after the signal", file=sys.stderr)
+        self.finish()
+
+    def finish(self) -> NoReturn:
+        """Kill what is left of the tree and exit with 128 + the signal."""
+        assert self.signum is not None
+        self._kill_tree()
         print(f"wim: stopped by {self.signum.name}", file=sys.stderr)
-        return 128 + self.signum
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + self.signum)
 
 
 @contextlib.contextmanager
@@ -122,7 +137,7 @@ def _stopping() -> Iterator[_Stop]:
 
 
 def run_command(main: Coroutine[Any, Any, int]) -> int:
-    """`asyncio.run(main)`; a SIGTERM or SIGINT stops it and returns 128 + the signal."""
+    """`asyncio.run(main)`; a SIGTERM or SIGINT stops it and exits with 128 + the signal."""
     with _stopping() as stop:
         try:
             status = asyncio.run(main)
@@ -131,13 +146,14 @@ def run_command(main: Coroutine[Any, Any, int]) -> int:
         except BaseException:
             if stop.signum is None:
                 raise  # not stopped by a signal: not ours to hide
-        return stop.finish()
+        stop.finish()
 
 
 def run_subprocess(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Run `argv` as this command; a SIGTERM or SIGINT reaches it as one SIGINT (Ctrl-C, which
-    `serve run` answers by shutting Serve and its Ray down), then what it has not ended in
-    `SUBPROCESS_STOP_S` is killed. Returns its status, or 128 + the signal."""
+    `serve run` answers by shutting Serve and its Ray down), and what it has not ended when
+    the watchdog kills the tree (`ORDERLY_S`) is killed. Returns its status; after a signal
+    exits with 128 + the signal."""
     with _stopping() as stop:
         child: subprocess.Popen[bytes] | None = None
         try:
@@ -154,6 +170,5 @@ def run_subprocess(argv: Sequence[str], env: Mapping[str, str]) -> int:
         except Interrupted:
             if child is not None:
                 child.send_signal(signal.SIGINT)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.wait(SUBPROCESS_STOP_S)
-        return stop.finish()
+                child.wait()  # it ends, or the watchdog kills it
+        stop.finish()
