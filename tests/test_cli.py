@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from wim_service.cli.lifecycle import GRACE_S, ORDERLY_S
+from wim_service.cli.lifecycle import GRACE_S
 from wim_service.wim.backend import EngineLimits
 from wim_service.wim.options import RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import plan_document
@@ -185,7 +185,7 @@ sys.exit(run_command(command(sys.argv[1])))
         ("awaiting", signal.SIGTERM, 4),  # the task is cancelled, its `finally` runs
         ("blocked", signal.SIGINT, 4),  # interrupted in the blocking call
         ("hung cleanup", signal.SIGTERM, GRACE_S + 3),  # the watchdog kills and exits
-        ("subprocess", signal.SIGINT, ORDERLY_S + 3),  # the watchdog kills it
+        ("subprocess", signal.SIGINT, GRACE_S + 3),  # the watchdog kills it
     ],
 )
 def test_a_signal_stops_the_command_and_kills_what_it_started(

@@ -10,11 +10,11 @@ So either signal raises `Interrupted` (a KeyboardInterrupt, as Ctrl-C does witho
 wherever the main thread is: an engine start unwinds at once, and in the event loop
 `asyncio.run` cancels the command's task, whose `finally` shuts its engine down. Whatever that
 leaves running (an engine interrupted mid-start, one whose shutdown hangs) is killed with the
-command's process tree: when the stop is done, or by a watchdog `ORDERLY_S` after the signal
-(which unblocks a main thread waiting for those processes). The command then exits at once:
-after a signal the interpreter's own exit (vLLM's, Ray's and gRPC's exit hooks and threads)
-was seen hanging past any deadline. The watchdog exits anyway `GRACE_S` after the signal, and
-faulthandler's, which needs no GIL, a second later.
+command's process tree when the stop is done, and the command exits at once: after a signal
+the interpreter's own exit (vLLM's, Ray's and gRPC's exit hooks and threads) was seen hanging
+past any deadline. A stop that takes longer than `GRACE_S` (a main thread still waiting in
+vLLM's start-up, `serve run` shutting Serve down) is cut short by a watchdog thread, which
+kills the tree and exits; faulthandler's, which needs no GIL, exits two seconds later.
 """
 
 from __future__ import annotations
@@ -38,12 +38,10 @@ import psutil
 from wim_service.engine.lifetime import die_with_parent
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# What the orderly stop gets before the watchdog kills the process tree: vLLM's shutdown
-# takes ~2 s (engine/vllm_engine.py), `serve run`'s would take longer than the deadline.
-ORDERLY_S = 4.0
-# From the signal to the exit at the latest: well inside the 10 s a supervisor (or
-# tests/test_signals.py) gives before it kills.
-GRACE_S = 7.0
+# What the orderly stop gets before the watchdog kills the process tree and exits: vLLM's
+# shutdown takes ~2 s (engine/vllm_engine.py); `serve run`'s would outlast the 10 s that a
+# supervisor (or tests/test_signals.py) gives before it kills.
+GRACE_S = 5.0
 # How often the stopping command records its descendants (see `_Stop.record`).
 RECORD_INTERVAL_S = 0.2
 
@@ -95,30 +93,22 @@ class _Stop:
             for child in psutil.Process().children(recursive=True):
                 self._tree.setdefault(child.pid, child)
 
-    def _record_until(self, deadline: float) -> None:
+    def _watchdog(self) -> None:
+        faulthandler.dump_traceback_later(GRACE_S + 2, exit=True)
+        deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline:
             self.record()
             time.sleep(RECORD_INTERVAL_S)
-
-    def _kill_tree(self) -> None:
-        self.record()
-        with self._lock:
-            tree = list(self._tree.values())
-        kill_processes(tree)
-
-    def _watchdog(self) -> None:
-        started = time.monotonic()
-        faulthandler.dump_traceback_later(GRACE_S + 1, exit=True)
-        self._record_until(started + ORDERLY_S)
-        self._kill_tree()
-        self._record_until(started + GRACE_S)
         print(f"wim: not stopped {GRACE_S:g} s after the signal", file=sys.stderr)
         self.finish()
 
     def finish(self) -> NoReturn:
         """Kill what is left of the tree and exit with 128 + the signal."""
         assert self.signum is not None
-        self._kill_tree()
+        self.record()
+        with self._lock:
+            tree = list(self._tree.values())
+        kill_processes(tree)
         print(f"wim: stopped by {self.signum.name}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -152,7 +142,7 @@ def run_command(main: Coroutine[Any, Any, int]) -> int:
 def run_subprocess(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Run `argv` as this command; a SIGTERM or SIGINT reaches it as one SIGINT (Ctrl-C, which
     `serve run` answers by shutting Serve and its Ray down), and what it has not ended when
-    the watchdog kills the tree (`ORDERLY_S`) is killed. Returns its status; after a signal
+    the watchdog kills the tree (`GRACE_S`) is killed. Returns its status; after a signal
     exits with 128 + the signal."""
     with _stopping() as stop:
         child: subprocess.Popen[bytes] | None = None
@@ -170,5 +160,5 @@ def run_subprocess(argv: Sequence[str], env: Mapping[str, str]) -> int:
         except Interrupted:
             if child is not None:
                 child.send_signal(signal.SIGINT)
-                child.wait()  # it ends, or the watchdog kills it
+                child.wait()  # it ends, or the watchdog ends it and this process
         stop.finish()
