@@ -26,7 +26,7 @@ def is_engine_core(process: psutil.Process) -> bool:
     return False
 
 
-def _gone(process: psutil.Process) -> bool:
+def ended(process: psutil.Process) -> bool:
     """Ended; a zombie counts as ended (it holds no memory and runs nothing)."""
     try:
         return process.status() == psutil.STATUS_ZOMBIE
@@ -56,7 +56,7 @@ class ProcessTree:
         with contextlib.suppress(psutil.NoSuchProcess):
             for child in self.seen[self.root.pid].children(recursive=True):
                 self.seen.setdefault(child.pid, child)
-        return [p for p in self.seen.values() if not _gone(p)]
+        return [p for p in self.seen.values() if not ended(p)]
 
     def output(self) -> str:
         """The end of what the command printed, for failure messages."""

@@ -61,13 +61,11 @@ def refused(exc: Exception) -> int:
 
 
 def kill_processes(processes: Iterable[psutil.Process]) -> None:
-    """SIGKILL `processes` (those still running) and wait a moment for them to go."""
-    killed = []
+    """SIGKILL `processes` (those still running). Not waited for: the kernel ends them, and a
+    killed process whose parent is gone too stays a zombie until init reaps it."""
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()  # psutil checks the pid still names this process
-            killed.append(process)
-    psutil.wait_procs(killed, timeout=2)
 
 
 class _Stop:
@@ -77,6 +75,9 @@ class _Stop:
         self.signum: signal.Signals | None = None
         self._tree: dict[int, psutil.Process] = {}
         self._lock = threading.Lock()
+        # Held by whichever of the main thread and the watchdog finishes first; the other
+        # waits on it until that one's exit.
+        self._finishing = threading.Lock()
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:
@@ -105,6 +106,7 @@ class _Stop:
     def finish(self) -> NoReturn:
         """Kill what is left of the tree and exit with 128 + the signal."""
         assert self.signum is not None
+        self._finishing.acquire()
         self.record()
         with self._lock:
             tree = list(self._tree.values())
