@@ -3,9 +3,10 @@
 vLLM starts its EngineCore with multiprocessing and never watches the parent: when the
 parent dies without calling `AsyncLLM.shutdown()` (SIGKILL, the OOM killer, a Ray worker
 whose raylet went away) the EngineCore lives on with parent pid 1 and the model in memory
-(seen for 83 minutes). Its workers are covered by vLLM itself: they end when the EngineCore's
-death pipe closes. So the EngineCore asks the kernel for SIGKILL on its parent's death, from
-the first code of ours that runs in it (`WiMScheduler.__init__`).
+(seen for 83 minutes). Its workers watch the EngineCore through vLLM's death pipe, which did
+not end one for ~3 minutes. So each of them asks the kernel for SIGKILL on its parent's
+death, from the first code of ours that runs in it: `WiMScheduler.__init__` in the
+EngineCore, the import of `engine/kv_memory.py` (the workers' extension) in a worker.
 
 SIGKILL rather than SIGTERM: nobody is left to read the engine's answers, and vLLM's EngineCore
 defers SIGTERM until its construction ends (tens of seconds of model loading).
