@@ -100,7 +100,8 @@ class _Stop:
         while time.monotonic() < deadline:
             self.record()
             time.sleep(RECORD_INTERVAL_S)
-        print(f"wim: not stopped {GRACE_S:g} s after the signal", file=sys.stderr)
+        print(f"wim: not stopped {GRACE_S:g} s after the signal; where it was:", file=sys.stderr)
+        faulthandler.dump_traceback(sys.stderr)
         self.finish()
 
     def finish(self) -> NoReturn:
