@@ -5,28 +5,25 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from wim_service.cli.lifecycle import run_command
+from wim_service.cli.lifecycle import GRACE_S
 from wim_service.wim.backend import EngineLimits
 from wim_service.wim.options import RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import plan_document
 from wim_service.wim.prompts import PromptBuilder
 
 from .conftest import EXAMPLES, TEST_ENGINE
+from .process_tree import ended
 
 WIM = Path(sys.executable).with_name("wim")
 REPORT = EXAMPLES / "harbor_report.txt"
@@ -153,65 +150,72 @@ def test_run_json_with_model_relevance_and_segment_size(model_dir: Path, tokeniz
     assert result["timings"]["total_s"] > 0
 
 
-def test_sigterm_cancels_the_command_and_runs_its_cleanup() -> None:
-    """The same SIGTERM path as below, in process: the command's `finally` runs, status 143."""
-    cleaned: list[bool] = []
+# A command as `wim_service.cli` runs one, in a process of its own: stopping it kills its
+# process tree, which in this process would include the test session's engine. It starts a
+# child, prints that child's pid and waits in the way argv[1] names.
+STOPPED_COMMAND = """
+import asyncio, subprocess, sys, time
+from wim_service.cli.lifecycle import run_command, run_subprocess
 
-    async def command() -> int:
-        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
-        try:
-            await asyncio.sleep(30)
-            return 0
-        finally:
-            cleaned.append(True)
+async def command(wait):
+    child = subprocess.Popen(["sleep", "60"])
+    print(child.pid, flush=True)
+    try:
+        if wait == "blocked":
+            time.sleep(60)  # as vLLM's start blocks the event loop
+        else:
+            await asyncio.sleep(60)
+    finally:
+        print("cleaned up", flush=True)
+        if wait == "hung cleanup":
+            time.sleep(60)
 
-    started = time.monotonic()
-    assert run_command(command()) == 128 + signal.SIGTERM
-    assert cleaned == [True]
-    assert time.monotonic() - started < 10
+if sys.argv[1] == "subprocess":  # a child that ignores Ctrl-C, started by `wim serve`'s way
+    code = (
+        "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "print(0, flush=True); time.sleep(60)"
+    )
+    sys.exit(run_subprocess([sys.executable, "-c", code], {}))
+sys.exit(run_command(command(sys.argv[1])))
+"""
 
 
-@pytest.mark.engine
-@pytest.mark.timeout(600)
-def test_sigterm_during_wim_run_stops_the_engine_processes(model_dir: Path) -> None:
-    """vLLM's EngineCore is a child process: SIGTERM to `wim run` must not leave it orphaned."""
-    proc = subprocess.Popen(
-        [str(WIM), "run", "--context", str(REPORT), "--query", QUERY, *engine_flags(model_dir)],
-        stdout=subprocess.DEVNULL,
+@pytest.mark.parametrize(
+    ("wait", "signum", "within_s"),
+    [
+        ("awaiting", signal.SIGTERM, 4),  # the task is cancelled, its `finally` runs
+        ("blocked", signal.SIGINT, 4),  # interrupted in the blocking call
+        ("hung cleanup", signal.SIGTERM, GRACE_S + 3),  # the watchdog kills and exits
+        ("subprocess", signal.SIGINT, GRACE_S + 3),  # the watchdog kills it
+    ],
+)
+def test_a_signal_stops_the_command_and_kills_what_it_started(
+    wait: str, signum: signal.Signals, within_s: float
+) -> None:
+    command = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_COMMAND, wait],
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    lines: queue.Queue[str] = queue.Queue()
-    stderr = proc.stderr
-    assert stderr is not None
-
-    def pump() -> None:  # stderr is read by a thread so that waiting for a line can time out
-        for line in stderr:
-            lines.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    children: list[psutil.Process] = []
+    descendants: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 400
-        seen = ""
-        while "margin 1" not in seen:  # the engine is up and the job is mid-way
-            assert proc.poll() is None, f"wim run ended early: {seen[-2000:]}"
-            with contextlib.suppress(queue.Empty):
-                seen += lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert time.monotonic() < deadline, f"no margin within 400 s: {seen[-2000:]}"
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert children, "the engine runs no child process: nothing to check"
-        proc.send_signal(signal.SIGTERM)
-        status = proc.wait(timeout=60)
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, f"left running after SIGTERM: {[c.name() for c in alive]}"
-        assert status == 128 + signal.SIGTERM
+        assert command.stdout is not None
+        command.stdout.readline()  # its child runs
+        descendants = psutil.Process(command.pid).children(recursive=True)
+        assert descendants
+        started = time.monotonic()
+        command.send_signal(signum)
+        out, err = command.communicate(timeout=within_s + 5)
+        took = time.monotonic() - started
+        assert command.returncode == 128 + signum, err
+        assert took < within_s
+        assert all(map(ended, descendants))
+        assert f"wim: stopped by {signum.name}" in err
+        if wait != "subprocess":
+            assert "cleaned up" in out
     finally:
-        # Only `wim run` and its own processes: the test session's engine and redis-server are
-        # children of this process too.
-        with contextlib.suppress(psutil.NoSuchProcess):
-            children += psutil.Process(proc.pid).children(recursive=True)
-        proc.kill()
-        for child in children:
+        command.kill()
+        for process in descendants:
             with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
+                process.kill()

@@ -8,7 +8,8 @@ wim bench                      # the side-by-side benchmark of docs/benchmarks.m
 wim eval                       # answer quality: plain long context vs RAG vs WiM
 wim setup                      # convert the default model, write the punkt data
 
-Ctrl-C or SIGTERM stops a command together with its vLLM engine processes (status 130 / 143).
+Ctrl-C or SIGTERM stops a command together with every process it started, its vLLM engines and
+for `wim serve` its Ray cluster, within 7 s (status 130 / 143; see cli/lifecycle.py).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from wim_service.cli.lifecycle import run_subprocess
+
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
 
 
@@ -25,7 +27,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def main(args: argparse.Namespace) -> int:
-    """Replace this process with `serve run CONFIG`, so the config's deployments apply."""
+    """Run `serve run CONFIG` (so the config's deployments apply) until a signal stops it.
+
+    A child rather than an `exec`: `serve run` ended by SIGTERM leaves Ray's processes and
+    the replicas' engines behind, and on Ctrl-C takes ~10 s to shut down; `run_subprocess`
+    turns either signal into its Ctrl-C and kills whatever it has not ended in time."""
     from wim_service.assets.default_model import default_model_dir
     from wim_service.assets.punkt import punkt_data_dir
 
@@ -40,5 +46,4 @@ def main(args: argparse.Namespace) -> int:
         "TRANSFORMERS_OFFLINE": "1",
     }
     serve = Path(sys.executable).with_name("serve")
-    os.execve(serve, [str(serve), "run", str(args.config)], env)
-    return 0  # not reached
+    return run_subprocess([str(serve), "run", str(args.config)], env)

@@ -14,8 +14,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from wim_service.engine.lifetime import die_with_multiprocessing_parent
+
 if TYPE_CHECKING:
     import torch
+
+# vLLM imports this module by name when a worker process starts, before the model loads: the
+# first code of ours there. A worker whose EngineCore was killed outright was seen running
+# for ~3 minutes more (vLLM's death pipe did not end it sooner); from here on the kernel ends
+# it with its EngineCore. A no-op in a main process (the front end, a Ray worker).
+die_with_multiprocessing_parent()
 
 EXTENSION = "wim_service.engine.kv_memory.KVMemoryExtension"
 ZERO_BLOCKS = "wim_zero_kv_blocks"

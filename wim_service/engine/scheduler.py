@@ -28,6 +28,7 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request
 
 from wim_service.engine.kv_memory import ZERO_BLOCKS
+from wim_service.engine.lifetime import die_with_multiprocessing_parent
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ _CLOSED_KEPT = 4096
 
 class WiMScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The first code of ours in the engine-core process: from here on it ends with the
+        # front end that started it, even one killed before it could shut the engine down.
+        die_with_multiprocessing_parent()
         super().__init__(*args, **kwargs)
         # salt -> {block id -> block hash it held under that salt (None: never hashed)}
         self._salt_blocks: dict[str, dict[int, Any]] = defaultdict(dict)

@@ -119,6 +119,11 @@ def configure_process_env(config: EngineConfig, rank: int = 0) -> None:
     # vLLM's own usage-stats reporting would try the network.
     os.environ["VLLM_NO_USAGE_STATS"] = "1"
     os.environ["DO_NOT_TRACK"] = "1"
+    # How long vLLM's shutdown waits for a process to end before it kills it, at each level
+    # (the front end for its EngineCore, the EngineCore for its workers). Its 5 s default,
+    # nested, was the whole of a stopped command's exit time: an EngineCore takes longer than
+    # that to end on SIGTERM, and defers it altogether while the model loads.
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "2")
 
 
 @dataclass(frozen=True)
