@@ -12,7 +12,7 @@ parameter given a value): nothing a client asks for is dropped silently. `wim` a
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -99,16 +99,21 @@ class _Request(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    # Parameters refused when given anything but 0, false or null, and why.
+    REFUSED_UNLESS_OFF: ClassVar[dict[str, str]] = {
+        "temperature": "this service decodes greedily: give 0 or omit it",
+        "frequency_penalty": "penalties are not supported: give 0 or omit it",
+        "presence_penalty": "penalties are not supported: give 0 or omit it",
+    }
+
     def unhonoured(self) -> list[tuple[str, str]]:
         """(parameter, why) for each parameter given a value this service cannot honour."""
         refused = [(name, "this parameter is not supported") for name in self.unsupported()]
         if self.n != 1:
             refused.append(("n", "only n=1 is supported"))
-        if self.temperature:
-            refused.append(("temperature", "this service decodes greedily: give 0 or omit it"))
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                refused.append((name, "penalties are not supported: give 0 or omit it"))
+        refused += [
+            (name, why) for name, why in self.REFUSED_UNLESS_OFF.items() if getattr(self, name)
+        ]
         return refused
 
 
@@ -122,13 +127,11 @@ class ChatCompletionRequest(_Request):
     def answer_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def unhonoured(self) -> list[tuple[str, str]]:
-        refused = super().unhonoured()
-        if self.logprobs:
-            refused.append(("logprobs", "log probabilities are not supported"))
-        if self.top_logprobs:
-            refused.append(("top_logprobs", "log probabilities are not supported"))
-        return refused
+    REFUSED_UNLESS_OFF: ClassVar[dict[str, str]] = {
+        **_Request.REFUSED_UNLESS_OFF,
+        "logprobs": "log probabilities are not supported",
+        "top_logprobs": "log probabilities are not supported",
+    }
 
 
 class CompletionRequest(_Request):
@@ -140,13 +143,11 @@ class CompletionRequest(_Request):
     def answer_tokens(self) -> int | None:
         return self.max_tokens
 
-    def unhonoured(self) -> list[tuple[str, str]]:
-        refused = super().unhonoured()
-        if self.logprobs:
-            refused.append(("logprobs", "log probabilities are not supported"))
-        if self.echo:
-            refused.append(("echo", "echoing the prompt is not supported"))
-        return refused
+    REFUSED_UNLESS_OFF: ClassVar[dict[str, str]] = {
+        **_Request.REFUSED_UNLESS_OFF,
+        "logprobs": "log probabilities are not supported",
+        "echo": "echoing the prompt is not supported",
+    }
 
 
 # -- responses ------------------------------------------------------------------------------
