@@ -462,7 +462,7 @@ async def test_document_session_answers_each_query_as_a_branch_with_its_notes(to
     assert backend.reserved_blocks == 0
     events = [e async for e in session.query("Where is the gate?")]
     assert [(e.type, e.code, e.message) for e in events] == [
-        ("error", ErrorCode.INVALID_INPUT.value, "the document session is closed")
+        ("error", ErrorCode.NOT_FOUND.value, "the document session was closed (deleted or expired)")
     ]
 
 
