@@ -43,7 +43,7 @@ from wim_service.wim.backend import (
     PromptCost,
     RequestKind,
 )
-from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 from wim_service.wim.tokenizer import HFTokenizer
 
 if TYPE_CHECKING:
@@ -462,7 +462,12 @@ class VLLMContext:
         if item is None:
             raise WiMError(ErrorCode.ENGINE_ERROR, "the engine ended the context unexpectedly")
         if isinstance(item, BaseException):
-            raise WiMError(ErrorCode.ENGINE_ERROR, f"engine error: {item}") from item
+            raise logged_failure(
+                ErrorCode.ENGINE_ERROR,
+                "the engine failed while it held this document",
+                item,
+                f"context {self.salt[:12]}",
+            ) from item
         return item
 
     async def extend(self, token_ids: list[int]) -> PromptCost:

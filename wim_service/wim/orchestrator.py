@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from wim_service.wim.backend import (
     RequestKind,
 )
 from wim_service.wim.capacity import JobShape
-from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 from wim_service.wim.events import (
     AnswerEvent,
     DoneEvent,
@@ -42,11 +41,9 @@ from wim_service.wim.events import (
 )
 from wim_service.wim.grounding import SegmentText, may_still_copy, query_overlap
 from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
-from wim_service.wim.prompts import MarginNote, PromptBuilder
+from wim_service.wim.prompts import MarginNote, PromptBuilder, TemplateError
 from wim_service.wim.segmentation import Segment, leading_sentences, segment_document
 from wim_service.wim.tokenizer import EncodedText, Tokenizer
-
-logger = logging.getLogger(__name__)
 
 Emit = Callable[[WiMEvent], None]
 
@@ -79,7 +76,7 @@ class DocumentPlan:
                 options=options,
                 query=query,
             )
-        except ValueError as exc:  # templates the chat template renders inconsistently
+        except TemplateError as exc:  # templates the chat template renders inconsistently
             raise WiMError(ErrorCode.INVALID_INPUT, f"options.prompts: {exc}") from exc
 
 
@@ -111,7 +108,7 @@ def relevance_ids(builder: PromptBuilder) -> tuple[frozenset[int], frozenset[int
     """The YES and NO first tokens; templates whose words cannot be told apart are refused."""
     try:
         return builder.relevance_token_ids()
-    except ValueError as exc:
+    except TemplateError as exc:
         raise WiMError(ErrorCode.INVALID_INPUT, f"prompts.yes / prompts.no: {exc}") from exc
 
 
@@ -1043,10 +1040,10 @@ async def _event_stream(job: Callable[[Emit], Awaitable[None]]) -> AsyncIterator
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an engine failure must end the stream, not hang it
-            logger.exception("WiM job failed")
-            queue.put_nowait(
-                ErrorEvent(code=ErrorCode.ENGINE_ERROR.value, message=f"engine error: {exc}")
+            failure = logged_failure(
+                ErrorCode.ENGINE_ERROR, "the engine failed on this job", exc, "WiM job"
             )
+            queue.put_nowait(ErrorEvent.of(failure))
         finally:
             queue.put_nowait(None)
 
