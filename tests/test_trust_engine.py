@@ -360,8 +360,11 @@ async def test_closing_a_session_mid_query_gives_its_kv_back_once_the_engine_did
 ) -> None:
     await assert_nothing_held(engine)
 
+    released: list[float] = []  # when a session's reservation went back
+
     def checked_release(blocks: int, *, session: bool = True) -> None:
         release(blocks, session=session)
+        released.extend([time.monotonic()] if session else [])
         load = engine.load()
         assert load.reserved_blocks >= 0 and load.sessions >= 0, load  # nothing given back twice
 
@@ -396,6 +399,9 @@ async def test_closing_a_session_mid_query_gives_its_kv_back_once_the_engine_did
     assert (load.sessions, load.reserved_blocks) == (0, 0), load
     stats = await engine.kv_stats()
     assert stats.free_blocks == stats.total_blocks and stats.parked_sessions == 0, stats
+    margins = [span for span in engine.timeline if span.context == salt and span.kind == "margin"]
+    assert margins and all(span.ended is not None for span in margins)
+    assert len(released) == 1 and max(span.ended for span in margins) < released[0]
     # The query's stream ends with an error that says why, not cut off, not a crash.
     await asyncio.wait_for(querying, 60)
     assert events[-1].type == "error" and events[-1].code == ErrorCode.NOT_FOUND.value, events[-1]
