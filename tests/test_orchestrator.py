@@ -35,6 +35,10 @@ class Request:
     params: GenerationParams
 
 
+# What a failing engine's exception may say: nothing a client should see.
+ENGINE_TRACEBACK = 'Traceback (most recent call last):\n  File "/srv/wim/engine.py", line 1'
+
+
 def _open_gate() -> asyncio.Event:
     gate = asyncio.Event()
     gate.set()
@@ -95,7 +99,7 @@ class FakeContext:
 
     def branch(self, prefix_tokens: int, suffix_ids: list[int], params: GenerationParams):
         if self.backend.fail_on == params.kind:
-            raise RuntimeError("engine exploded")
+            raise RuntimeError(ENGINE_TRACEBACK)
         self.backend.requests.append(Request(params.kind, prefix_tokens, suffix_ids, params))
         return self._stream(params, prefix_tokens, prefix_tokens + len(suffix_ids))
 
@@ -346,12 +350,19 @@ async def test_margin_i_is_in_flight_while_segment_i_plus_1_is_pushed(
             assert margin.end < following.start
 
 
-async def test_engine_failure_becomes_an_error_event_and_closes(tokenizer) -> None:
+async def test_engine_failure_becomes_an_error_event_and_closes(tokenizer, caplog) -> None:
     backend = FakeBackend(tokenizer, lambda p, prefix: "YES x", fail_on=RequestKind.ANSWER)
     events = await collect(backend)
     assert events[-1].type == "error" and events[-1].code == ErrorCode.ENGINE_ERROR.value
-    assert "engine exploded" in events[-1].message
     assert backend.contexts[0].closed
+    # The client is told what failed and under which incident; the exception's text (paths,
+    # a traceback) is in the server log only, under that incident.
+    message = events[-1].message
+    assert message.startswith("the engine failed on this job (incident ")
+    assert "Traceback" not in message and "/srv/" not in message
+    incident = message.removesuffix(" in the server log)").rsplit(" ", 1)[1]
+    logged = [r for r in caplog.records if incident in r.getMessage()]
+    assert len(logged) == 1 and str(logged[0].exc_info[1]) == ENGINE_TRACEBACK
 
 
 async def test_consumer_leaving_stops_the_job_and_leaves_nothing_behind(tokenizer) -> None:
@@ -462,7 +473,7 @@ async def test_document_session_answers_each_query_as_a_branch_with_its_notes(to
     assert backend.reserved_blocks == 0
     events = [e async for e in session.query("Where is the gate?")]
     assert [(e.type, e.code, e.message) for e in events] == [
-        ("error", ErrorCode.INVALID_INPUT.value, "the document session is closed")
+        ("error", ErrorCode.NOT_FOUND.value, "the document session was closed (deleted or expired)")
     ]
 
 

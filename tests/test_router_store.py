@@ -267,3 +267,27 @@ async def test_a_store_outage_while_reading_leaves_no_kv_pinned(
     unavailable(await client.post("/documents", json={"context": DOCUMENT}))
     assert a.documents == {}  # the copy just read was closed again
     assert a.calls.count("close_document") == 1
+
+
+async def test_a_router_keeps_claiming_its_sessions_while_the_store_is_down(
+    outage: tuple[RedisServer, Routers],
+) -> None:
+    """Replicas reap the sessions no router claims; a store outage must not make every
+    session an orphan (the rule is for a router that is gone)."""
+    server, routers = outage
+    a = FakeReplica("a")
+    client, _ = await routers.new(a, load_poll_interval_s=0.05)  # the maintenance loop runs
+    document_id = (await open_document(client))["document_id"]
+
+    async def claimed(ids: list[str]) -> None:
+        a.claimed = None
+        while a.claimed != ids:
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(claimed([document_id]), 10)
+    server.stop()
+    # Expiry, renewals and the listing all fail now; the claims of the last listing go on.
+    await asyncio.wait_for(claimed([document_id]), 10)
+    assert list(a.documents) == [document_id]
+    server.start()  # empty (no persistence): the session is gone, and no longer claimed
+    await asyncio.wait_for(claimed([]), 10)

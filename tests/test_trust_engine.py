@@ -351,6 +351,72 @@ async def test_every_validating_option_combination_runs_or_is_refused(
         assert (one_shot, per_document) == (case.expect, case.expect)
 
 
+# -- closing a session under a running query ----------------------------------------------
+
+
+@pytest.mark.engine
+async def test_closing_a_session_mid_query_gives_its_kv_back_once_the_engine_did(
+    engine, report, small_report, monkeypatch
+) -> None:
+    await assert_nothing_held(engine)
+
+    released: list[float] = []  # when a session's reservation went back
+
+    def checked_release(blocks: int, *, session: bool = True) -> None:
+        release(blocks, session=session)
+        released.extend([time.monotonic()] if session else [])
+        load = engine.load()
+        assert load.reserved_blocks >= 0 and load.sessions >= 0, load  # nothing given back twice
+
+    release = engine.admission.release
+    monkeypatch.setattr(engine.admission, "release", checked_release)
+    # Long margins (no relevance cut, no stop string): the query is mid-way when it is closed.
+    opts = WiMOptions(
+        segment_tokens=192,
+        margin_max_tokens=96,
+        relevance="none",
+        margin_stop=[],
+        skip_unmatched_segments=False,
+    )
+    session = await open_document(engine, engine.tokenizer, report, opts)
+    events: list = []
+
+    async def consume() -> None:
+        events.extend([e async for e in session.query(QUERY, opts)])
+
+    querying = asyncio.create_task(consume())
+    salt = session.context.salt
+    while not any(
+        span.context == salt and span.kind == "margin" and span.first_output is not None
+        for span in engine.timeline
+    ):
+        await asyncio.sleep(0.02)
+    assert not querying.done()
+    await session.close()  # what a DELETE, an expiry or a reap does on the replica
+    # The reservation is back only now that the engine holds no block of the session: its
+    # margins were aborted and freed first, so admission control never over-commits.
+    load = engine.load()
+    assert (load.sessions, load.reserved_blocks) == (0, 0), load
+    stats = await engine.kv_stats()
+    assert stats.free_blocks == stats.total_blocks and stats.parked_sessions == 0, stats
+    margins = [span for span in engine.timeline if span.context == salt and span.kind == "margin"]
+    assert margins and all(span.ended is not None for span in margins)
+    assert len(released) == 1 and max(span.ended for span in margins) < released[0]
+    # The query's stream ends with an error that says why, not cut off, not a crash.
+    await asyncio.wait_for(querying, 60)
+    assert events[-1].type == "error" and events[-1].code == ErrorCode.NOT_FOUND.value, events[-1]
+    assert not [e for e in events if e.type == "done"]
+    await assert_nothing_held(engine)
+    # And the engine takes a new session.
+    opts = WiMOptions.model_validate(TABLE_BASE)
+    again = await open_document(engine, engine.tokenizer, small_report, opts)
+    try:
+        assert outcome([e async for e in again.query(QUERY, opts)]) == "done"
+    finally:
+        await again.close()
+    await assert_nothing_held(engine)
+
+
 # -- purge ------------------------------------------------------------------------------------
 
 

@@ -96,10 +96,10 @@ class EngineConfig(BaseModel):
         "refused with OVERLOADED",
     )
     zero_purged_blocks: bool = Field(
-        False,
+        True,
         description="overwrite a closed session's KV blocks with zeros when they are purged, so "
-        "no document data stays in KV memory (helm/wim-service/values-gpu.yaml turns it on for "
-        "GPU images; off by default, as on CPU test and development setups)",
+        "no document data stays in KV memory (measured on a 2-core CPU: +20 ms to close a "
+        "3,000-token session, reading it took 15-30 s; docs/security.md)",
     )
     template_special_tokens: bool = Field(
         False,

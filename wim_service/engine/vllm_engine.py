@@ -43,7 +43,7 @@ from wim_service.wim.backend import (
     PromptCost,
     RequestKind,
 )
-from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 from wim_service.wim.tokenizer import HFTokenizer
 
 if TYPE_CHECKING:
@@ -61,7 +61,8 @@ PRIORITY = {
     RequestKind.MARGIN: 1,
     RequestKind.CONTEXT: 2,
 }
-# How long a closing context waits for its last push before aborting it outright.
+# How long a closing context waits for its last push before aborting it outright, and then
+# for the engine to free the blocks of its requests.
 CLOSE_TIMEOUT_S = 30.0
 # Request spans kept in `VLLMBackend.timeline` (the most recent ones).
 TIMELINE_SPANS = 4096
@@ -383,6 +384,10 @@ class VLLMContext:
         self.engine = backend.engine
         self.salt = SALT_PREFIX + secrets.token_hex(16)
         self._reserved_blocks = reserved_blocks
+        # Blocks a query reserved (`reserve_more`) and left while this context was closing:
+        # the close gives them back with its own, once the engine freed them (`_end`).
+        self._left_to_close = 0
+        self._ended = False
         # The most this context ever had reserved (its reservation plus a query's extra).
         self.most_reserved_blocks = reserved_blocks
         self._ids: list[int] = []
@@ -462,7 +467,12 @@ class VLLMContext:
         if item is None:
             raise WiMError(ErrorCode.ENGINE_ERROR, "the engine ended the context unexpectedly")
         if isinstance(item, BaseException):
-            raise WiMError(ErrorCode.ENGINE_ERROR, f"engine error: {item}") from item
+            raise logged_failure(
+                ErrorCode.ENGINE_ERROR,
+                "the engine failed while it held this document",
+                item,
+                f"context {self.salt[:12]}",
+            ) from item
         return item
 
     async def extend(self, token_ids: list[int]) -> PromptCost:
@@ -565,14 +575,22 @@ class VLLMContext:
         await self.backend.admission.acquire(blocks, session=False)
         self.most_reserved_blocks = max(self.most_reserved_blocks, self._reserved_blocks + blocks)
         try:
+            if self._closed:  # closed while this waited for room
+                raise WiMError(ErrorCode.INVALID_INPUT, "the context is closed")
             yield
         finally:
-            self.backend.admission.release(blocks, session=False)
+            if self._closed and not self._ended:
+                # The close is aborting the query's requests: their blocks are not free until
+                # the engine says so, which the close waits for.
+                self._left_to_close += blocks
+            else:
+                self.backend.admission.release(blocks, session=False)
 
     # -- end of life ---------------------------------------------------------------------
 
     async def close(self, *, abort: bool = False) -> None:
-        """End the session (frees its KV), purge its cache entries, release its reservation.
+        """End the session (frees its KV), purge its cache entries, release its reservation
+        (and what a query left in `reserve_more` meanwhile) once the engine freed its blocks.
 
         Normally the input stream is closed and vLLM ends the session after its current push;
         `abort` (or a push that does not finish in time) aborts the request outright. A caller
@@ -597,17 +615,31 @@ class VLLMContext:
             if self.backend.healthy:
                 await self._purge()
         finally:
+            self._ended = True
             self.backend.admission.release(self._reserved_blocks)
+            if self._left_to_close:
+                self.backend.admission.release(self._left_to_close, session=False)
+                self._left_to_close = 0
 
     async def _purge(self) -> None:
-        # Branches of this salt may still be finishing their abort in the engine core; their
-        # blocks show up as busy for a step or two. The scheduler purges them when they are
-        # freed (the salt is closed now); waiting a little keeps the reservation until then.
-        for _ in range(50):
-            result = await self.backend.purge(self.salt)
-            if not result["busy"]:
+        """Purge the salt and wait until the engine holds none of its blocks.
+
+        Branches of this salt (a query's margins, stopped by the close) may still be finishing
+        their abort in the engine core; their blocks show up as busy for a step or more, a
+        long prefill step of another job included. The scheduler purges them when they are
+        freed (the salt is closed now); the reservation is kept until then, or admission
+        control would count blocks as free that the engine still holds.
+        """
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        while (busy := (await self.backend.purge(self.salt))["busy"]) and self.backend.healthy:
+            if time.monotonic() > deadline:
+                # An engine that frees nothing for this long is stuck; keeping the reservation
+                # forever would not make its blocks free either.
+                logger.warning(
+                    "context %s: %d blocks still busy %g s after close",
+                    self.salt[:12],
+                    busy,
+                    CLOSE_TIMEOUT_S,
+                )
                 return
             await asyncio.sleep(0.02)
-        logger.debug(
-            "context %s: %d blocks busy at close, purged when freed", self.salt[:12], result["busy"]
-        )

@@ -26,7 +26,7 @@ from wim_service.serving.replica_client import ReplicaClient, ReplicaLost
 from wim_service.serving.responses import Item
 from wim_service.serving.sizing import JobSizer
 from wim_service.serving.store import StoredSession
-from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
 
@@ -228,7 +228,12 @@ class Dispatcher:
                 yield replica, event
         except ReplicaLost as exc:
             self.fleet.lost(replica, "replica_lost")
-            raise WiMError(ErrorCode.ENGINE_ERROR, f"send the request again: {exc}") from exc
+            raise logged_failure(
+                ErrorCode.ENGINE_ERROR,
+                "the engine replica running this request was lost; send the request again",
+                exc,
+                session_id,
+            ) from exc
         finally:
             self.fleet.table.unbind(session_id)
 
@@ -244,6 +249,8 @@ class Dispatcher:
         failovers = transient_retries = 0
         exclude: set[str] = set()
         replica: str | None = None
+        # What log lines name the job by: a document id stays out of logs (docs/security.md).
+        subject = session_id if record is None else "a document query"
         while True:
             progress.new_attempt()
             if record is not None:
@@ -267,6 +274,10 @@ class Dispatcher:
                     ):
                         # The replica no longer has this session (restarted): rebuild it.
                         raise ReplicaLost(replica, LookupError(event.message))
+                    if isinstance(event, ErrorEvent) and event.code == ErrorCode.ENGINE_ERROR:
+                        # The replica logged the failure under the incident id its message
+                        # names; this line ties that id to the job and the replica.
+                        logger.warning("%s: replica %s: %s", subject, replica, event.message)
                     if progress.fresh(event):
                         yield replica, event
                 return
@@ -281,8 +292,11 @@ class Dispatcher:
                     continue
                 failovers += 1
                 if failovers > self.config.max_failovers:
-                    raise WiMError(
-                        ErrorCode.ENGINE_ERROR, f"engine replicas kept failing: {exc}"
+                    raise logged_failure(
+                        ErrorCode.ENGINE_ERROR,
+                        "engine replicas kept failing on this request; retry later",
+                        exc,
+                        subject,
                     ) from exc
                 logger.warning("replica %s lost mid-request (%s); failing over", replica, exc)
                 if record is not None:
@@ -296,7 +310,9 @@ class Dispatcher:
                     self.fleet.table.unbind(session_id)
                     replica = None
             except Exception as exc:  # a bug or engine fault on the replica: not retried
-                logger.exception("job failed on replica %s", replica)
-                raise WiMError(
-                    ErrorCode.ENGINE_ERROR, "the engine failed on this request; it was logged"
+                raise logged_failure(
+                    ErrorCode.ENGINE_ERROR,
+                    "the engine failed on this request",
+                    exc,
+                    f"{subject} on replica {replica}",
                 ) from exc

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
@@ -22,27 +20,16 @@ from ray import serve
 
 from wim_service.engine.config import EngineConfig
 from wim_service.serving.contracts import DocumentOpened, EngineDead, OpenResult, ReplicaLoad
+from wim_service.serving.held_documents import HeldDocuments
 from wim_service.serving.loop_lag import LoopLagMonitor
 from wim_service.serving.metrics import event_loop_lag
 from wim_service.serving.plain import PlainParams, plain_events
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
-from wim_service.wim.orchestrator import WiMSession, open_document, run_wim
+from wim_service.wim.orchestrator import open_document, run_wim
 
-logger = logging.getLogger(__name__)
-
-# A document session that no router has claimed for this long is closed: the routers claim
-# theirs every load poll, so only the sessions of a router that is gone (restarted without a
-# shared store, or its store lost) go unclaimed.
-DEFAULT_ORPHAN_TIMEOUT_S = 60.0
 REAP_INTERVAL_S = 5.0
-
-
-@dataclass
-class _Document:
-    session: WiMSession
-    claimed: float  # monotonic time a router last said it holds this session
 
 
 class EngineReplica:
@@ -57,8 +44,7 @@ class EngineReplica:
         self.replica = context.replica_id.unique_id
         self.config = EngineConfig.model_validate(engine)
         self.backend = VLLMBackend.start(self.config, rank=context.rank.local_rank)
-        self.documents: dict[str, _Document] = {}
-        self.orphan_timeout_s = DEFAULT_ORPHAN_TIMEOUT_S
+        self.documents = HeldDocuments()
         self._reaper: asyncio.Task[None] | None = None
         # This replica's own metrics; vLLM's are in the process's global registry.
         self.registry = CollectorRegistry()
@@ -73,29 +59,18 @@ class EngineReplica:
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def _reap(self) -> None:
+        """Close the sessions no router claims (`HeldDocuments`: never one in use)."""
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
-            oldest = time.monotonic() - self.orphan_timeout_s
-            orphans = [d for d, doc in self.documents.items() if doc.claimed < oldest]
-            for document_id in orphans:
-                await self.close_document(document_id)
-            if orphans:
-                logger.info("closed %d document sessions no router claims", len(orphans))
+            await self.documents.reap(time.monotonic())
 
     async def claim(self, document_ids: list[str], orphan_timeout_s: float) -> int:
         """A router holds these sessions (sent every load poll); unclaimed ones are reaped.
         Returns how many of them this replica has. Async: Serve runs a sync method in a worker
         thread, where the reaper could not be started (no running event loop)."""
         self._ensure_reaper()
-        self.orphan_timeout_s = orphan_timeout_s
-        now = time.monotonic()
-        held = 0
-        for document_id in document_ids:
-            document = self.documents.get(document_id)
-            if document is not None:
-                document.claimed = now
-                held += 1
-        return held
+        self.documents.orphan_timeout_s = orphan_timeout_s
+        return self.documents.claim(document_ids, time.monotonic())
 
     def _check_engine(self) -> None:
         if not self.backend.healthy:
@@ -135,7 +110,7 @@ class EngineReplica:
         except WiMError as exc:
             self._check_engine()
             return ErrorEvent.of(exc)
-        self.documents[document_id] = _Document(session, time.monotonic())
+        self.documents.add(document_id, session, time.monotonic())
         return DocumentOpened(
             context_tokens=session.plan.context_tokens, segments=len(session.plan.segments)
         )
@@ -143,24 +118,22 @@ class EngineReplica:
     async def query_document(
         self, document_id: str, query: str, options: WiMOptions
     ) -> AsyncIterator[WiMEvent]:
-        document = self.documents.get(document_id)
-        if document is None:
+        session = self.documents.use(document_id, time.monotonic())
+        if session is None:
             yield ErrorEvent(
                 code=ErrorCode.NOT_FOUND.value,
                 message=f"document session {document_id} is not on this replica",
             )
             return
-        document.claimed = time.monotonic()
-        async for event in self._checked(document.session.query(query, options)):
+        async for event in self._checked(session.query(query, options)):
             yield event
-        document.claimed = time.monotonic()
+        # The orphan timeout counts from the query's end, not its start.
+        self.documents.use(document_id, time.monotonic())
 
     async def close_document(self, document_id: str) -> bool:
-        document = self.documents.pop(document_id, None)
-        if document is None:
-            return False
-        await document.session.close()
-        return True
+        """Close a session (DELETE, expiry, re-open); a query running on it ends with
+        `not_found` once the engine has let go of its blocks."""
+        return await self.documents.close(document_id)
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -175,9 +148,7 @@ class EngineReplica:
             sessions=admission.sessions,
             max_sessions=self.config.max_sessions,
             documents=len(self.documents),
-            resident_kv_tokens=sum(
-                d.session.context.context_tokens for d in self.documents.values()
-            ),
+            resident_kv_tokens=sum(s.context.context_tokens for s in self.documents.sessions()),
             healthy=self.backend.healthy,
         )
 

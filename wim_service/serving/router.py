@@ -105,6 +105,8 @@ class WiMRouter:
         # poll interval / `METRICS_MAX_AGE_S` however many requests come (`serving/recent.py`).
         self._loads = Recent(self.fleet.refresh_loads, router.load_poll_interval_s)
         self._replica_metrics = Recent(self._fetch_replica_metrics, METRICS_MAX_AGE_S)
+        # The document sessions as last listed from the store (claimed while it is down).
+        self._listed: list[StoredSession] = []
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_app(self)
@@ -145,20 +147,32 @@ class WiMRouter:
             await self.fleet.refresh_loads()
 
     async def _maintain(self) -> None:
+        # Each step on its own: a store that is down must not stop the claims (or the loads).
+        steps = (
+            self._loads.get,
+            self._expire_documents,
+            self.documents.renew_held,
+            self._claim_documents,
+        )
         while True:
-            with contextlib.suppress(Exception):
-                await self._loads.get()
-                await self._expire_documents()
-                await self.documents.renew_held()
-                await self._claim_documents()
+            for step in steps:
+                with contextlib.suppress(Exception):
+                    await step()
             await asyncio.sleep(self.config.router.load_poll_interval_s)
 
     async def _claim_documents(self) -> None:
         """Tell every replica which document sessions are bound to it; a replica closes the
         sessions nobody claims within `orphan_timeout_s` (e.g. its router is gone and the store
-        was in that router's memory). With a shared store every router claims them all."""
+        was in that router's memory). With a shared store every router claims them all.
+
+        While the store cannot be listed, the sessions of the last listing are claimed: the
+        orphan rule is for a router that is gone, not for a store that is down. A session that
+        ended meanwhile drops out of the first listing once the store answers again.
+        """
+        with contextlib.suppress(HTTPFailure):  # the store is down: keep the last listing
+            self._listed = await self.documents.sessions()
         held: dict[str, list[str]] = {replica: [] for replica in self.fleet.table.loads}
-        for session in await self.documents.sessions():
+        for session in self._listed:
             if session.replica in held:
                 held[session.replica].append(session.session_id)
         timeout = self.config.router.orphan_timeout_s

@@ -90,7 +90,9 @@ class ContextSession(Protocol):
         ...
 
     async def close(self) -> None:
-        """End the session: free its KV and purge it from any cache (idempotent)."""
+        """End the session: free its KV and purge it from any cache (idempotent). Requests
+        still running on it end; a `reserve_more` block still entered gives its blocks back
+        no earlier than the close gives the session's."""
         ...
 
 

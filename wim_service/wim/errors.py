@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import secrets
 from enum import StrEnum
+
+logger = logging.getLogger(__name__)
 
 
 class ErrorCode(StrEnum):
@@ -24,3 +28,15 @@ class WiMError(Exception):
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+
+
+def logged_failure(code: ErrorCode, message: str, exc: BaseException, subject: str) -> WiMError:
+    """The error a client is told of a failure it did not cause: `message` and an incident id.
+
+    The exception's own text (a path, a traceback, engine internals, another request's data)
+    goes to the server log under that id, with `subject` (the job, session or context it hit),
+    never to the client.
+    """
+    incident = secrets.token_hex(4)
+    logger.error("%s: %s [incident %s]", subject, message, incident, exc_info=exc)
+    return WiMError(code, f"{message} (incident {incident} in the server log)")

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from wim_service.wim.backend import (
     Backend,
@@ -28,7 +28,7 @@ from wim_service.wim.backend import (
     RequestKind,
 )
 from wim_service.wim.capacity import JobShape
-from wim_service.wim.errors import ErrorCode, WiMError
+from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 from wim_service.wim.events import (
     AnswerEvent,
     DoneEvent,
@@ -41,11 +41,9 @@ from wim_service.wim.events import (
 )
 from wim_service.wim.grounding import SegmentText, may_still_copy, query_overlap
 from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
-from wim_service.wim.prompts import MarginNote, PromptBuilder
+from wim_service.wim.prompts import MarginNote, PromptBuilder, TemplateError
 from wim_service.wim.segmentation import Segment, leading_sentences, segment_document
 from wim_service.wim.tokenizer import EncodedText, Tokenizer
-
-logger = logging.getLogger(__name__)
 
 Emit = Callable[[WiMEvent], None]
 
@@ -78,7 +76,7 @@ class DocumentPlan:
                 options=options,
                 query=query,
             )
-        except ValueError as exc:  # templates the chat template renders inconsistently
+        except TemplateError as exc:  # templates the chat template renders inconsistently
             raise WiMError(ErrorCode.INVALID_INPUT, f"options.prompts: {exc}") from exc
 
 
@@ -110,7 +108,7 @@ def relevance_ids(builder: PromptBuilder) -> tuple[frozenset[int], frozenset[int
     """The YES and NO first tokens; templates whose words cannot be told apart are refused."""
     try:
         return builder.relevance_token_ids()
-    except ValueError as exc:
+    except TemplateError as exc:
         raise WiMError(ErrorCode.INVALID_INPUT, f"prompts.yes / prompts.no: {exc}") from exc
 
 
@@ -273,6 +271,16 @@ def _strip_relevance_word(text: str, word: str) -> str:
     return body.lstrip(" \t\n:#-,.;")
 
 
+async def _stop(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel `tasks` and wait until each has ended: a task closes its engine request on its
+    way out, and that request must be aborted before the job's KV reservation goes back."""
+    running = [task for task in tasks if not task.done()]
+    for task in running:
+        task.cancel()
+    if running:
+        await asyncio.wait(running)
+
+
 async def _recorded(
     stream: AsyncIterator[GenerationChunk], chunks: list[GenerationChunk]
 ) -> AsyncIterator[GenerationChunk]:
@@ -354,6 +362,11 @@ class QueryRoom:
         return self.shape.early_answer_blocks(block, pending_margins, suffix_tokens) <= self.blocks
 
 
+def _closed_under_query() -> WiMError:
+    """A query on a session that was closed before it could run, or while it ran."""
+    return WiMError(ErrorCode.NOT_FOUND, "the document session was closed (deleted or expired)")
+
+
 class WiMSession:
     """One document in one engine context, answering one or many queries."""
 
@@ -383,6 +396,13 @@ class WiMSession:
         self._drafts: dict[int, str] = {}
         self._closed = False
         self._lock = asyncio.Lock()  # one query at a time per session
+        self._queries = 0  # queries running or waiting for the lock
+        self._running: asyncio.Task[None] | None = None  # the task of the query holding it
+
+    @property
+    def busy(self) -> bool:
+        """Whether a query runs or waits on this session (an idle one may be reaped)."""
+        return self._queries > 0
 
     # -- steps -------------------------------------------------------------------------
 
@@ -583,8 +603,7 @@ class WiMSession:
                         await task
             timings.prefill_s = time.perf_counter() - started
         except BaseException:
-            for task in tasks:
-                task.cancel()
+            await _stop(tasks)
             raise
         return tasks
 
@@ -617,8 +636,7 @@ class WiMSession:
                     # One at a time: the reference backend works on one request at once.
                     await task
         except BaseException:
-            for task in tasks:
-                task.cancel()
+            await _stop(tasks)
             raise
         return tasks
 
@@ -830,10 +848,7 @@ class WiMSession:
                     stream, self.builder.tokenizer, stop=options.answer_stop, on_text=on_text
                 )
         finally:
-            for task in margins:
-                task.cancel()
-            for answer in early:
-                answer.task.cancel()
+            await _stop([*margins, *(answer.task for answer in early)])
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.answer_tokens += len(generated.token_ids)
         held = {note.segment for note in shown}
@@ -849,9 +864,23 @@ class WiMSession:
         )
 
     async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            await self.context.close()
+        """End the session; a query still running is stopped and ends with `NOT_FOUND`.
+
+        The context is closed before the query has unwound: its reservation, and what the
+        query reserved beyond it, are then given back by the context once the engine no longer
+        holds any block of the query's requests. Released when the query's task ended
+        instead, they would go back while its aborted margins still sat in the engine, and
+        admission control would admit a new session onto blocks that are not free yet.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        running = self._running
+        if running is not None:
+            running.cancel()
+        await self.context.close()
+        if running is not None:
+            await asyncio.wait([running])
 
     # -- public entry points -----------------------------------------------------------
 
@@ -860,28 +889,46 @@ class WiMSession:
         options = options or self.options
 
         async def job(emit: Emit) -> None:
-            async with self._lock:
-                if self._closed:
-                    raise WiMError(ErrorCode.INVALID_INPUT, "the document session is closed")
-                limits = self.backend.limits
-                shape = check_query(self.plan, self.builder, limits, query, options)
-                needed = shape.query_blocks(limits.block_size, limits.max_model_len)
-                room = QueryRoom(shape, max(needed, self.query_blocks))
-                async with self.context.reserve_more(max(0, needed - self.query_blocks)):
-                    started = time.perf_counter()
-                    ledger, timings = _Ledger(), Timings()
-                    margins = await self.ask_margins(query, options, emit, ledger)
-                    await self.answer(
-                        query,
-                        margins,
-                        options,
-                        emit,
-                        ledger,
-                        timings,
-                        started,
-                        conclude=False,
-                        room=room,
-                    )
+            self._queries += 1
+            try:
+                async with self._lock:
+                    if self._closed:
+                        raise _closed_under_query()
+                    self._running = asyncio.current_task()
+                    try:
+                        await run(emit)
+                    except asyncio.CancelledError:
+                        if not self._closed:
+                            raise
+                        # `close` stopped it (DELETE, expiry, reap): the client is told why its
+                        # stream ends, instead of seeing it cut off.
+                        asyncio.current_task().uncancel()
+                        raise _closed_under_query() from None
+                    finally:
+                        self._running = None
+            finally:
+                self._queries -= 1
+
+        async def run(emit: Emit) -> None:
+            limits = self.backend.limits
+            shape = check_query(self.plan, self.builder, limits, query, options)
+            needed = shape.query_blocks(limits.block_size, limits.max_model_len)
+            room = QueryRoom(shape, max(needed, self.query_blocks))
+            async with self.context.reserve_more(max(0, needed - self.query_blocks)):
+                started = time.perf_counter()
+                ledger, timings = _Ledger(), Timings()
+                margins = await self.ask_margins(query, options, emit, ledger)
+                await self.answer(
+                    query,
+                    margins,
+                    options,
+                    emit,
+                    ledger,
+                    timings,
+                    started,
+                    conclude=False,
+                    room=room,
+                )
 
         return _event_stream(job)
 
@@ -993,10 +1040,10 @@ async def _event_stream(job: Callable[[Emit], Awaitable[None]]) -> AsyncIterator
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an engine failure must end the stream, not hang it
-            logger.exception("WiM job failed")
-            queue.put_nowait(
-                ErrorEvent(code=ErrorCode.ENGINE_ERROR.value, message=f"engine error: {exc}")
+            failure = logged_failure(
+                ErrorCode.ENGINE_ERROR, "the engine failed on this job", exc, "WiM job"
             )
+            queue.put_nowait(ErrorEvent.of(failure))
         finally:
             queue.put_nowait(None)
 

@@ -29,6 +29,11 @@ _TURN_OPEN, _TURN_CLOSE = "\ue002", "\ue003"
 _TURN_RE = re.compile("([\ue002\ue003])")
 
 
+class TemplateError(ValueError):
+    """Prompt templates that cannot work with this model's chat template (the client's to fix;
+    its message is shown to the client, unlike other errors of the tokenizer)."""
+
+
 def fill(template: str, values: Mapping[str, str]) -> str:
     """Replace `{name}` placeholders in one pass; inserted values are never scanned again."""
     return PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), template)
@@ -99,7 +104,7 @@ class PromptBuilder:
         )
         before, marker, after = self._chat(user_turn).partition(_sentinel("document"))
         if not marker or _sentinel("document") in after:
-            raise ValueError("the document template must place {document} exactly once")
+            raise TemplateError("the document template must place {document} exactly once")
         # The document sits inside the user turn: `after` starts in it.
         return self._tokenize(before, {}), self._tokenize(after, values, in_turn=True)
 
@@ -169,7 +174,7 @@ class PromptBuilder:
         # The KV of a job is shared across margin and final requests only if every request
         # starts with exactly the same tokens; a chat template that varies them breaks WiM.
         if before != self.context_prefix:
-            raise ValueError("the chat template renders a different prefix for different steps")
+            raise TemplateError("the chat template renders a different prefix for different steps")
         return after
 
     def margin_entry_overhead(self) -> int:
@@ -187,5 +192,5 @@ class PromptBuilder:
 
         yes, no = first_tokens(self.templates.yes), first_tokens(self.templates.no)
         if yes & no:
-            raise ValueError("the YES and NO words start with the same token")
+            raise TemplateError("the YES and NO words start with the same token")
         return yes, no
