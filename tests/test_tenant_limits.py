@@ -18,7 +18,7 @@ import pytest
 from tests.redis_server import RedisServer
 from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.test_router_store import Routers, on_redis
-from wim_service.serving.auth import KeysConfig, hash_key
+from wim_service.serving.auth import ApiKeys, KeysConfig, hash_key
 from wim_service.serving.contracts import ReplicaLoad
 from wim_service.serving.quotas import over_fair_share
 from wim_service.wim.events import WiMEvent
@@ -200,3 +200,15 @@ async def test_a_tenant_filling_the_fleet_leaves_a_session_for_another(routers: 
     )
     assert (await second.post("/documents", json=body, headers=key("globex"))).status_code == 201
     refused(await second.post("/documents", json=body, headers=key("acme")))
+
+
+def test_a_tenant_allowed_no_documents_takes_no_fair_share() -> None:
+    """As on the real stack: a tenant with `open_documents` 0 (beta) or allowed only jobs can
+    never hold a session, so it does not shrink the others' share (there alpha, alone, fills
+    the fleet and gets 429 `overloaded`, not `rate_limited`)."""
+    keys = ApiKeys(tenants(alpha={"open_documents": 16}, beta={"open_documents": 0}, gamma={}))
+    assert keys.document_tenants == frozenset({"alpha", "gamma"})
+    jobs_only = KeysConfig.model_validate(
+        {"tenants": {"gamma": {"keys": [hash_key("g")], "allow": ["jobs"]}}}
+    )
+    assert ApiKeys(jobs_only).document_tenants == frozenset()

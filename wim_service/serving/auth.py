@@ -119,8 +119,13 @@ class ApiKeys:
 
     @property
     def document_tenants(self) -> frozenset[str]:
-        """The tenants that may open document sessions (those a fair share is shared by)."""
-        return frozenset(t.name for t in self._by_hash.values() if Capability.DOCUMENTS in t.allow)
+        """The tenants that may open document sessions (those a fair share is shared by): a
+        tenant allowed none (`open_documents` 0) takes no share from the others."""
+        return frozenset(
+            t.name
+            for t in self._by_hash.values()
+            if Capability.DOCUMENTS in t.allow and t.limits.open_documents > 0
+        )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> ApiKeys:
