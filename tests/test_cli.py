@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -219,3 +220,32 @@ def test_a_signal_stops_the_command_and_kills_what_it_started(
         for process in descendants:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
+
+def test_serve_says_when_the_service_is_ready(capsys) -> None:
+    import http.server
+
+    from wim_service.cli.serve import announce_ready
+
+    polls: list[str] = []
+
+    class Readiness(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # 503 until the second poll, as while an engine starts
+            polls.append(self.path)
+            self.send_response(200 if len(polls) > 1 else 503)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Readiness)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        announce_ready(url, poll_s=0.05)
+    finally:
+        server.shutdown()
+    assert polls == ["/readyz", "/readyz"]
+    assert (
+        capsys.readouterr().out == f"wim_service ready at {url} (POST /wim, /v1, the page at /)\n"
+    )

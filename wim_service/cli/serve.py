@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 from wim_service.cli.lifecycle import run_subprocess
@@ -46,4 +49,28 @@ def main(args: argparse.Namespace) -> int:
         "TRANSFORMERS_OFFLINE": "1",
     }
     serve = Path(sys.executable).with_name("serve")
+    url = service_url(args.config)
+    threading.Thread(target=announce_ready, args=(url,), daemon=True).start()
     return run_subprocess([str(serve), "run", str(args.config)], env)
+
+
+def service_url(config: Path) -> str:
+    """Where the config's HTTP proxy listens (Serve's defaults: 127.0.0.1:8000)."""
+    import yaml
+
+    http = (yaml.safe_load(config.read_text()) or {}).get("http_options") or {}
+    return f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+
+
+def announce_ready(url: str, poll_s: float = 2.0) -> None:
+    """Print one line once `/readyz` answers 200: `serve run`'s own log does not say when an
+    engine replica can answer (its "Deployed app" line never came on the default config)."""
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=poll_s) as answer:
+                if answer.status == 200:
+                    print(f"wim_service ready at {url} (POST /wim, /v1, the page at /)", flush=True)
+                    return
+        except OSError:
+            pass  # not listening yet, or 503 until an engine replica is ready
+        time.sleep(poll_s)
