@@ -13,8 +13,8 @@ The mechanism (measured on vLLM 0.32, see docs/architecture.md):
   context with zero recompute.
 * Closing a context ends the session, then purges its salt's cache entries
   (`WiMScheduler.wim_purge_salt`), so no later request can hit the document's KV.
-* Lengths are checked before every push: a session that outgrows `max_model_len` would kill the
-  whole engine (vLLM #42489), not just the request.
+* Lengths are checked before every push (`request_params.check_window`): a session that
+  outgrows `max_model_len` would kill the whole engine, not just the request.
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ from typing import TYPE_CHECKING, Any
 from wim_service.engine import kv_memory
 from wim_service.engine.admission import AdmissionLoad, KVAdmission
 from wim_service.engine.config import EngineConfig
+from wim_service.engine.request_params import (
+    PRIORITY,
+    check_window,
+    plain_request_blocks,
+    sampling_params,
+)
 from wim_service.engine.scheduler import SALT_PREFIX
 from wim_service.wim.backend import (
     EngineLimits,
@@ -53,14 +59,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Lower runs first. Answers and margins jump ahead of context pushes, so a parked session's
-# margins never wait behind another document's prefill (and cannot deadlock behind it).
-PRIORITY = {
-    RequestKind.ANSWER: 0,
-    RequestKind.CLASSIFIER: 0,
-    RequestKind.MARGIN: 1,
-    RequestKind.CONTEXT: 2,
-}
 # How long a closing context waits for its last push before aborting it outright, and then
 # for the engine to free the blocks of its requests.
 CLOSE_TIMEOUT_S = 30.0
@@ -257,24 +255,6 @@ class VLLMBackend:
         results = await self.engine.collective_rpc(kv_memory.BLOCK_MAGNITUDES, args=(block_ids,))
         return results[0]
 
-    def sampling_params(self, params: GenerationParams) -> SamplingParams:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        from wim_service.engine.first_token import FIRST_TOKEN_IDS_KEY
-
-        extra: dict[str, Any] | None = None
-        if params.first_token_ids:
-            extra = {FIRST_TOKEN_IDS_KEY: sorted(params.first_token_ids)}
-        return SamplingParams(
-            temperature=0.0,
-            max_tokens=params.max_tokens,
-            stop_token_ids=sorted(params.stop_token_ids),
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=False,
-            extra_args=extra,
-        )
-
     async def complete(
         self,
         prompt_ids: list[int],
@@ -328,25 +308,16 @@ class VLLMBackend:
         (waiting for room like a WiM job): a service request beside parked WiM contexts must
         not take blocks their reservations count on. Leaving early aborts the request.
         """
-        from vllm import SamplingParams
         from vllm.inputs import tokens_input
-        from vllm.sampling_params import RequestOutputKind
 
-        total = len(prompt_ids) + max_tokens
-        if total > self.limits.max_model_len:
-            raise WiMError(
-                ErrorCode.TOO_LONG,
-                f"the prompt and answer need {total} tokens; the model's context window is "
-                f"{self.limits.max_model_len}",
-            )
-        params = SamplingParams(
-            temperature=0.0,
-            max_tokens=max_tokens,
-            min_tokens=max_tokens if exact_tokens else 0,
-            ignore_eos=exact_tokens,
-            stop_token_ids=sorted(self.tokenizer.eos_token_ids | stop_token_ids),
-            stop=list(stop) or None,
-            output_kind=RequestOutputKind.DELTA,
+        limits = self.limits
+        check_window(len(prompt_ids) + max_tokens, limits.max_model_len, "the prompt and answer")
+        params = sampling_params(
+            max_tokens,
+            stop_token_ids=self.tokenizer.eos_token_ids | stop_token_ids,
+            stop=stop,
+            exact_tokens=exact_tokens,
+            detokenize=True,  # the text is the answer: stop strings and held-back characters
         )
         stream = self.engine.generate(  # starts on the first iteration
             tokens_input(prompt_ids, cache_salt=cache_salt),
@@ -354,7 +325,8 @@ class VLLMBackend:
             self.next_request_id("plain", "complete"),
             priority=PRIORITY[RequestKind.ANSWER],
         )
-        blocks = -(-total // self.limits.block_size) if reserve else 0
+        worst_case = plain_request_blocks(len(prompt_ids), max_tokens, limits.block_size)
+        blocks = worst_case if reserve else 0
         if blocks:
             await self.admission.acquire(blocks, session=False)
         first = True
@@ -374,6 +346,15 @@ class VLLMBackend:
             await stream.aclose()
             if blocks:
                 self.admission.release(blocks, session=False)
+
+
+def _generation_params(params: GenerationParams) -> SamplingParams:
+    """A branch's or conclusion's sampling: the job's stop tokens and first-token choice."""
+    return sampling_params(
+        params.max_tokens,
+        stop_token_ids=params.stop_token_ids,
+        first_token_ids=params.first_token_ids,
+    )
 
 
 class VLLMContext:
@@ -413,31 +394,18 @@ class VLLMContext:
     # -- the session (spine) ------------------------------------------------------------
 
     def _check_room(self, total: int, what: str) -> None:
-        limit = self.backend.limits.max_model_len
-        if total > limit:
-            raise WiMError(
-                ErrorCode.TOO_LONG,
-                f"{what} would need {total} tokens; the model's context window is {limit}",
-            )
+        check_window(total, self.backend.limits.max_model_len, what)
 
     async def _input_stream(self) -> AsyncGenerator[Any, None]:
         while (item := await self._inputs.get()) is not None:
             yield item
 
     async def _run_spine(self) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            temperature=0.0,
-            max_tokens=1,
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=False,
-        )
         try:
             async for output in self.engine.generate(
                 self._input_stream(),
-                params,
+                # One token per push, discarded by the next push: the KV holds the pushes only.
+                sampling_params(1),
                 self.backend.next_request_id(self.salt, "ctx"),
                 priority=PRIORITY[RequestKind.CONTEXT],
             ):
@@ -493,7 +461,7 @@ class VLLMContext:
     ) -> AsyncIterator[GenerationChunk]:
         self._check_room(len(self._ids) + len(suffix_ids) + params.max_tokens, "the final prompt")
         with self._span(params.kind.value, len(self._ids)) as span:
-            await self._push(suffix_ids, self.backend.sampling_params(params))
+            await self._push(suffix_ids, _generation_params(params))
             self._concluded = True
             first, done = True, False
             try:
@@ -529,7 +497,7 @@ class VLLMContext:
         self._check_room(len(prompt_ids) + params.max_tokens, f"a {params.kind.value} request")
         stream = self.engine.generate(
             tokens_input(prompt_ids, cache_salt=self.salt),
-            self.backend.sampling_params(params),
+            _generation_params(params),
             self.backend.next_request_id(self.salt, kind),
             priority=PRIORITY[params.kind],
         )
