@@ -185,6 +185,83 @@ async def bench_vs_plain(
     }
 
 
+async def docs_per_second_at(
+    backend: Any, document: str, options: WiMOptions, concurrency: int
+) -> dict[str, float]:
+    """Documents per second with 1 and with `concurrency` documents at once."""
+    return {
+        "1": await docs_per_second(backend, document, options, 1),
+        str(concurrency): await docs_per_second(backend, document, options, concurrency),
+    }
+
+
+def _print_tokens(cached: dict[str, Any]) -> None:
+    line("segments / context tokens", f"{cached['segments']} / {cached['context_tokens']}")
+    line(
+        "computed - minimal (prefix caching on)",
+        f"{cached['excess']} tokens = {cached['excess_blocks']:.2f} blocks; "
+        f"ratio {cached['ratio']:.3f}",
+    )
+
+
+def _print_pipeline(pipe: dict[str, Any]) -> None:
+    line(
+        "pipelined / sequential",
+        f"{pipe['pipelined_s']:.2f} s / {pipe['sequential_s']:.2f} s = {pipe['ratio']:.3f} "
+        f"(overlap limit {pipe['overlap_limit']:.3f}: margins' decode hidden; "
+        f"{pipe['overlap_limit_whole_margins']:.3f}: whole margins hidden)",
+    )
+    line(
+        "pipelined / its round's limit (median of rounds)",
+        f"{pipe['ratio_to_limit']:.3f} (at most 1: the overlap limit is reached)",
+    )
+
+
+def _print_vs_plain(plain: dict[str, Any]) -> None:
+    line(
+        "WiM / plain",
+        f"{plain['wim_s']:.2f} s / {plain['plain_s']:.2f} s = {plain['ratio']:.3f}",
+    )
+    line(
+        "grounding / WiM wall time",
+        f"{plain['grounding_s'] * 1000:.1f} ms / {plain['wim_s']:.2f} s = "
+        f"{plain['grounding_share']:.2%}",
+    )
+
+
+async def _with_prefix_caching(
+    backend: Any, document: str, settings: BenchSettings
+) -> dict[str, Any]:
+    """(a), (b), (d) and vLLM's side of (c), on the engine as it runs in the service."""
+    options = settings.options
+    results: dict[str, Any] = {}
+    await timed_job(backend, document, QUERIES[0], options)  # warm-up
+    print("(a) prompt tokens computed beyond the minimum", flush=True)
+    results["a_prefix_caching"] = await bench_tokens(backend, document, options)
+    _print_tokens(results["a_prefix_caching"])
+    print("(b) pipelined vs sequential wall time", flush=True)
+    results["b_pipeline"] = await bench_pipeline(backend, document, options, settings.rounds)
+    _print_pipeline(results["b_pipeline"])
+    print("(d) WiM vs one plain long-context call, same answer length", flush=True)
+    results["d_vs_plain"] = await bench_vs_plain(backend, document, options, settings.rounds)
+    _print_vs_plain(results["d_vs_plain"])
+    if not settings.skip_reference:
+        results["c_vllm_docs_per_s"] = await docs_per_second_at(
+            backend, document, options, settings.concurrency
+        )
+    return results
+
+
+def _print_reference(
+    settings: BenchSettings, fast: dict[str, float], ref: dict[str, float]
+) -> None:
+    for n in ("1", str(settings.concurrency)):
+        line(
+            f"{n} document(s) at once: vLLM / reference",
+            f"{fast[n]:.3f} / {ref[n]:.3f} docs/s = {fast[n] / ref[n]:.2f}x",
+        )
+
+
 async def run_bench(settings: BenchSettings) -> int:
     from wim_service.engine.hf_backend import HFBackend
     from wim_service.engine.vllm_engine import VLLMBackend
@@ -198,48 +275,7 @@ async def run_bench(settings: BenchSettings) -> int:
     patient = settings.engine.model_copy(update={"admission_timeout_s": 3600.0})
     backend = VLLMBackend.start(patient)
     try:
-        await timed_job(backend, document, QUERIES[0], options)  # warm-up
-        print("(a) prompt tokens computed beyond the minimum", flush=True)
-        cached = await bench_tokens(backend, document, options)
-        results["a_prefix_caching"] = cached
-        line("segments / context tokens", f"{cached['segments']} / {cached['context_tokens']}")
-        line(
-            "computed - minimal (prefix caching on)",
-            f"{cached['excess']} tokens = {cached['excess_blocks']:.2f} blocks; "
-            f"ratio {cached['ratio']:.3f}",
-        )
-        print("(b) pipelined vs sequential wall time", flush=True)
-        pipe = await bench_pipeline(backend, document, options, settings.rounds)
-        results["b_pipeline"] = pipe
-        line(
-            "pipelined / sequential",
-            f"{pipe['pipelined_s']:.2f} s / {pipe['sequential_s']:.2f} s = {pipe['ratio']:.3f} "
-            f"(overlap limit {pipe['overlap_limit']:.3f}: margins' decode hidden; "
-            f"{pipe['overlap_limit_whole_margins']:.3f}: whole margins hidden)",
-        )
-        line(
-            "pipelined / its round's limit (median of rounds)",
-            f"{pipe['ratio_to_limit']:.3f} (at most 1: the overlap limit is reached)",
-        )
-        print("(d) WiM vs one plain long-context call, same answer length", flush=True)
-        plain = await bench_vs_plain(backend, document, options, settings.rounds)
-        results["d_vs_plain"] = plain
-        line(
-            "WiM / plain",
-            f"{plain['wim_s']:.2f} s / {plain['plain_s']:.2f} s = {plain['ratio']:.3f}",
-        )
-        line(
-            "grounding / WiM wall time",
-            f"{plain['grounding_s'] * 1000:.1f} ms / {plain['wim_s']:.2f} s = "
-            f"{plain['grounding_share']:.2%}",
-        )
-        if not settings.skip_reference:
-            results["c_vllm_docs_per_s"] = {
-                "1": await docs_per_second(backend, document, options, 1),
-                str(settings.concurrency): await docs_per_second(
-                    backend, document, options, settings.concurrency
-                ),
-            }
+        results.update(await _with_prefix_caching(backend, document, settings))
     finally:
         backend.shutdown()
 
@@ -257,19 +293,9 @@ async def run_bench(settings: BenchSettings) -> int:
     if not settings.skip_reference:
         print("(c) documents per second vs the transformers reference backend", flush=True)
         reference = HFBackend.from_config(settings.engine)
-        ref = {
-            "1": await docs_per_second(reference, document, options, 1),
-            str(settings.concurrency): await docs_per_second(
-                reference, document, options, settings.concurrency
-            ),
-        }
+        ref = await docs_per_second_at(reference, document, options, settings.concurrency)
         results["c_reference_docs_per_s"] = ref
-        fast = results["c_vllm_docs_per_s"]
-        for n in ("1", str(settings.concurrency)):
-            line(
-                f"{n} document(s) at once: vLLM / reference",
-                f"{fast[n]:.3f} / {ref[n]:.3f} docs/s = {fast[n] / ref[n]:.2f}x",
-            )
+        _print_reference(settings, results["c_vllm_docs_per_s"], ref)
     settings.save(results)
     return 0
 
