@@ -7,7 +7,9 @@
     WiM's wall time that grounding its margins took.
 
 Absolute seconds depend on the machine and its load; the ratios are the result. Repeated
-measurements alternate between the two sides so that drifting load hits both alike.
+measurements alternate between the two sides so that drifting load hits both alike, and the
+ratios of (b) and (d) are also printed as the mean of their rounds with a 95% t-interval
+(`intervals.py`), so that two runs can be told apart from noise.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import asyncio
 import secrets
 import statistics
 import time
+from dataclasses import asdict
 from typing import Any
 
 from wim_service.benchmarks.common import QUERIES, BenchSettings, JobResult, line, timed_job
+from wim_service.benchmarks.intervals import RoundsInterval, t_interval
 from wim_service.wim.backend import RequestKind
 from wim_service.wim.grounding import SegmentText, query_overlap
 from wim_service.wim.options import WiMOptions
@@ -137,15 +141,16 @@ async def bench_pipeline(
         limits.append((seq.seconds - _hideable(decode)) / seq.seconds)
         whole.append((seq.seconds - _hideable([m.elapsed_s for m in seq.margins])) / seq.seconds)
     ratios = [p / s for p, s in zip(pipelined, sequential, strict=True)]
+    to_limit = [ratio / limit for ratio, limit in zip(ratios, limits, strict=True)]
     return {
         "pipelined_s": statistics.median(pipelined),
         "sequential_s": statistics.median(sequential),
         "ratio": statistics.median(ratios),
+        "ratio_interval": asdict(t_interval(ratios)),
         "overlap_limit": statistics.median(limits),
         "overlap_limit_whole_margins": statistics.median(whole),
-        "ratio_to_limit": statistics.median(
-            ratio / limit for ratio, limit in zip(ratios, limits, strict=True)
-        ),
+        "ratio_to_limit": statistics.median(to_limit),
+        "ratio_to_limit_interval": asdict(t_interval(to_limit)),
         "rounds": [
             {"query": QUERIES[r % len(QUERIES)], "ratio": ratio, "overlap_limit": limit}
             for r, (ratio, limit) in enumerate(zip(ratios, limits, strict=True))
@@ -174,14 +179,19 @@ async def bench_vs_plain(
         plain_s.append(await plain_call(backend, document, query, options, tokens))
         wim_s.append(job.seconds)
         grounding_s.append(grounding_seconds(document, query, job, options))
+    ratios = [w / p for w, p in zip(wim_s, plain_s, strict=True)]
     return {
         "wim_s": statistics.median(wim_s),
         "plain_s": statistics.median(plain_s),
-        "ratio": statistics.median(w / p for w, p in zip(wim_s, plain_s, strict=True)),
+        "ratio": statistics.median(ratios),
+        "ratio_interval": asdict(t_interval(ratios)),
         "grounding_s": statistics.median(grounding_s),
         "grounding_share": statistics.median(
             g / w for g, w in zip(grounding_s, wim_s, strict=True)
         ),
+        "rounds": [
+            {"query": QUERIES[r % len(QUERIES)], "ratio": ratio} for r, ratio in enumerate(ratios)
+        ],
     }
 
 
@@ -206,22 +216,28 @@ def _print_tokens(cached: dict[str, Any]) -> None:
 
 def _print_pipeline(pipe: dict[str, Any]) -> None:
     line(
-        "pipelined / sequential",
+        "pipelined / sequential (median of rounds)",
         f"{pipe['pipelined_s']:.2f} s / {pipe['sequential_s']:.2f} s = {pipe['ratio']:.3f} "
         f"(overlap limit {pipe['overlap_limit']:.3f}: margins' decode hidden; "
         f"{pipe['overlap_limit_whole_margins']:.3f}: whole margins hidden)",
     )
+    line("pipelined / sequential, mean of rounds", str(RoundsInterval(**pipe["ratio_interval"])))
     line(
         "pipelined / its round's limit (median of rounds)",
         f"{pipe['ratio_to_limit']:.3f} (at most 1: the overlap limit is reached)",
+    )
+    line(
+        "pipelined / its round's limit, mean of rounds",
+        str(RoundsInterval(**pipe["ratio_to_limit_interval"])),
     )
 
 
 def _print_vs_plain(plain: dict[str, Any]) -> None:
     line(
-        "WiM / plain",
+        "WiM / plain (median of rounds)",
         f"{plain['wim_s']:.2f} s / {plain['plain_s']:.2f} s = {plain['ratio']:.3f}",
     )
+    line("WiM / plain, mean of rounds", str(RoundsInterval(**plain["ratio_interval"])))
     line(
         "grounding / WiM wall time",
         f"{plain['grounding_s'] * 1000:.1f} ms / {plain['wim_s']:.2f} s = "
