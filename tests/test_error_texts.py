@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from wim_service.engine.admission import KVAdmission
-from wim_service.engine.vllm_engine import VLLMContext
+from wim_service.engine.vllm_context import VLLMContext
 from wim_service.wim.backend import EngineLimits
 from wim_service.wim.errors import ErrorCode, WiMError
 

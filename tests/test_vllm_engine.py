@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from wim_service.engine.vllm_engine import RequestSpan
+from wim_service.engine.timeline import RequestSpan
 from wim_service.wim.backend import GenerationParams, RequestKind
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import DoneEvent

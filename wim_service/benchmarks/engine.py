@@ -7,7 +7,9 @@
     WiM's wall time that grounding its margins took.
 
 Absolute seconds depend on the machine and its load; the ratios are the result. Repeated
-measurements alternate between the two sides so that drifting load hits both alike.
+measurements alternate between the two sides so that drifting load hits both alike, and the
+ratios of (b) and (d) are also printed as the mean of their rounds with a 95% t-interval
+(`intervals.py`), so that two runs can be told apart from noise.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import asyncio
 import secrets
 import statistics
 import time
+from dataclasses import asdict
 from typing import Any
 
 from wim_service.benchmarks.common import QUERIES, BenchSettings, JobResult, line, timed_job
+from wim_service.benchmarks.intervals import RoundsInterval, t_interval
 from wim_service.wim.backend import RequestKind
 from wim_service.wim.grounding import SegmentText, query_overlap
 from wim_service.wim.options import WiMOptions
@@ -137,15 +141,16 @@ async def bench_pipeline(
         limits.append((seq.seconds - _hideable(decode)) / seq.seconds)
         whole.append((seq.seconds - _hideable([m.elapsed_s for m in seq.margins])) / seq.seconds)
     ratios = [p / s for p, s in zip(pipelined, sequential, strict=True)]
+    to_limit = [ratio / limit for ratio, limit in zip(ratios, limits, strict=True)]
     return {
         "pipelined_s": statistics.median(pipelined),
         "sequential_s": statistics.median(sequential),
         "ratio": statistics.median(ratios),
+        "ratio_interval": asdict(t_interval(ratios)),
         "overlap_limit": statistics.median(limits),
         "overlap_limit_whole_margins": statistics.median(whole),
-        "ratio_to_limit": statistics.median(
-            ratio / limit for ratio, limit in zip(ratios, limits, strict=True)
-        ),
+        "ratio_to_limit": statistics.median(to_limit),
+        "ratio_to_limit_interval": asdict(t_interval(to_limit)),
         "rounds": [
             {"query": QUERIES[r % len(QUERIES)], "ratio": ratio, "overlap_limit": limit}
             for r, (ratio, limit) in enumerate(zip(ratios, limits, strict=True))
@@ -174,15 +179,103 @@ async def bench_vs_plain(
         plain_s.append(await plain_call(backend, document, query, options, tokens))
         wim_s.append(job.seconds)
         grounding_s.append(grounding_seconds(document, query, job, options))
+    ratios = [w / p for w, p in zip(wim_s, plain_s, strict=True)]
     return {
         "wim_s": statistics.median(wim_s),
         "plain_s": statistics.median(plain_s),
-        "ratio": statistics.median(w / p for w, p in zip(wim_s, plain_s, strict=True)),
+        "ratio": statistics.median(ratios),
+        "ratio_interval": asdict(t_interval(ratios)),
         "grounding_s": statistics.median(grounding_s),
         "grounding_share": statistics.median(
             g / w for g, w in zip(grounding_s, wim_s, strict=True)
         ),
+        "rounds": [
+            {"query": QUERIES[r % len(QUERIES)], "ratio": ratio} for r, ratio in enumerate(ratios)
+        ],
     }
+
+
+async def docs_per_second_at(
+    backend: Any, document: str, options: WiMOptions, concurrency: int
+) -> dict[str, float]:
+    """Documents per second with 1 and with `concurrency` documents at once."""
+    return {
+        "1": await docs_per_second(backend, document, options, 1),
+        str(concurrency): await docs_per_second(backend, document, options, concurrency),
+    }
+
+
+def _print_tokens(cached: dict[str, Any]) -> None:
+    line("segments / context tokens", f"{cached['segments']} / {cached['context_tokens']}")
+    line(
+        "computed - minimal (prefix caching on)",
+        f"{cached['excess']} tokens = {cached['excess_blocks']:.2f} blocks; "
+        f"ratio {cached['ratio']:.3f}",
+    )
+
+
+def _print_pipeline(pipe: dict[str, Any]) -> None:
+    line(
+        "pipelined / sequential (median of rounds)",
+        f"{pipe['pipelined_s']:.2f} s / {pipe['sequential_s']:.2f} s = {pipe['ratio']:.3f} "
+        f"(overlap limit {pipe['overlap_limit']:.3f}: margins' decode hidden; "
+        f"{pipe['overlap_limit_whole_margins']:.3f}: whole margins hidden)",
+    )
+    line("pipelined / sequential, mean of rounds", str(RoundsInterval(**pipe["ratio_interval"])))
+    line(
+        "pipelined / its round's limit (median of rounds)",
+        f"{pipe['ratio_to_limit']:.3f} (at most 1: the overlap limit is reached)",
+    )
+    line(
+        "pipelined / its round's limit, mean of rounds",
+        str(RoundsInterval(**pipe["ratio_to_limit_interval"])),
+    )
+
+
+def _print_vs_plain(plain: dict[str, Any]) -> None:
+    line(
+        "WiM / plain (median of rounds)",
+        f"{plain['wim_s']:.2f} s / {plain['plain_s']:.2f} s = {plain['ratio']:.3f}",
+    )
+    line("WiM / plain, mean of rounds", str(RoundsInterval(**plain["ratio_interval"])))
+    line(
+        "grounding / WiM wall time",
+        f"{plain['grounding_s'] * 1000:.1f} ms / {plain['wim_s']:.2f} s = "
+        f"{plain['grounding_share']:.2%}",
+    )
+
+
+async def _with_prefix_caching(
+    backend: Any, document: str, settings: BenchSettings
+) -> dict[str, Any]:
+    """(a), (b), (d) and vLLM's side of (c), on the engine as it runs in the service."""
+    options = settings.options
+    results: dict[str, Any] = {}
+    await timed_job(backend, document, QUERIES[0], options)  # warm-up
+    print("(a) prompt tokens computed beyond the minimum", flush=True)
+    results["a_prefix_caching"] = await bench_tokens(backend, document, options)
+    _print_tokens(results["a_prefix_caching"])
+    print("(b) pipelined vs sequential wall time", flush=True)
+    results["b_pipeline"] = await bench_pipeline(backend, document, options, settings.rounds)
+    _print_pipeline(results["b_pipeline"])
+    print("(d) WiM vs one plain long-context call, same answer length", flush=True)
+    results["d_vs_plain"] = await bench_vs_plain(backend, document, options, settings.rounds)
+    _print_vs_plain(results["d_vs_plain"])
+    if not settings.skip_reference:
+        results["c_vllm_docs_per_s"] = await docs_per_second_at(
+            backend, document, options, settings.concurrency
+        )
+    return results
+
+
+def _print_reference(
+    settings: BenchSettings, fast: dict[str, float], ref: dict[str, float]
+) -> None:
+    for n in ("1", str(settings.concurrency)):
+        line(
+            f"{n} document(s) at once: vLLM / reference",
+            f"{fast[n]:.3f} / {ref[n]:.3f} docs/s = {fast[n] / ref[n]:.2f}x",
+        )
 
 
 async def run_bench(settings: BenchSettings) -> int:
@@ -198,48 +291,7 @@ async def run_bench(settings: BenchSettings) -> int:
     patient = settings.engine.model_copy(update={"admission_timeout_s": 3600.0})
     backend = VLLMBackend.start(patient)
     try:
-        await timed_job(backend, document, QUERIES[0], options)  # warm-up
-        print("(a) prompt tokens computed beyond the minimum", flush=True)
-        cached = await bench_tokens(backend, document, options)
-        results["a_prefix_caching"] = cached
-        line("segments / context tokens", f"{cached['segments']} / {cached['context_tokens']}")
-        line(
-            "computed - minimal (prefix caching on)",
-            f"{cached['excess']} tokens = {cached['excess_blocks']:.2f} blocks; "
-            f"ratio {cached['ratio']:.3f}",
-        )
-        print("(b) pipelined vs sequential wall time", flush=True)
-        pipe = await bench_pipeline(backend, document, options, settings.rounds)
-        results["b_pipeline"] = pipe
-        line(
-            "pipelined / sequential",
-            f"{pipe['pipelined_s']:.2f} s / {pipe['sequential_s']:.2f} s = {pipe['ratio']:.3f} "
-            f"(overlap limit {pipe['overlap_limit']:.3f}: margins' decode hidden; "
-            f"{pipe['overlap_limit_whole_margins']:.3f}: whole margins hidden)",
-        )
-        line(
-            "pipelined / its round's limit (median of rounds)",
-            f"{pipe['ratio_to_limit']:.3f} (at most 1: the overlap limit is reached)",
-        )
-        print("(d) WiM vs one plain long-context call, same answer length", flush=True)
-        plain = await bench_vs_plain(backend, document, options, settings.rounds)
-        results["d_vs_plain"] = plain
-        line(
-            "WiM / plain",
-            f"{plain['wim_s']:.2f} s / {plain['plain_s']:.2f} s = {plain['ratio']:.3f}",
-        )
-        line(
-            "grounding / WiM wall time",
-            f"{plain['grounding_s'] * 1000:.1f} ms / {plain['wim_s']:.2f} s = "
-            f"{plain['grounding_share']:.2%}",
-        )
-        if not settings.skip_reference:
-            results["c_vllm_docs_per_s"] = {
-                "1": await docs_per_second(backend, document, options, 1),
-                str(settings.concurrency): await docs_per_second(
-                    backend, document, options, settings.concurrency
-                ),
-            }
+        results.update(await _with_prefix_caching(backend, document, settings))
     finally:
         backend.shutdown()
 
@@ -257,19 +309,9 @@ async def run_bench(settings: BenchSettings) -> int:
     if not settings.skip_reference:
         print("(c) documents per second vs the transformers reference backend", flush=True)
         reference = HFBackend.from_config(settings.engine)
-        ref = {
-            "1": await docs_per_second(reference, document, options, 1),
-            str(settings.concurrency): await docs_per_second(
-                reference, document, options, settings.concurrency
-            ),
-        }
+        ref = await docs_per_second_at(reference, document, options, settings.concurrency)
         results["c_reference_docs_per_s"] = ref
-        fast = results["c_vllm_docs_per_s"]
-        for n in ("1", str(settings.concurrency)):
-            line(
-                f"{n} document(s) at once: vLLM / reference",
-                f"{fast[n]:.3f} / {ref[n]:.3f} docs/s = {fast[n] / ref[n]:.2f}x",
-            )
+        _print_reference(settings, results["c_vllm_docs_per_s"], ref)
     settings.save(results)
     return 0
 

@@ -30,7 +30,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "it sets win over --segment-tokens and --relevance",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="documents at once for (c)")
-    parser.add_argument("--rounds", type=int, default=3, help="repetitions for (b) and (d)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="repetitions for (b) and (d); each of their ratios is printed as the median of the "
+        "rounds and as their mean with a 95%% Student's t-interval (2 rounds at the least)",
+    )
     parser.add_argument(
         "--skip-reference", action="store_true", help="skip (c), the transformers baseline"
     )

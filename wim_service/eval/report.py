@@ -165,18 +165,9 @@ def _row(cells: Iterable[Any]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def markdown(records: list[RunRecord], *, title: str) -> str:
-    """Scores with intervals and cost, paired differences from plain, then score by length."""
-    methods, kinds, lengths = _ordered(records)
-    per_kind = {k: len({r.task_id for r in records if r.kind is k}) for k in kinds}
+def _summary_table(records: list[RunRecord], kinds: list[TaskKind]) -> list[str]:
+    """Each method's scores per kind and overall, invented values and cost."""
     lines = [
-        f"# {title}",
-        "",
-        f"Tasks per kind: {', '.join(f'{k.value} {n}' for k, n in per_kind.items())}; context "
-        f"lengths {lengths} (document tokens). Scores are means with 95% bootstrap intervals "
-        "over tasks; *invented* is the share of answers naming a number or name that is not in "
-        "the document; cost columns are means per task.",
-        "",
         _row(
             ["method"]
             + [f"{k.value} ({METRIC[k]})" for k in kinds]
@@ -200,31 +191,63 @@ def markdown(records: list[RunRecord], *, title: str) -> str:
                 ]
             )
         )
+    return lines
+
+
+def _paired_table(records: list[RunRecord], kinds: list[TaskKind]) -> list[str]:
+    """Every method's paired difference from the baseline; nothing without a baseline."""
     comparisons = compare(records)
-    if comparisons:
-        lines += [
-            "",
-            f"## Paired difference from {BASELINE} (same tasks; interval excluding 0 = a real "
-            "difference)",
-            "",
-            _row(["method", *(k.value for k in kinds), "all", "wins / ties / losses"]),
-            _row(["---"] * (len(kinds) + 3)),
-        ]
-        for c in comparisons:
-            lines.append(
-                _row(
-                    [c.method]
-                    + [c.by_kind[k.value].signed() for k in kinds]
-                    + [c.mean_difference.signed(), f"{c.wins} / {c.ties} / {c.losses}"]
-                )
+    if not comparisons:
+        return []
+    lines = [
+        "",
+        f"## Paired difference from {BASELINE} (same tasks; interval excluding 0 = a real "
+        "difference)",
+        "",
+        _row(["method", *(k.value for k in kinds), "all", "wins / ties / losses"]),
+        _row(["---"] * (len(kinds) + 3)),
+    ]
+    for c in comparisons:
+        lines.append(
+            _row(
+                [c.method]
+                + [c.by_kind[k.value].signed() for k in kinds]
+                + [c.mean_difference.signed(), f"{c.wins} / {c.ties} / {c.losses}"]
             )
+        )
+    return lines
+
+
+def _by_length_tables(records: list[RunRecord]) -> list[str]:
+    """One table per task kind: each method's mean score at each context length."""
+    methods, kinds, lengths = _ordered(records)
     grid = score_grid(records)
+    lines: list[str] = []
     for kind in kinds:
         lines += ["", f"## {kind.value} ({METRIC[kind]}) by context length", ""]
         lines.append(_row(["method", *lengths]))
         lines.append(_row(["---"] * (len(lengths) + 1)))
         for m in methods:
             lines.append(_row([m] + [f"{grid[kind.value][m][n]:.2f}" for n in lengths]))
+    return lines
+
+
+def markdown(records: list[RunRecord], *, title: str) -> str:
+    """Scores with intervals and cost, paired differences from plain, then score by length."""
+    _, kinds, lengths = _ordered(records)
+    per_kind = {k: len({r.task_id for r in records if r.kind is k}) for k in kinds}
+    lines = [
+        f"# {title}",
+        "",
+        f"Tasks per kind: {', '.join(f'{k.value} {n}' for k, n in per_kind.items())}; context "
+        f"lengths {lengths} (document tokens). Scores are means with 95% bootstrap intervals "
+        "over tasks; *invented* is the share of answers naming a number or name that is not in "
+        "the document; cost columns are means per task.",
+        "",
+        *_summary_table(records, kinds),
+        *_paired_table(records, kinds),
+        *_by_length_tables(records),
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from wim_service.engine.request_params import plain_request_blocks
 from wim_service.wim.errors import WiMError
 from wim_service.wim.events import AnswerEvent, DoneEvent, ErrorEvent, Timings, Usage, WiMEvent
 
@@ -34,7 +35,7 @@ class PlainParams(BaseModel):
 
 def plain_blocks(prompt_tokens: int, params: PlainParams, block_size: int) -> int:
     """KV blocks a plain request holds at most (what the router places it by)."""
-    return -(-(prompt_tokens + params.max_tokens) // block_size)
+    return plain_request_blocks(prompt_tokens, params.max_tokens, block_size)
 
 
 async def plain_events(

@@ -16,7 +16,7 @@ from wim_service.wim.backend import EngineLimits
 from wim_service.wim.capacity import JobShape
 from wim_service.wim.errors import WiMError
 from wim_service.wim.options import WiMOptions
-from wim_service.wim.orchestrator import check_query, plan_document
+from wim_service.wim.orchestrator import prepare_job
 from wim_service.wim.prompts import PromptBuilder
 from wim_service.wim.tokenizer import HFTokenizer
 
@@ -36,12 +36,7 @@ class JobSizer:
 
     def _shape(self, text: str, options: WiMOptions, query: str | None) -> JobShape:
         builder = PromptBuilder(self.tokenizer, options.prompts)
-        plan = plan_document(builder, text, options, self.limits)
-        if query is None:
-            shape = plan.shape(builder, options, None)
-            shape.check_window(self.limits.max_model_len)
-            return shape
-        return check_query(plan, builder, self.limits, query, options)
+        return prepare_job(builder, text, options, self.limits, query)[1]
 
     async def needed_blocks(self, text: str, options: WiMOptions, query: str | None) -> int:
         """KV blocks of a one-shot job (`query` given) or a document session (`query=None`)."""
