@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import asdict
 
 import pytest
 
@@ -40,7 +42,8 @@ def test_t_interval_on_known_values() -> None:
 def test_identical_rounds_have_no_spread_and_one_round_no_interval() -> None:
     assert t_interval([1.15] * 4) == pytest.approx(RoundsInterval(1.15, 1.15, 1.15, 4))
     one = t_interval([1.3])
-    assert one.mean == 1.3 and math.isnan(one.low) and math.isnan(one.high)
+    assert (one.mean, one.low, one.high) == (1.3, None, None)
+    assert json.loads(json.dumps(asdict(one), allow_nan=False))["low"] is None
     assert str(one) == "1.300 (1 round: no interval)"
     with pytest.raises(ValueError):
         t_interval([])

@@ -44,15 +44,16 @@ def t_critical(df: int) -> float:
 
 @dataclass(frozen=True)
 class RoundsInterval:
-    """The mean of per-round values and its 95% t-interval (NaN bounds with one round)."""
+    """The mean of per-round values and its 95% t-interval: no bounds with one round (None,
+    which JSON carries as null; NaN would make the saved file unreadable to strict parsers)."""
 
     mean: float
-    low: float
-    high: float
+    low: float | None
+    high: float | None
     rounds: int
 
     def __str__(self) -> str:
-        if self.rounds < 2:
+        if self.low is None or self.high is None:
             return f"{self.mean:.3f} (1 round: no interval)"
         half = (self.high - self.low) / 2
         return (
@@ -67,6 +68,6 @@ def t_interval(values: Sequence[float]) -> RoundsInterval:
         raise ValueError("no rounds to summarize")
     mean = statistics.fmean(values)
     if len(values) < 2:
-        return RoundsInterval(mean, math.nan, math.nan, len(values))
+        return RoundsInterval(mean, None, None, len(values))
     half = t_critical(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
     return RoundsInterval(mean, mean - half, mean + half, len(values))
