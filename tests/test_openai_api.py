@@ -21,8 +21,8 @@ from tests.fake_service import (
     LiveService,
     scripted_job,
 )
-from wim_service.serving.api import MAX_QUERY_CHARS
 from wim_service.serving.contracts import ReplicaLoad
+from wim_service.serving.http.bodies import MAX_QUERY_CHARS
 from wim_service.serving.openai_api import Turn, chat_prompt_ids, document_and_query
 from wim_service.wim.options import WiMOptions
 

@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient
 
 from wim_service.engine.config import EngineConfig
 from wim_service.serving.contracts import DocumentOpened, ReplicaLoad
-from wim_service.serving.errors import HTTPFailure
 from wim_service.serving.failover import StreamProgress
+from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.replica_client import ReplicaLost
 from wim_service.serving.router import WiMRouter

@@ -67,7 +67,7 @@ class RouterConfig(BaseModel):
     # A plain request without `max_tokens` answers at most this many tokens (fewer if the
     # context window leaves less): it reserves KV for all of them while it runs.
     plain_max_tokens: int = Field(1024, ge=1)
-    # PDF uploads (`POST /extract/pdf`) are read in a worker process (serving/pdf.py): more
+    # PDF uploads (`POST /extract/pdf`) are read in a worker process (serving/http/pdf.py): more
     # pages than this are refused (413 `too_long`), as is more text than max_document_chars.
     pdf_max_pages: int = Field(500, ge=1)
     # A worker still reading after this long (its start-up included) is killed: 422

@@ -18,12 +18,12 @@ from wim_service.serving.bindings import BindResult
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.contracts import DocumentOpened, OpenResult
 from wim_service.serving.documents import DocumentTable
-from wim_service.serving.errors import HTTPFailure
 from wim_service.serving.fleet import ReplicaFleet
+from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.http.responses import Item
 from wim_service.serving.metrics import WiMMetrics
 from wim_service.serving.plain import PlainParams, plain_blocks
 from wim_service.serving.replica_client import ReplicaClient, ReplicaLost
-from wim_service.serving.responses import Item
 from wim_service.serving.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure

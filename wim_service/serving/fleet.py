@@ -13,7 +13,7 @@ import time
 from wim_service.serving.bindings import BindingTable, BindResult, NoCapacity
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.contracts import ReplicaLoad
-from wim_service.serving.errors import HTTPFailure
+from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.metrics import WiMMetrics
 from wim_service.serving.replica_client import ReplicaClient
 from wim_service.wim.errors import ErrorCode

@@ -15,26 +15,26 @@ from fastapi import Depends, FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 
-from wim_service.serving.api import (
+from wim_service.serving.config import RouterConfig
+from wim_service.serving.http.auth import Tenant
+from wim_service.serving.http.bodies import (
     DocumentRequest,
     DocumentResponse,
     ErrorBody,
     WiMRequest,
     WiMResponse,
 )
-from wim_service.serving.auth import Tenant
-from wim_service.serving.config import RouterConfig
-from wim_service.serving.errors import STATUS, HTTPFailure, install_error_handlers
-from wim_service.serving.limits import (
+from wim_service.serving.http.edge import (
     SMALL_BODY_BYTES,
     EdgeMiddleware,
     EdgeOf,
     RouteEdge,
     caller,
 )
+from wim_service.serving.http.errors import STATUS, HTTPFailure, install_error_handlers
+from wim_service.serving.http.page import extract_routes, install_page
 from wim_service.serving.openai_api import OpenAIError, openai_routes
 from wim_service.serving.openai_models import ErrorResponse
-from wim_service.serving.page import extract_routes, install_page
 
 if TYPE_CHECKING:
     from wim_service.serving.router import WiMRouter

@@ -46,10 +46,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from wim_service.assets.default_model import GGUF_FILE
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.api import MAX_QUERY_CHARS, WiMRequest
-from wim_service.serving.auth import Tenant
-from wim_service.serving.errors import HTTPFailure, ServiceCode, framework_failure, status_of
-from wim_service.serving.limits import caller
+from wim_service.serving.http.auth import Tenant
+from wim_service.serving.http.bodies import MAX_QUERY_CHARS, WiMRequest
+from wim_service.serving.http.edge import caller
+from wim_service.serving.http.errors import HTTPFailure, ServiceCode, framework_failure, status_of
+from wim_service.serving.http.responses import Item
 from wim_service.serving.openai_models import (
     AssistantMessage,
     ChatChoice,
@@ -70,7 +71,6 @@ from wim_service.serving.openai_models import (
     PromptTokensDetails,
 )
 from wim_service.serving.plain import PlainParams
-from wim_service.serving.responses import Item
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.events import AnswerEvent, DoneEvent, ErrorEvent, MarginEvent, Usage
 from wim_service.wim.options import WiMOptions

@@ -25,29 +25,29 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 
-from wim_service.serving.api import DocumentRequest, DocumentResponse, WiMRequest
-from wim_service.serving.auth import ApiKeys, Capability, Tenant, check_open_mode
 from wim_service.serving.bindings import BindResult
 from wim_service.serving.config import ServiceConfig
 from wim_service.serving.documents import DocumentTable, check_document_options, document_response
-from wim_service.serving.errors import HTTPFailure, status_of
 from wim_service.serving.failover import Dispatcher
 from wim_service.serving.fleet import ReplicaFleet
-from wim_service.serving.http_app import build_http_app
-from wim_service.serving.loop_lag import LoopLagMonitor
-from wim_service.serving.metrics import JobObserver, WiMMetrics
-from wim_service.serving.pdf import PdfExtractor
-from wim_service.serving.plain import PlainParams
-from wim_service.serving.quotas import TenantGate
-from wim_service.serving.recent import Recent
-from wim_service.serving.replica_client import ReplicaClient, ServeReplicaClient
-from wim_service.serving.responses import (
+from wim_service.serving.http.auth import ApiKeys, Capability, Tenant, check_open_mode
+from wim_service.serving.http.bodies import DocumentRequest, DocumentResponse, WiMRequest
+from wim_service.serving.http.errors import HTTPFailure, status_of
+from wim_service.serving.http.pdf import PdfExtractor
+from wim_service.serving.http.responses import (
     Item,
     first_item,
     json_response,
     sse_response,
     with_late_errors,
 )
+from wim_service.serving.http_app import build_http_app
+from wim_service.serving.loop_lag import LoopLagMonitor
+from wim_service.serving.metrics import JobObserver, WiMMetrics
+from wim_service.serving.plain import PlainParams
+from wim_service.serving.quotas import TenantGate
+from wim_service.serving.recent import Recent
+from wim_service.serving.replica_client import ReplicaClient, ServeReplicaClient
 from wim_service.serving.sizing import JobSizer
 from wim_service.serving.store import SessionStore, StoredSession, make_store
 from wim_service.serving.vllm_metrics import merge_replica_metrics

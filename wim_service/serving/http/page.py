@@ -16,9 +16,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from wim_service.serving.errors import HTTPFailure
-from wim_service.serving.limits import caller
-from wim_service.serving.pdf import ExtractedText
+from wim_service.serving.http.edge import caller
+from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.http.pdf import ExtractedText
 from wim_service.wim.errors import ErrorCode
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from wim_service.serving.api import ErrorBody
+from wim_service.serving.http.bodies import ErrorBody
 from wim_service.wim.errors import ErrorCode
 
 logger = logging.getLogger(__name__)

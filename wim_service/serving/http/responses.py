@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from wim_service.serving.api import MarginOut, WiMResponse
-from wim_service.serving.errors import HTTPFailure
+from wim_service.serving.http.bodies import MarginOut, WiMResponse
+from wim_service.serving.http.errors import HTTPFailure
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import DoneEvent, ErrorEvent, WiMEvent
 
