@@ -24,10 +24,10 @@ from typing import Any
 import uvicorn
 
 from tests.test_router_logic import FakeClient, FakeReplica
-from wim_service.serving.contracts import DocumentOpened
 from wim_service.serving.http.auth import ApiKeys, KeysConfig, TenantConfig, TenantLimits, hash_key
 from wim_service.serving.http_app import build_http_app
-from wim_service.serving.plain import PlainParams
+from wim_service.serving.replica.contracts import DocumentOpened
+from wim_service.serving.replica.plain import PlainParams
 from wim_service.serving.router import WiMRouter
 from wim_service.wim.events import (
     AnswerEvent,

@@ -10,8 +10,8 @@ import time
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.test_router_logic import FakeReplica, make_service, metric
-from wim_service.serving.loop_lag import LoopLagMonitor
-from wim_service.serving.metrics import event_loop_lag
+from wim_service.serving.observability.loop_lag import LoopLagMonitor
+from wim_service.serving.observability.metrics import event_loop_lag
 
 LAG = "wim_event_loop_lag_seconds"
 # Short, so that the deliberate block is measured short by at most this much.

@@ -21,9 +21,9 @@ from tests.fake_service import (
     LiveService,
     scripted_job,
 )
-from wim_service.serving.contracts import ReplicaLoad
 from wim_service.serving.http.bodies import MAX_QUERY_CHARS
 from wim_service.serving.openai_api import Turn, chat_prompt_ids, document_and_query
+from wim_service.serving.replica.contracts import ReplicaLoad
 from wim_service.wim.options import WiMOptions
 
 MODEL = "SmolLM2-135M-Instruct"

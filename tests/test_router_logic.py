@@ -18,11 +18,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.contracts import DocumentOpened, ReplicaLoad
 from wim_service.serving.failover import StreamProgress
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http_app import build_http_app
-from wim_service.serving.replica_client import ReplicaLost
+from wim_service.serving.replica.client import ReplicaLost
+from wim_service.serving.replica.contracts import DocumentOpened, ReplicaLoad
 from wim_service.serving.router import WiMRouter
 from wim_service.serving.sizing import JobSizer
 from wim_service.serving.store import StoredSession
@@ -467,7 +467,7 @@ def test_each_pinned_call_gets_its_own_serve_request_id() -> None:
     calls made from one request must not share it (they were crossed or left waiting)."""
     from ray.serve.context import _get_serve_request_context, _set_request_context
 
-    from wim_service.serving.replica_client import ServeReplicaClient
+    from wim_service.serving.replica.client import ServeReplicaClient
 
     seen: list[tuple[str, str]] = []
 

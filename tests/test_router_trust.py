@@ -33,7 +33,7 @@ from wim_service.serving.http.edge import SMALL_BODY_BYTES
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http_app import build_http_app, route_edges
 from wim_service.serving.quotas import TenantGate
-from wim_service.serving.replica_client import ReplicaLost
+from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.router import WiMRouter
 from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable, memory
 from wim_service.wim.options import WiMOptions

@@ -18,9 +18,9 @@ import pytest
 from tests.redis_server import RedisServer
 from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.test_router_store import Routers, on_redis
-from wim_service.serving.contracts import ReplicaLoad
 from wim_service.serving.http.auth import ApiKeys, KeysConfig, hash_key
 from wim_service.serving.quotas import over_fair_share
+from wim_service.serving.replica.contracts import ReplicaLoad
 from wim_service.wim.events import WiMEvent
 
 JOB = {"context": DOCUMENT, "query": "code?"}

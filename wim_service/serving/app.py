@@ -15,8 +15,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 
 from wim_service.serving.config import ServiceConfig
-from wim_service.serving.replica import EngineReplica
-from wim_service.serving.replica_client import ENGINE_DEPLOYMENT
+from wim_service.serving.replica.client import ENGINE_DEPLOYMENT
+from wim_service.serving.replica.deployment import EngineReplica
 from wim_service.serving.router import WiMRouter
 
 # The ingress: the HTTP app is built by `WiMRouter.__serve_build_asgi_app__` in the replica.
@@ -44,7 +44,7 @@ EngineReplicaDeployment: Deployment = serve.deployment(
     health_check_period_s=10,
     request_router_config=RequestRouterConfig(
         # Serve takes an import path here and resolves it in each caller's process.
-        request_router_class="wim_service.serving.pinning:PinnedReplicaRouter"  # type: ignore[arg-type]
+        request_router_class="wim_service.serving.replica.pinning:PinnedReplicaRouter"  # type: ignore[arg-type]
     ),
 )(EngineReplica)
 

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field, replace
 
 from wim_service.serving.bindings import BindResult
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.contracts import DocumentOpened, OpenResult
 from wim_service.serving.documents import DocumentTable
 from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http.responses import Item
-from wim_service.serving.metrics import WiMMetrics
-from wim_service.serving.plain import PlainParams, plain_blocks
-from wim_service.serving.replica_client import ReplicaClient, ReplicaLost
+from wim_service.serving.observability.metrics import WiMMetrics
+from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
+from wim_service.serving.replica.contracts import DocumentOpened, OpenResult
+from wim_service.serving.replica.plain import PlainParams, plain_blocks
 from wim_service.serving.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
@@ -217,9 +217,9 @@ class Dispatcher:
     async def plain(
         self, session_id: str, prompt_ids: list[int], params: PlainParams
     ) -> AsyncIterator[Item]:
-        """Events of one plain engine request (`serving/plain.py`), placed like a one-shot job
-        under `session_id` and unbound when it ends. Not failed over: a short prompt is cheap
-        for its client to send again, and part of its answer may be out already."""
+        """Events of one plain engine request (`serving/replica/plain.py`), placed like a
+        one-shot job under `session_id` and unbound when it ends. Not failed over: a short prompt
+        is cheap for its client to send again, and part of its answer may be out already."""
         needed = plain_blocks(len(prompt_ids), params, self.sizer.limits.block_size)
         replica = await self.fleet.place(session_id, needed, set())
         self.metrics.binding.labels(BindResult.NEW).inc()

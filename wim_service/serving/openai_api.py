@@ -70,7 +70,7 @@ from wim_service.serving.openai_models import (
     ModelList,
     PromptTokensDetails,
 )
-from wim_service.serving.plain import PlainParams
+from wim_service.serving.replica.plain import PlainParams
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.events import AnswerEvent, DoneEvent, ErrorEvent, MarginEvent, Usage
 from wim_service.wim.options import WiMOptions

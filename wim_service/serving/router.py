@@ -42,15 +42,15 @@ from wim_service.serving.http.responses import (
     with_late_errors,
 )
 from wim_service.serving.http_app import build_http_app
-from wim_service.serving.loop_lag import LoopLagMonitor
-from wim_service.serving.metrics import JobObserver, WiMMetrics
-from wim_service.serving.plain import PlainParams
+from wim_service.serving.observability.loop_lag import LoopLagMonitor
+from wim_service.serving.observability.metrics import JobObserver, WiMMetrics
+from wim_service.serving.observability.vllm_metrics import merge_replica_metrics
 from wim_service.serving.quotas import TenantGate
 from wim_service.serving.recent import Recent
-from wim_service.serving.replica_client import ReplicaClient, ServeReplicaClient
+from wim_service.serving.replica.client import ReplicaClient, ServeReplicaClient
+from wim_service.serving.replica.plain import PlainParams
 from wim_service.serving.sizing import JobSizer
 from wim_service.serving.store import SessionStore, StoredSession, make_store
-from wim_service.serving.vllm_metrics import merge_replica_metrics
 from wim_service.wim.errors import ErrorCode, WiMError
 
 logger = logging.getLogger(__name__)

@@ -19,11 +19,16 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from ray import serve
 
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.contracts import DocumentOpened, EngineDead, OpenResult, ReplicaLoad
-from wim_service.serving.held_documents import HeldDocuments
-from wim_service.serving.loop_lag import LoopLagMonitor
-from wim_service.serving.metrics import event_loop_lag
-from wim_service.serving.plain import PlainParams, plain_events
+from wim_service.serving.observability.loop_lag import LoopLagMonitor
+from wim_service.serving.observability.metrics import event_loop_lag
+from wim_service.serving.replica.contracts import (
+    DocumentOpened,
+    EngineDead,
+    OpenResult,
+    ReplicaLoad,
+)
+from wim_service.serving.replica.held_documents import HeldDocuments
+from wim_service.serving.replica.plain import PlainParams, plain_events
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
@@ -153,9 +158,9 @@ class EngineReplica:
         )
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metrics (`serving/autoscaling.py`): how full this
+        """Serve's custom autoscaling metrics (`serving/replica/autoscaling.py`): how full this
         replica's KV and session slots are, parked document sessions included."""
-        from wim_service.serving.autoscaling import KV_RESERVED_FRACTION, SESSION_FRACTION
+        from wim_service.serving.replica.autoscaling import KV_RESERVED_FRACTION, SESSION_FRACTION
 
         admission = self.backend.load()
         return {

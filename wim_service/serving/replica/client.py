@@ -56,7 +56,7 @@ class ServeReplicaClient:
         self.in_flight: dict[str, int] = {}
 
     async def live_replicas(self) -> frozenset[str]:
-        from wim_service.serving.pinning import live_replicas
+        from wim_service.serving.replica.pinning import live_replicas
 
         replicas = live_replicas(ENGINE_DEPLOYMENT)
         if not replicas:
@@ -79,7 +79,7 @@ class ServeReplicaClient:
         from ray.serve._private.utils import generate_request_id
         from ray.serve.context import _get_serve_request_context, _serve_request_context
 
-        from wim_service.serving.pinning import target_key
+        from wim_service.serving.replica.pinning import target_key
 
         handle = self.engine.options(
             method_name=method, stream=stream, session_id=target_key(replica)
@@ -124,8 +124,8 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
     """Failures that mean "the replica is gone", not "the job is bad": the session moves."""
     from ray.exceptions import RayActorError
 
-    from wim_service.serving.contracts import EngineDead
-    from wim_service.serving.pinning import ReplicaGone
+    from wim_service.serving.replica.contracts import EngineDead
+    from wim_service.serving.replica.pinning import ReplicaGone
 
     # RayActorError covers ActorDiedError and ActorUnavailableError; Ray re-raises the
     # replica's EngineDead as an instance of EngineDead.
