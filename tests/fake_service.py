@@ -28,7 +28,7 @@ from wim_service.serving.http.auth import ApiKeys, KeysConfig, TenantConfig, Ten
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.replica.contracts import DocumentOpened
 from wim_service.serving.replica.plain import PlainParams
-from wim_service.serving.router import WiMRouter
+from wim_service.serving.routing.router import WiMRouter
 from wim_service.wim.events import (
     AnswerEvent,
     DoneEvent,

@@ -18,13 +18,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.failover import StreamProgress
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http_app import build_http_app
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened, ReplicaLoad
-from wim_service.serving.router import WiMRouter
-from wim_service.serving.sizing import JobSizer
+from wim_service.serving.routing.failover import StreamProgress
+from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.events import (
     AnswerEvent,
@@ -296,7 +296,9 @@ def test_a_replica_lost_mid_query_takes_no_new_session_while_serve_still_lists_i
 
 
 def moves(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "wim_service.serving.failover"]
+    return [
+        r.getMessage() for r in caplog.records if r.name == "wim_service.serving.routing.failover"
+    ]
 
 
 def test_a_session_whose_replica_left_is_rebuilt_before_its_query(
@@ -307,7 +309,7 @@ def test_a_session_whose_replica_left_is_rebuilt_before_its_query(
     document_id = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
     a.dead = True
     asyncio.run(router.fleet.refresh_loads())  # Serve no longer routes to a
-    caplog.set_level(logging.INFO, logger="wim_service.serving.failover")
+    caplog.set_level(logging.INFO, logger="wim_service.serving.routing.failover")
     answer = client.post("/wim", json={"document_id": document_id, "query": "q"})
     assert answer.status_code == 200 and answer.json()["replica"] == "b"
     assert [c for c in b.calls if c not in ("load", "claim")] == [
@@ -333,7 +335,7 @@ def test_a_session_bound_to_no_replica_is_read_on_its_first_query(
     # Stored unbound (as another router's store may hold it): no replica was lost.
     unbound = StoredSession("doc-unbound", WiMOptions(), ttl_s=600.0)
     asyncio.run(router.documents.add(unbound, DOCUMENT))
-    caplog.set_level(logging.INFO, logger="wim_service.serving.failover")
+    caplog.set_level(logging.INFO, logger="wim_service.serving.routing.failover")
     answer = client.post("/wim", json={"document_id": "doc-unbound", "query": "q"})
     assert answer.status_code == 200 and answer.json()["replica"] == "a"
     bound = asyncio.run(router.documents.get("doc-unbound"))

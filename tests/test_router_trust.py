@@ -17,7 +17,6 @@ from fastapi.testclient import TestClient
 
 from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica, job_events, metric
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.documents import DocumentTable
 from wim_service.serving.http.auth import (
     KEYS_ENV,
     KEYS_FILE_ENV,
@@ -32,9 +31,10 @@ from wim_service.serving.http.auth import (
 from wim_service.serving.http.edge import SMALL_BODY_BYTES
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http_app import build_http_app, route_edges
-from wim_service.serving.quotas import TenantGate
 from wim_service.serving.replica.client import ReplicaLost
-from wim_service.serving.router import WiMRouter
+from wim_service.serving.routing.documents import DocumentTable
+from wim_service.serving.routing.quotas import TenantGate
+from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable, memory
 from wim_service.wim.options import WiMOptions
 

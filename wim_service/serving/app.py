@@ -17,7 +17,7 @@ from ray.serve.deployment import Application, Deployment
 from wim_service.serving.config import ServiceConfig
 from wim_service.serving.replica.client import ENGINE_DEPLOYMENT
 from wim_service.serving.replica.deployment import EngineReplica
-from wim_service.serving.router import WiMRouter
+from wim_service.serving.routing.router import WiMRouter
 
 # The ingress: the HTTP app is built by `WiMRouter.__serve_build_asgi_app__` in the replica.
 WiMRouterDeployment: Deployment = serve.deployment(

@@ -59,7 +59,7 @@ class RouterConfig(BaseModel):
     # stop counting at most this long after it.
     job_lease_s: float = Field(30.0, gt=0)
     # When at most this fraction of the fleet's session slots is free, a new document session
-    # goes only to a tenant under its fair share (serving/quotas.py, docs/security.md).
+    # goes only to a tenant under its fair share (serving/routing/quotas.py, docs/security.md).
     fair_share_headroom: float = Field(0.25, ge=0, lt=1)
     # OpenAI-API prompts (chat template included) with fewer tokens than this are answered by
     # one plain engine request; longer ones with a document run WiM (docs/openai.md).

@@ -33,11 +33,11 @@ from wim_service.serving.http.edge import (
 )
 from wim_service.serving.http.errors import STATUS, HTTPFailure, install_error_handlers
 from wim_service.serving.http.page import extract_routes, install_page
-from wim_service.serving.openai_api import OpenAIError, openai_routes
-from wim_service.serving.openai_models import ErrorResponse
+from wim_service.serving.openai.models import ErrorResponse
+from wim_service.serving.openai.service import OpenAIError, openai_routes
 
 if TYPE_CHECKING:
-    from wim_service.serving.router import WiMRouter
+    from wim_service.serving.routing.router import WiMRouter
 
 
 # A route parameter of this type is the authenticated caller (in open mode: anyone).

@@ -22,7 +22,7 @@ from wim_service.serving.http.pdf import ExtractedText
 from wim_service.wim.errors import ErrorCode
 
 if TYPE_CHECKING:
-    from wim_service.serving.router import WiMRouter
+    from wim_service.serving.routing.router import WiMRouter
 
 T = TypeVar("T")
 

@@ -10,12 +10,12 @@ import asyncio
 import logging
 import time
 
-from wim_service.serving.bindings import BindingTable, BindResult, NoCapacity
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient
 from wim_service.serving.replica.contracts import ReplicaLoad
+from wim_service.serving.routing.bindings import BindingTable, BindResult, NoCapacity
 from wim_service.wim.errors import ErrorCode
 
 logger = logging.getLogger(__name__)

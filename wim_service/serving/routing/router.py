@@ -25,11 +25,7 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 
-from wim_service.serving.bindings import BindResult
 from wim_service.serving.config import ServiceConfig
-from wim_service.serving.documents import DocumentTable, check_document_options, document_response
-from wim_service.serving.failover import Dispatcher
-from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.http.auth import ApiKeys, Capability, Tenant, check_open_mode
 from wim_service.serving.http.bodies import DocumentRequest, DocumentResponse, WiMRequest
 from wim_service.serving.http.errors import HTTPFailure, status_of
@@ -45,11 +41,19 @@ from wim_service.serving.http_app import build_http_app
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
 from wim_service.serving.observability.metrics import JobObserver, WiMMetrics
 from wim_service.serving.observability.vllm_metrics import merge_replica_metrics
-from wim_service.serving.quotas import TenantGate
-from wim_service.serving.recent import Recent
 from wim_service.serving.replica.client import ReplicaClient, ServeReplicaClient
 from wim_service.serving.replica.plain import PlainParams
-from wim_service.serving.sizing import JobSizer
+from wim_service.serving.routing.bindings import BindResult
+from wim_service.serving.routing.documents import (
+    DocumentTable,
+    check_document_options,
+    document_response,
+)
+from wim_service.serving.routing.failover import Dispatcher
+from wim_service.serving.routing.fleet import ReplicaFleet
+from wim_service.serving.routing.quotas import TenantGate
+from wim_service.serving.routing.recent import Recent
+from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import SessionStore, StoredSession, make_store
 from wim_service.wim.errors import ErrorCode, WiMError
 
@@ -102,7 +106,8 @@ class WiMRouter:
         self.pdf = PdfExtractor(self.config.router)
         self._background: asyncio.Task[None] | None = None
         # What the public probes and scrapes ask of the engine replicas, at most once per
-        # poll interval / `METRICS_MAX_AGE_S` however many requests come (`serving/recent.py`).
+        # poll interval / `METRICS_MAX_AGE_S` however many requests come
+        # (`serving/routing/recent.py`).
         self._loads = Recent(self.fleet.refresh_loads, router.load_poll_interval_s)
         self._replica_metrics = Recent(self._fetch_replica_metrics, METRICS_MAX_AGE_S)
         # The document sessions as last listed from the store (claimed while it is down).

@@ -51,7 +51,7 @@ from wim_service.serving.http.bodies import MAX_QUERY_CHARS, WiMRequest
 from wim_service.serving.http.edge import caller
 from wim_service.serving.http.errors import HTTPFailure, ServiceCode, framework_failure, status_of
 from wim_service.serving.http.responses import Item
-from wim_service.serving.openai_models import (
+from wim_service.serving.openai.models import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -77,7 +77,7 @@ from wim_service.wim.options import WiMOptions
 from wim_service.wim.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from wim_service.serving.router import WiMRouter
+    from wim_service.serving.routing.router import WiMRouter
 
 OPEN_DOCUMENT, CLOSE_DOCUMENT = "<document>", "</document>"
 # Private-use code points around a turn's number: where the chat template put that turn's text.

@@ -14,17 +14,17 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from wim_service.serving.bindings import BindResult
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.documents import DocumentTable
-from wim_service.serving.fleet import ReplicaFleet
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http.responses import Item
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened, OpenResult
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
-from wim_service.serving.sizing import JobSizer
+from wim_service.serving.routing.bindings import BindResult
+from wim_service.serving.routing.documents import DocumentTable
+from wim_service.serving.routing.fleet import ReplicaFleet
+from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 from wim_service.wim.events import ErrorEvent, WiMEvent
