@@ -25,7 +25,7 @@ import uvicorn
 
 from tests.test_router_logic import FakeClient, FakeReplica
 from wim_service.serving.http.auth import ApiKeys, KeysConfig, TenantConfig, TenantLimits, hash_key
-from wim_service.serving.http_app import build_http_app
+from wim_service.serving.ingress import build_http_app
 from wim_service.serving.replica.contracts import DocumentOpened
 from wim_service.serving.replica.plain import PlainParams
 from wim_service.serving.routing.router import WiMRouter

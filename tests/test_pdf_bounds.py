@@ -26,7 +26,7 @@ from wim_service.serving.config import RouterConfig
 from wim_service.serving.http.auth import TenantLimits
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http.pdf import WORKER
-from wim_service.serving.http_app import build_http_app
+from wim_service.serving.ingress import build_http_app
 from wim_service.serving.routing.router import WiMRouter
 
 DEADLINE_S = RouterConfig().pdf_timeout_s

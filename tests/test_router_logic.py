@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from wim_service.engine.config import EngineConfig
 from wim_service.serving.http.errors import HTTPFailure
-from wim_service.serving.http_app import build_http_app
+from wim_service.serving.ingress import build_http_app
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened, ReplicaLoad
 from wim_service.serving.routing.failover import StreamProgress

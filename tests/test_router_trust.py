@@ -30,7 +30,7 @@ from wim_service.serving.http.auth import (
 )
 from wim_service.serving.http.edge import SMALL_BODY_BYTES
 from wim_service.serving.http.errors import HTTPFailure
-from wim_service.serving.http_app import build_http_app, route_edges
+from wim_service.serving.ingress import build_http_app, route_edges
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.quotas import TenantGate

@@ -37,7 +37,7 @@ from wim_service.serving.http.responses import (
     sse_response,
     with_late_errors,
 )
-from wim_service.serving.http_app import build_http_app
+from wim_service.serving.ingress import build_http_app
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
 from wim_service.serving.observability.metrics import JobObserver, WiMMetrics
 from wim_service.serving.observability.vllm_metrics import merge_replica_metrics
