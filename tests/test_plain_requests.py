@@ -8,7 +8,7 @@ import secrets
 
 import pytest
 
-from wim_service.serving.openai.service import Turn, chat_prompt_ids
+from wim_service.serving.openai.prompts import Turn, chat_prompt_ids
 from wim_service.serving.replica.plain import PlainParams, plain_blocks, plain_events
 from wim_service.wim.errors import ErrorCode, WiMError
 

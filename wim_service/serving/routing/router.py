@@ -11,7 +11,8 @@
 * `LoopLagMonitor` measures how late the router's event loop runs (`loop_lag.py`), from the
   HTTP app's start to its shutdown.
 
-A plain class: `serving/app.py` makes it a Serve deployment and ingress.
+A plain class that knows no HTTP app: `serving/ingress.py` builds the ASGI app over it, and
+`serving/app.py` makes that the Serve ingress deployment.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Response
-
 from wim_service.serving.config import ServiceConfig
 from wim_service.serving.http.auth import ApiKeys, Capability, Tenant, check_open_mode
 from wim_service.serving.http.bodies import DocumentRequest, DocumentResponse, WiMRequest
@@ -33,11 +32,8 @@ from wim_service.serving.http.pdf import PdfExtractor
 from wim_service.serving.http.responses import (
     Item,
     first_item,
-    json_response,
-    sse_response,
     with_late_errors,
 )
-from wim_service.serving.ingress import build_http_app
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
 from wim_service.serving.observability.metrics import JobObserver, WiMMetrics
 from wim_service.serving.observability.vllm_metrics import merge_replica_metrics
@@ -112,9 +108,6 @@ class WiMRouter:
         self._replica_metrics = Recent(self._fetch_replica_metrics, METRICS_MAX_AGE_S)
         # The document sessions as last listed from the store (claimed while it is down).
         self._listed: list[StoredSession] = []
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_http_app(self)
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         """The caller's tenant (401 without a valid key), counted against its request rate."""
@@ -243,18 +236,11 @@ class WiMRouter:
             raise HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
         return session
 
-    async def answer(self, body: WiMRequest, tenant: Tenant) -> Response:
-        """`POST /wim`: a one-shot job (`context`) or a query on a document session."""
-        session_id, items = await self.start_job(body, tenant)
-        if body.stream:
-            return sse_response(items, session_id)
-        return await json_response(items, session_id)
-
     async def start_job(self, body: WiMRequest, tenant: Tenant) -> tuple[str, AsyncIterator[Item]]:
         """Start a job: its session id and its events, the first one already produced.
 
         Errors before the first event are raised as `HTTPFailure`; later ones arrive as an
-        `error` event. Other APIs (OpenAI-compatible) build on this too.
+        `error` event. `POST /wim` and the OpenAI-compatible API build on this.
         """
         if body.context is not None:
             tenant.require(Capability.JOBS)
