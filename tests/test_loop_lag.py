@@ -62,10 +62,10 @@ class LaggingReplica(FakeReplica):
     """Reports, as `EngineReplica.metrics_text` does, its loop's lag beside vLLM's metrics:
     one wake 2 s late."""
 
-    def metrics_text(self) -> str:
+    async def metrics_text(self) -> str:
         registry = CollectorRegistry()
         event_loop_lag(registry).labels("replica", self.name).observe(2.0)
-        return super().metrics_text() + generate_latest(registry).decode()
+        return await super().metrics_text() + generate_latest(registry).decode()
 
 
 def test_metrics_show_the_router_and_replica_loop_lag() -> None:

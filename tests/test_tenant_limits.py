@@ -74,8 +74,8 @@ class SlowReads(FakeClient):
 class FourSlots(FakeReplica):
     """A replica that admits four sessions at once."""
 
-    def load(self) -> ReplicaLoad:
-        return super().load().model_copy(update={"max_sessions": 4})
+    async def load(self) -> ReplicaLoad:
+        return (await super().load()).model_copy(update={"max_sessions": 4})
 
 
 @pytest.fixture

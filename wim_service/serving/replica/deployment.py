@@ -29,6 +29,7 @@ from wim_service.serving.replica.contracts import (
 )
 from wim_service.serving.replica.held_documents import HeldDocuments
 from wim_service.serving.replica.plain import PlainParams, plain_events
+from wim_service.serving.replica.protocol import ReplicaProtocol
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
@@ -142,9 +143,13 @@ class EngineReplica:
 
     # -- reporting -------------------------------------------------------------------------
 
-    def load(self) -> ReplicaLoad:
+    async def load(self) -> ReplicaLoad:
         """What the router places sessions by. Answered from memory, never from the engine
-        core: a busy engine must still report promptly, or the router would think it gone."""
+        core: a busy engine must still report promptly, or the router would think it gone.
+        (In a worker thread, as Serve ran it when it was a sync method.)"""
+        return await asyncio.to_thread(self._load)
+
+    def _load(self) -> ReplicaLoad:
         admission = self.backend.load()
         return ReplicaLoad(
             replica=self.replica,
@@ -169,9 +174,12 @@ class EngineReplica:
             "documents": float(len(self.documents)),
         }
 
-    def metrics_text(self) -> str:
+    async def metrics_text(self) -> str:
         """This engine's own `vllm:*` Prometheus metrics and this replica's event-loop lag (the
-        router adds a replica label)."""
+        router adds a replica label); rendered in a worker thread."""
+        return await asyncio.to_thread(self._metrics_text)
+
+    def _metrics_text(self) -> str:
         return generate_latest(REGISTRY).decode() + generate_latest(self.registry).decode()
 
     async def check_health(self) -> None:
@@ -186,3 +194,7 @@ class EngineReplica:
             self.loop_lag.stop()
         with contextlib.suppress(Exception):
             self.backend.shutdown()
+
+
+def _implements(replica: EngineReplica) -> ReplicaProtocol:
+    return replica  # mypy checks that EngineReplica has every method of the protocol

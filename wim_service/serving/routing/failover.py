@@ -19,7 +19,7 @@ from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http.responses import Item
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
-from wim_service.serving.replica.contracts import DocumentOpened, OpenResult
+from wim_service.serving.replica.contracts import DocumentOpened
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
 from wim_service.serving.routing.bindings import BindResult
 from wim_service.serving.routing.documents import DocumentTable
@@ -115,8 +115,8 @@ class Dispatcher:
         while True:
             replica = await self.fleet.place(None, needed, exclude)
             try:
-                result: OpenResult = await self.client.call(
-                    replica, "open_document", session.session_id, text, session.options
+                result = await self.client.replica(replica).open_document(
+                    session.session_id, text, session.options
                 )
             except ReplicaLost:
                 self.fleet.lost(replica, "replica_lost")
@@ -143,7 +143,7 @@ class Dispatcher:
     async def _close_on(self, replica: str, document_id: str) -> None:
         # A replica that cannot be reached reaps the session itself once no router claims it.
         with contextlib.suppress(Exception):
-            await self.client.call(replica, "close_document", document_id)
+            await self.client.replica(replica).close_document(document_id)
 
     async def document_replica(self, document_id: str) -> str:
         """The replica holding the document; rebuilt elsewhere if its replica is gone. The
@@ -224,7 +224,7 @@ class Dispatcher:
         replica = await self.fleet.place(session_id, needed, set())
         self.metrics.binding.labels(BindResult.NEW).inc()
         try:
-            async for event in self.client.stream(replica, "complete", prompt_ids, params):
+            async for event in self.client.replica(replica).complete(prompt_ids, params):
                 yield replica, event
         except ReplicaLost as exc:
             self.fleet.lost(replica, "replica_lost")
@@ -256,7 +256,7 @@ class Dispatcher:
             if record is not None:
                 async with self.documents.lock(session_id):
                     replica = await self.document_replica(session_id)
-                events = self.client.stream(replica, "query_document", session_id, query, options)
+                events = self.client.replica(replica).query_document(session_id, query, options)
             else:
                 if replica is None:
                     needed = await self.sizer.needed_blocks(context or "", options, query)
@@ -264,7 +264,7 @@ class Dispatcher:
                     self.metrics.binding.labels(
                         BindResult.REPIN if failovers else BindResult.NEW
                     ).inc()
-                events = self.client.stream(replica, "run", context, query, options)
+                events = self.client.replica(replica).run(context or "", query, options)
             try:
                 async for event in events:
                     if (

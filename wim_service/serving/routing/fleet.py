@@ -58,7 +58,7 @@ class ReplicaFleet:
                 self.metrics.replica_draining.labels(replica).set(1)
 
     async def _load_of(self, replica: str) -> ReplicaLoad:
-        load = await asyncio.wait_for(self.client.call(replica, "load"), LOAD_TIMEOUT_S)
+        load = await asyncio.wait_for(self.client.replica(replica).load(), LOAD_TIMEOUT_S)
         return ReplicaLoad.model_validate(load)
 
     def ready(self) -> list[str]:

@@ -175,7 +175,7 @@ class WiMRouter:
                 held[session.replica].append(session.session_id)
         timeout = self.config.router.orphan_timeout_s
         await asyncio.gather(
-            *(self.client.call(r, "claim", ids, timeout) for r, ids in held.items()),
+            *(self.client.replica(r).claim(ids, timeout) for r, ids in held.items()),
             return_exceptions=True,
         )
 
@@ -210,7 +210,7 @@ class WiMRouter:
             status = str(exc.status)
             raise
         except asyncio.CancelledError:
-            status = "499"
+            status = str(status_of(ErrorCode.CANCELLED))
             raise
         finally:
             observer.finish(status)
@@ -317,7 +317,7 @@ class WiMRouter:
     async def _fetch_replica_metrics(self) -> dict[str, str]:
         replicas = sorted(self.fleet.table.loads)
         texts = await asyncio.gather(
-            *(asyncio.wait_for(self.client.call(r, "metrics_text"), 10) for r in replicas),
+            *(asyncio.wait_for(self.client.replica(r).metrics_text(), 10) for r in replicas),
             return_exceptions=True,
         )
         return {r: t for r, t in zip(replicas, texts, strict=True) if isinstance(t, str)}
