@@ -1,8 +1,9 @@
 """The router's logic over fake engine replicas: HTTP answers, document sessions, option
 pinning, placement and failover — no Ray, no engine.
 
-The fakes speak the router's real replica contract (`serving.contracts`, `wim.events`); the
-router, its HTTP app, placement, failover and metrics are the real ones.
+The fakes implement the router's real replica protocol (`serving.replica.protocol`, with the
+models of `serving.replica.contracts` and `wim.events`); the router, its HTTP app, placement,
+failover and metrics are the real ones.
 """
 
 from __future__ import annotations

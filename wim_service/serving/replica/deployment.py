@@ -1,9 +1,10 @@
 """`EngineReplica`: one vLLM engine in a Ray Serve replica, running WiM jobs and document sessions.
 
 Thin over the engine layer: every method turns a call into `run_wim` / `WiMSession` work and
-streams the events back (typed models of `wim.events` and `serving.contracts`). It reports its
-load for the router's bounded-load placement, and its engine's `vllm:*` metrics and its event
-loop's lag (`loop_lag.py`) for the router's `/metrics`.
+streams the events back (typed models of `wim.events` and `serving.replica.contracts`). It
+implements `ReplicaProtocol` (`replica/protocol.py`): it reports its load for the router's
+bounded-load placement, and its engine's `vllm:*` metrics and its event loop's lag
+(`observability/loop_lag.py`) for the router's `/metrics`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`WiMRouter`: the ingress. Wires the HTTP API to document sessions, placement and failover.
+"""`WiMRouter`: the service's logic behind the HTTP API: document sessions, placement, failover.
 
 * `ReplicaFleet` polls the engine replicas' loads and binds each session to one replica
   (bounded load); every call of the session goes there (`PinnedReplicaRouter`).
@@ -6,10 +6,10 @@
   session store: in this process, or in Redis shared by every router replica. `Dispatcher`
   runs jobs on the bound replica and, if that replica dies or leaves, rebuilds the session
   elsewhere from the text and retries, so the client still gets its answer.
-* Errors are HTTP statuses with a JSON body `{code, message}` (`errors.py`); a streamed job
-  reports late errors as an `error` event (`responses.py`).
-* `LoopLagMonitor` measures how late the router's event loop runs (`loop_lag.py`), from the
-  HTTP app's start to its shutdown.
+* Errors are HTTP statuses with a JSON body `{code, message}` (`http/errors.py`); a streamed job
+  reports late errors as an `error` event (`http/responses.py`).
+* `LoopLagMonitor` measures how late the router's event loop runs
+  (`observability/loop_lag.py`), from the HTTP app's start to its shutdown.
 
 A plain class that knows no HTTP app: `serving/ingress.py` builds the ASGI app over it, and
 `serving/app.py` makes that the Serve ingress deployment.
