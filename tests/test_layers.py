@@ -216,3 +216,26 @@ def test_the_check_sees_the_projects_own_layers(tmp_path: Path) -> None:
         "wim_service.serving.http.errors",
         "wim_service.engine",
     }
+
+
+# -- sizes ----------------------------------------------------------------------------------
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60
+
+
+def test_serving_modules_and_functions_stay_small() -> None:
+    """One place per behaviour: a serving module past 450 lines or a function past 60 holds
+    more than one."""
+    too_long = []
+    for path in sorted((PACKAGE / "serving").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        where = str(path.relative_to(PACKAGE))
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            too_long.append(f"{where}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    assert too_long == []
