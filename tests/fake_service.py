@@ -24,11 +24,11 @@ from typing import Any
 import uvicorn
 
 from tests.test_router_logic import FakeClient, FakeReplica
-from wim_service.serving.auth import ApiKeys, KeysConfig, TenantConfig, TenantLimits, hash_key
-from wim_service.serving.contracts import DocumentOpened
-from wim_service.serving.http_app import build_http_app
-from wim_service.serving.plain import PlainParams
-from wim_service.serving.router import WiMRouter
+from wim_service.serving.http.auth import ApiKeys, KeysConfig, TenantConfig, TenantLimits, hash_key
+from wim_service.serving.ingress import build_http_app
+from wim_service.serving.replica.contracts import DocumentOpened, OpenResult
+from wim_service.serving.replica.plain import PlainParams
+from wim_service.serving.routing.router import WiMRouter
 from wim_service.wim.events import (
     AnswerEvent,
     DoneEvent,
@@ -172,15 +172,32 @@ class ScriptedReplica(FakeReplica):
         self.started = self.finished = self.cancelled = 0
         self.streams: list[tuple[str, tuple[Any, ...]]] = []  # (method, args) of each job
 
-    def open_document(self, document_id: str, text: str, options: WiMOptions, *_: Any):
+    async def open_document(
+        self, document_id: str, document: str, options: WiMOptions
+    ) -> OpenResult:
         self.documents[document_id] = options
-        self.texts[document_id] = text
-        spans = segment_spans(text, options.segment_tokens * 4)
-        return DocumentOpened(context_tokens=len(text) // 4, segments=len(spans))
+        self.texts[document_id] = document
+        spans = segment_spans(document, options.segment_tokens * 4)
+        return DocumentOpened(context_tokens=len(document) // 4, segments=len(spans))
 
-    def close_document(self, document_id: str) -> bool:
+    async def close_document(self, document_id: str) -> bool:
         self.texts.pop(document_id, None)
-        return super().close_document(document_id)
+        return await super().close_document(document_id)
+
+    # `ReplicaProtocol`'s jobs, scripted (`ScriptedClient.stream` adds delays and counts).
+    async def run(self, document: str, query: str, options: WiMOptions) -> AsyncIterator[WiMEvent]:
+        for event in self.events("run", (document, query, options)):
+            yield event
+
+    async def complete(self, prompt_ids: list[int], params: PlainParams) -> AsyncIterator[WiMEvent]:
+        for event in self.events("complete", (prompt_ids, params)):
+            yield event
+
+    async def query_document(
+        self, document_id: str, query: str, options: WiMOptions
+    ) -> AsyncIterator[WiMEvent]:
+        for event in self.events("query_document", (document_id, query, options)):
+            yield event
 
     def events(self, method: str, args: tuple[Any, ...]) -> list[WiMEvent]:
         if method == "run":

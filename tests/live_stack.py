@@ -57,7 +57,7 @@ TENANTS: dict[str, dict[str, Any]] = {
     "gamma": {"requests_per_minute": 100_000},
 }
 ALLOW = {"gamma": ["jobs"]}
-# Engines scale on reserved KV as well as requests (wim_service/serving/autoscaling.py); the
+# Engines scale on reserved KV as well as requests (wim_service/serving/replica/autoscaling.py); the
 # request target is out of reach, so only parked sessions' KV starts a replica.
 AUTOSCALING = {
     "target_ongoing_requests": 100,
@@ -66,7 +66,7 @@ AUTOSCALING = {
     "metrics_interval_s": 1,
     "look_back_period_s": 2,
     "policy": {
-        "policy_function": "wim_service.serving.autoscaling:KVAwarePolicy",
+        "policy_function": "wim_service.serving.replica.autoscaling:KVAwarePolicy",
         "policy_kwargs": {"target_kv_fraction": 0.5},
     },
 }
@@ -78,7 +78,7 @@ def auth(tenant: str | None = "alpha") -> dict[str, str]:
 
 def keys_json() -> str:
     """`WIM_API_KEYS` (as a Kubernetes Secret would set it): every tenant's key, hashed."""
-    from wim_service.serving.auth import hash_key
+    from wim_service.serving.http.auth import hash_key
 
     tenants = {
         name: {"keys": [hash_key(key)], "limits": TENANTS[name]}

@@ -7,7 +7,11 @@ from typing import Any
 
 import pytest
 
-from wim_service.serving.autoscaling import KV_RESERVED_FRACTION, SESSION_FRACTION, KVAwarePolicy
+from wim_service.serving.replica.autoscaling import (
+    KV_RESERVED_FRACTION,
+    SESSION_FRACTION,
+    KVAwarePolicy,
+)
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from wim_service.serving.bindings import BindingTable, NoCapacity
-from wim_service.serving.contracts import ReplicaLoad
+from wim_service.serving.replica.contracts import ReplicaLoad
+from wim_service.serving.routing.bindings import BindingTable, NoCapacity
 
 
 def load(replica: str, reserved: int, capacity: int = 100, **kw) -> ReplicaLoad:

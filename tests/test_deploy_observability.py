@@ -22,7 +22,7 @@ import promql_parser
 import pytest
 import yaml
 
-from wim_service.serving.metrics import METRIC_NAMES, WiMMetrics
+from wim_service.serving.observability.metrics import METRIC_NAMES, WiMMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "deploy" / "prometheus" / "wim-alerts.yaml"

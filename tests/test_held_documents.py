@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from tests.test_orchestrator import DOC, FakeBackend, options
-from wim_service.serving.held_documents import HeldDocuments
+from wim_service.serving.replica.held_documents import HeldDocuments
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.orchestrator import open_document
 

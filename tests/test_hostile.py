@@ -2,7 +2,7 @@
 Serve, real vLLM engine replicas, API keys for three tenants from `WIM_API_KEYS` in the
 application's runtime env, as a Kubernetes Secret would set it).
 
-Every refusal must be a 4xx JSON `{code, message}` whose status is the one `serving/errors.py`
+Every refusal must be a 4xx JSON `{code, message}` whose status is the one `serving/http/errors.py`
 gives its code, without traceback text and with an `X-Request-ID`; the service must stay
 healthy after each. After every test: no session, no KV reserved, the engine answers.
 docs/reliability.md lists what these tests found and the commands that reproduce them.
@@ -41,7 +41,7 @@ from tests.live_stack import (
     wait_for,
 )
 from tests.pdfs import pages_pdf, tiny_pdf
-from wim_service.serving.errors import STATUS, ServiceCode
+from wim_service.serving.http.errors import STATUS, ServiceCode
 from wim_service.wim.errors import ErrorCode
 
 # The first test also waits for the engines to start (minutes on a busy 2-core machine).

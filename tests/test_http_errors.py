@@ -1,7 +1,8 @@
-"""The error table's handlers (`serving/errors.py`) on a small app: a body that does not match
-its schema, and what the web framework refuses itself, come back as `{code, message}` with the
-table's status; a failure after a stream began becomes an `error` event (`serving/responses.py`);
-a body over the limit is refused with 413 (`serving/limits.py`)."""
+"""The error table's handlers (`serving/http/errors.py`) on a small app: a body that does not
+match its schema, and what the web framework refuses itself, come back as `{code, message}` with
+the table's status; a failure after a stream began becomes an `error` event
+(`serving/http/responses.py`); a body over the limit is refused with 413
+(`serving/http/edge.py`)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from wim_service.serving.auth import Tenant
-from wim_service.serving.errors import HTTPFailure, ServiceCode, install_error_handlers, status_of
-from wim_service.serving.limits import EdgeMiddleware, RouteEdge
-from wim_service.serving.responses import first_item, with_late_errors
+from wim_service.serving.http.auth import Tenant
+from wim_service.serving.http.edge import EdgeMiddleware, RouteEdge
+from wim_service.serving.http.errors import (
+    HTTPFailure,
+    ServiceCode,
+    install_error_handlers,
+    status_of,
+)
+from wim_service.serving.http.responses import first_item, with_late_errors
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import AnswerEvent, ErrorEvent, SegmentEvent, WiMEvent
 
@@ -169,7 +175,7 @@ async def test_a_failure_before_the_first_event_is_an_http_status() -> None:
     assert await first_item(answering()) == ("replica-b", AnswerEvent(text="4417"))
 
 
-# Body limits at the edge (`serving/limits.py`), driven over raw ASGI messages so that each test
+# Body limits at the edge (`serving/http/edge.py`), driven over raw ASGI messages so that each test
 # controls how the body arrives: with a Content-Length, chunked, or cut off. The real
 # service's 413 over HTTP is in tests/test_hostile.py.
 

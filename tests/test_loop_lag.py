@@ -10,8 +10,8 @@ import time
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.test_router_logic import FakeReplica, make_service, metric
-from wim_service.serving.loop_lag import LoopLagMonitor
-from wim_service.serving.metrics import event_loop_lag
+from wim_service.serving.observability.loop_lag import LoopLagMonitor
+from wim_service.serving.observability.metrics import event_loop_lag
 
 LAG = "wim_event_loop_lag_seconds"
 # Short, so that the deliberate block is measured short by at most this much.
@@ -62,10 +62,10 @@ class LaggingReplica(FakeReplica):
     """Reports, as `EngineReplica.metrics_text` does, its loop's lag beside vLLM's metrics:
     one wake 2 s late."""
 
-    def metrics_text(self) -> str:
+    async def metrics_text(self) -> str:
         registry = CollectorRegistry()
         event_loop_lag(registry).labels("replica", self.name).observe(2.0)
-        return super().metrics_text() + generate_latest(registry).decode()
+        return await super().metrics_text() + generate_latest(registry).decode()
 
 
 def test_metrics_show_the_router_and_replica_loop_lag() -> None:

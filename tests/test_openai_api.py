@@ -21,9 +21,9 @@ from tests.fake_service import (
     LiveService,
     scripted_job,
 )
-from wim_service.serving.api import MAX_QUERY_CHARS
-from wim_service.serving.contracts import ReplicaLoad
-from wim_service.serving.openai_api import Turn, chat_prompt_ids, document_and_query
+from wim_service.serving.http.bodies import MAX_QUERY_CHARS
+from wim_service.serving.openai.prompts import Turn, chat_prompt_ids, document_and_query
+from wim_service.serving.replica.contracts import ReplicaLoad
 from wim_service.wim.options import WiMOptions
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -453,7 +453,7 @@ async def test_closing_a_stream_cancels_the_job(service: LiveService) -> None:
 def test_reasoning_holds_only_the_notes_the_answer_reads() -> None:
     """An invented (ungrounded) margin is not shown as reasoning; a snapped note is shown in
     the document's words; the stream and the whole answer say the same."""
-    from wim_service.serving.openai_api import Head, Run, chat_stream, collect
+    from wim_service.serving.openai.answers import Head, Run, chat_stream, collect
     from wim_service.wim.events import DoneEvent, MarginEvent, Timings, Usage
 
     def margin(segment: int, text: str, **verdict: object) -> MarginEvent:

@@ -1,4 +1,4 @@
-"""`POST /extract/pdf` on hostile PDFs (serving/pdf.py): each is refused with a 4xx in the
+"""`POST /extract/pdf` on hostile PDFs (serving/http/pdf.py): each is refused with a 4xx in the
 error table's shape and a message of ours (no pypdf text, no traceback), within the deadline
 (pytest-timeout: the deadline plus a margin for a busy machine), and leaves no worker process
 behind; a normal PDF still reads afterwards. An extraction holds one of the tenant's concurrent
@@ -22,12 +22,12 @@ import pytest
 from tests.fake_service import API_KEY, LiveService
 from tests.pdfs import HELVETICA, pages_pdf, pdf_file, shown, stream, tiny_pdf
 from tests.test_router_logic import FakeClient, FakeReplica
-from wim_service.serving.auth import TenantLimits
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.errors import HTTPFailure
-from wim_service.serving.http_app import build_http_app
-from wim_service.serving.pdf import WORKER
-from wim_service.serving.router import WiMRouter
+from wim_service.serving.http.auth import TenantLimits
+from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.http.pdf import WORKER
+from wim_service.serving.ingress import build_http_app
+from wim_service.serving.routing.router import WiMRouter
 
 DEADLINE_S = RouterConfig().pdf_timeout_s
 MAX_PAGES = RouterConfig().pdf_max_pages

@@ -8,8 +8,8 @@ import secrets
 
 import pytest
 
-from wim_service.serving.openai_api import Turn, chat_prompt_ids
-from wim_service.serving.plain import PlainParams, plain_blocks, plain_events
+from wim_service.serving.openai.prompts import Turn, chat_prompt_ids
+from wim_service.serving.replica.plain import PlainParams, plain_blocks, plain_events
 from wim_service.wim.errors import ErrorCode, WiMError
 
 pytestmark = pytest.mark.engine

@@ -9,7 +9,7 @@ import pytest
 
 from tests.test_router_logic import FakeReplica
 from tests.test_router_trust import service
-from wim_service.serving.recent import Recent
+from wim_service.serving.routing.recent import Recent
 
 
 class Counting:

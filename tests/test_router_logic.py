@@ -1,13 +1,15 @@
 """The router's logic over fake engine replicas: HTTP answers, document sessions, option
 pinning, placement and failover — no Ray, no engine.
 
-The fakes speak the router's real replica contract (`serving.contracts`, `wim.events`); the
-router, its HTTP app, placement, failover and metrics are the real ones.
+The fakes implement the router's real replica protocol (`serving.replica.protocol`, with the
+models of `serving.replica.contracts` and `wim.events`); the router, its HTTP app, placement,
+failover and metrics are the real ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import re
@@ -18,13 +20,15 @@ import pytest
 from fastapi.testclient import TestClient
 
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.contracts import DocumentOpened, ReplicaLoad
-from wim_service.serving.errors import HTTPFailure
-from wim_service.serving.failover import StreamProgress
-from wim_service.serving.http_app import build_http_app
-from wim_service.serving.replica_client import ReplicaLost
-from wim_service.serving.router import WiMRouter
-from wim_service.serving.sizing import JobSizer
+from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.ingress import build_http_app
+from wim_service.serving.replica.client import ReplicaLost
+from wim_service.serving.replica.contracts import DocumentOpened, OpenResult, ReplicaLoad
+from wim_service.serving.replica.plain import PlainParams
+from wim_service.serving.replica.protocol import CallsByName, NamedReplica, ReplicaProtocol
+from wim_service.serving.routing.failover import StreamProgress
+from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.events import (
     AnswerEvent,
@@ -79,6 +83,9 @@ def job_events(answer: str = "The code is 4417.") -> list[WiMEvent]:
 
 
 class FakeReplica:
+    """An engine replica in this process: it implements `ReplicaProtocol` as `EngineReplica`
+    does; every job streams `job_events()`."""
+
     def __init__(self, name: str, capacity: int = 10_000) -> None:
         self.name = name
         self.capacity = capacity
@@ -88,7 +95,7 @@ class FakeReplica:
         self.die_after: int | None = None  # events streamed before this replica "dies"
         self.dead = False
 
-    def load(self) -> ReplicaLoad:
+    async def load(self) -> ReplicaLoad:
         return ReplicaLoad(
             replica=self.name,
             capacity_blocks=self.capacity,
@@ -97,24 +104,44 @@ class FakeReplica:
             documents=len(self.documents),
         )
 
-    def open_document(self, document_id: str, text: str, options: WiMOptions):
+    async def open_document(
+        self, document_id: str, document: str, options: WiMOptions
+    ) -> OpenResult:
         assert isinstance(options, WiMOptions)
         self.documents[document_id] = options
-        return DocumentOpened(context_tokens=len(text) // 4, segments=SEGMENTS)
+        return DocumentOpened(context_tokens=len(document) // 4, segments=SEGMENTS)
 
-    def close_document(self, document_id: str) -> bool:
+    async def close_document(self, document_id: str) -> bool:
         return self.documents.pop(document_id, None) is not None
 
-    def claim(self, document_ids: list[str], orphan_timeout_s: float) -> int:
+    async def claim(self, document_ids: list[str], orphan_timeout_s: float) -> int:
         self.claimed = list(document_ids)
         return len(set(document_ids) & set(self.documents))
 
-    def metrics_text(self) -> str:
+    async def metrics_text(self) -> str:
         return "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
 
+    async def run(self, document: str, query: str, options: WiMOptions) -> AsyncIterator[WiMEvent]:
+        for event in job_events():
+            yield event.model_copy()
 
-class FakeClient:
-    """`ReplicaClient` over in-process fake replicas."""
+    async def complete(self, prompt_ids: list[int], params: PlainParams) -> AsyncIterator[WiMEvent]:
+        for event in job_events():
+            yield event.model_copy()
+
+    async def query_document(
+        self, document_id: str, query: str, options: WiMOptions
+    ) -> AsyncIterator[WiMEvent]:
+        if document_id not in self.documents:
+            yield ErrorEvent(code="not_found", message="not on this replica")
+            return
+        for event in job_events():
+            yield event.model_copy()
+
+
+class FakeClient(CallsByName):
+    """`ReplicaClient` over in-process fake replicas: calls by name, as Serve's handles take
+    them, to each replica's `ReplicaProtocol` method of that name."""
 
     def __init__(self, *replicas: FakeReplica) -> None:
         self.replicas = {r.name: r for r in replicas}
@@ -132,19 +159,61 @@ class FakeClient:
     async def call(self, replica: str, method: str, *args: Any) -> Any:
         target = self._replica(replica)
         target.calls.append(method)
-        return getattr(target, method)(*args)
+        return await getattr(target, method)(*args)
 
     async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
         target = self._replica(replica)
         target.calls.append(method)
-        if method == "query_document" and args[0] not in target.documents:
-            yield ErrorEvent(code="not_found", message="not on this replica")
-            return
-        for n, event in enumerate(job_events()):
-            if target.die_after is not None and n >= target.die_after:
+        n = 0
+        async for event in getattr(target, method)(*args):
+            if event.type != "error" and target.die_after is not None and n >= target.die_after:
                 target.dead = True
                 raise ReplicaLost(replica, RuntimeError("actor died mid-stream"))
-            yield event.model_copy()
+            n += 1
+            yield event
+
+
+def test_the_fakes_implement_the_replica_protocol() -> None:
+    """The fakes are replicas of the same protocol as `EngineReplica`: every method, with the
+    same parameters; and a call through the client reaches the fake's method of that name."""
+    expected = {
+        name: inspect.signature(member)
+        for name, member in vars(ReplicaProtocol).items()
+        if inspect.isfunction(member) and not name.startswith("_")
+    }
+    assert set(expected) >= {"load", "claim", "run", "query_document", "open_document"}
+    for fake in (FakeReplica("a"), NamedReplica(FakeClient(FakeReplica("a")), "a")):
+        assert isinstance(fake, ReplicaProtocol)
+        for name, signature in expected.items():
+            own = inspect.signature(getattr(type(fake), name))
+            assert list(own.parameters) == list(signature.parameters), name
+            is_async_gen = inspect.isasyncgenfunction(getattr(fake, name))
+            assert (
+                is_async_gen
+                or inspect.iscoroutinefunction(getattr(fake, name))
+                or (name in ("run", "complete", "query_document"))
+            ), name
+
+
+async def test_a_typed_call_reaches_the_method_of_its_name() -> None:
+    replica = FakeReplica("a")
+    client = FakeClient(replica)
+    remote = client.replica("a")
+    assert (await remote.load()).replica == "a"
+    opened = await remote.open_document("d", DOCUMENT, WiMOptions())
+    assert isinstance(opened, DocumentOpened)
+    assert await remote.claim(["d"], 1.0) == 1
+    assert [e.type async for e in remote.query_document("d", "q?", WiMOptions())][-1] == "done"
+    assert await remote.metrics_text() == await replica.metrics_text()
+    assert await remote.close_document("d") is True
+    assert replica.calls == [
+        "load",
+        "open_document",
+        "claim",
+        "query_document",
+        "metrics_text",
+        "close_document",
+    ]
 
 
 def make_service(*replicas: FakeReplica, **router: Any) -> tuple[TestClient, WiMRouter]:
@@ -296,7 +365,9 @@ def test_a_replica_lost_mid_query_takes_no_new_session_while_serve_still_lists_i
 
 
 def moves(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "wim_service.serving.failover"]
+    return [
+        r.getMessage() for r in caplog.records if r.name == "wim_service.serving.routing.failover"
+    ]
 
 
 def test_a_session_whose_replica_left_is_rebuilt_before_its_query(
@@ -307,7 +378,7 @@ def test_a_session_whose_replica_left_is_rebuilt_before_its_query(
     document_id = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
     a.dead = True
     asyncio.run(router.fleet.refresh_loads())  # Serve no longer routes to a
-    caplog.set_level(logging.INFO, logger="wim_service.serving.failover")
+    caplog.set_level(logging.INFO, logger="wim_service.serving.routing.failover")
     answer = client.post("/wim", json={"document_id": document_id, "query": "q"})
     assert answer.status_code == 200 and answer.json()["replica"] == "b"
     assert [c for c in b.calls if c not in ("load", "claim")] == [
@@ -333,7 +404,7 @@ def test_a_session_bound_to_no_replica_is_read_on_its_first_query(
     # Stored unbound (as another router's store may hold it): no replica was lost.
     unbound = StoredSession("doc-unbound", WiMOptions(), ttl_s=600.0)
     asyncio.run(router.documents.add(unbound, DOCUMENT))
-    caplog.set_level(logging.INFO, logger="wim_service.serving.failover")
+    caplog.set_level(logging.INFO, logger="wim_service.serving.routing.failover")
     answer = client.post("/wim", json={"document_id": "doc-unbound", "query": "q"})
     assert answer.status_code == 200 and answer.json()["replica"] == "a"
     bound = asyncio.run(router.documents.get("doc-unbound"))
@@ -467,7 +538,7 @@ def test_each_pinned_call_gets_its_own_serve_request_id() -> None:
     calls made from one request must not share it (they were crossed or left waiting)."""
     from ray.serve.context import _get_serve_request_context, _set_request_context
 
-    from wim_service.serving.replica_client import ServeReplicaClient
+    from wim_service.serving.replica.client import ServeReplicaClient
 
     seen: list[tuple[str, str]] = []
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from tests.fake_service import PLAIN_ANSWER, ScriptedClient, ScriptedReplica
-from wim_service.serving.auth import OPEN_TENANT
-from wim_service.serving.errors import HTTPFailure
-from wim_service.serving.plain import PlainParams
-from wim_service.serving.replica_client import ReplicaLost
-from wim_service.serving.router import WiMRouter
+from wim_service.serving.http.auth import OPEN_TENANT
+from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.replica.client import ReplicaLost
+from wim_service.serving.replica.plain import PlainParams
+from wim_service.serving.routing.router import WiMRouter
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import WiMEvent
 

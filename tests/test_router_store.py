@@ -24,11 +24,11 @@ from tests.redis_server import RedisServer, redis_binary
 from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.test_router_trust import ACME, KEYS
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.auth import ApiKeys, KeysConfig
 from wim_service.serving.config import StoreConfig
-from wim_service.serving.http_app import build_http_app
-from wim_service.serving.router import WiMRouter
-from wim_service.serving.sizing import JobSizer
+from wim_service.serving.http.auth import ApiKeys, KeysConfig
+from wim_service.serving.ingress import build_http_app
+from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import MemorySessionStore, SessionStore
 from wim_service.serving.store.redis_store import RedisSessionStore, connect
 

@@ -16,7 +16,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica, job_events, metric
-from wim_service.serving.auth import (
+from wim_service.serving.config import RouterConfig
+from wim_service.serving.http.auth import (
     KEYS_ENV,
     KEYS_FILE_ENV,
     OPEN_TENANT,
@@ -27,14 +28,13 @@ from wim_service.serving.auth import (
     check_open_mode,
     hash_key,
 )
-from wim_service.serving.config import RouterConfig
-from wim_service.serving.documents import DocumentTable
-from wim_service.serving.errors import HTTPFailure
-from wim_service.serving.http_app import build_http_app, route_edges
-from wim_service.serving.limits import SMALL_BODY_BYTES
-from wim_service.serving.quotas import TenantGate
-from wim_service.serving.replica_client import ReplicaLost
-from wim_service.serving.router import WiMRouter
+from wim_service.serving.http.edge import SMALL_BODY_BYTES
+from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.ingress import build_http_app, route_edges
+from wim_service.serving.replica.client import ReplicaLost
+from wim_service.serving.routing.documents import DocumentTable
+from wim_service.serving.routing.quotas import TenantGate
+from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable, memory
 from wim_service.wim.options import WiMOptions
 
@@ -181,7 +181,7 @@ def test_concurrent_jobs_of_a_tenant_are_bounded() -> None:
 
     async def two_jobs() -> list[int]:
         tenant = router.keys.tenant("Bearer k")
-        from wim_service.serving.api import WiMRequest
+        from wim_service.serving.http.bodies import WiMRequest
 
         first = await router.start_job(WiMRequest(context=DOCUMENT, query="q"), tenant)
         try:
@@ -264,7 +264,7 @@ def test_a_request_id_comes_back_and_internal_errors_say_nothing_more(
     assert named.headers["X-Request-ID"] == "client-456"
     assert named.json()["message"] == "internal error; the server log has request id client-456"
     # The server log has that id, with the whole exception.
-    logged = [r for r in caplog.records if r.name == "wim_service.serving.errors"]
+    logged = [r for r in caplog.records if r.name == "wim_service.serving.http.errors"]
     assert logged[-1].levelno == logging.ERROR
     assert logged[-1].getMessage() == "request client-456 failed"
     assert logged[-1].exc_info is not None and logged[-1].exc_info[1] is bug
@@ -552,7 +552,7 @@ def test_open_mode_knows_loopback_by_name_and_refuses_a_public_name(
         assert str(refused.value).endswith("=1 to run without authentication on purpose")
     with pytest.raises(RuntimeError):
         check_open_mode(ApiKeys(None), "0.0.0.0", {"WIM_ALLOW_OPEN": "true"})  # only "1"
-    with caplog.at_level(logging.WARNING, logger="wim_service.serving.auth"):
+    with caplog.at_level(logging.WARNING, logger="wim_service.serving.http.auth"):
         check_open_mode(ApiKeys(None), "0.0.0.0", {"WIM_ALLOW_OPEN": "1"})
     assert [r.getMessage() for r in caplog.records] == [
         "NO AUTHENTICATION: the service listens on 0.0.0.0 without API keys because "

@@ -219,7 +219,7 @@ def test_a_full_service_answers_429_then_recovers(client: httpx.Client, short_re
 
 
 def test_metrics_are_exported_and_move(client: httpx.Client, report: str) -> None:
-    from wim_service.serving.metrics import METRIC_NAMES
+    from wim_service.serving.observability.metrics import METRIC_NAMES
 
     text = client.get("/metrics").text
     for name in METRIC_NAMES:

@@ -1,4 +1,4 @@
-"""Tenant limits across routers, and the fair share of session slots (`serving/quotas.py`).
+"""Tenant limits across routers, and the fair share of session slots (`serving/routing/quotas.py`).
 
 Two routers over the same fake replicas share one real redis-server (a client each); requests
 go through the real HTTP app in the test's event loop (httpx over ASGI), so that the routers
@@ -18,9 +18,9 @@ import pytest
 from tests.redis_server import RedisServer
 from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.test_router_store import Routers, on_redis
-from wim_service.serving.auth import ApiKeys, KeysConfig, hash_key
-from wim_service.serving.contracts import ReplicaLoad
-from wim_service.serving.quotas import over_fair_share
+from wim_service.serving.http.auth import ApiKeys, KeysConfig, hash_key
+from wim_service.serving.replica.contracts import ReplicaLoad
+from wim_service.serving.routing.quotas import over_fair_share
 from wim_service.wim.events import WiMEvent
 
 JOB = {"context": DOCUMENT, "query": "code?"}
@@ -74,8 +74,8 @@ class SlowReads(FakeClient):
 class FourSlots(FakeReplica):
     """A replica that admits four sessions at once."""
 
-    def load(self) -> ReplicaLoad:
-        return super().load().model_copy(update={"max_sessions": 4})
+    async def load(self) -> ReplicaLoad:
+        return (await super().load()).model_copy(update={"max_sessions": 4})
 
 
 @pytest.fixture

@@ -25,12 +25,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from wim_service.benchmarks.common import line
-from wim_service.serving.api import DocumentRequest
-from wim_service.serving.auth import OPEN_TENANT, ApiKeys
 from wim_service.serving.config import StoreConfig
-from wim_service.serving.contracts import DocumentOpened, ReplicaLoad
-from wim_service.serving.documents import DocumentTable
-from wim_service.serving.router import WiMRouter
+from wim_service.serving.http.auth import OPEN_TENANT, ApiKeys
+from wim_service.serving.http.bodies import DocumentRequest
+from wim_service.serving.replica.contracts import DocumentOpened, ReplicaLoad
+from wim_service.serving.replica.protocol import CallsByName
+from wim_service.serving.routing.documents import DocumentTable
+from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import SessionStore, StoredSession, make_store
 from wim_service.serving.store.redis_store import RedisSessionStore, connect
 from wim_service.wim.events import WiMEvent
@@ -41,7 +42,7 @@ OPENS = 200
 DOCUMENT = "The night gate code is 4417. The harbour master is Ines Varga.\n" * 20
 
 
-class StandInReplicas:
+class StandInReplicas(CallsByName):
     """A `ReplicaClient` whose replicas open documents at once and count what they hold."""
 
     def __init__(self, names: list[str]) -> None:

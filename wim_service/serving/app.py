@@ -15,11 +15,12 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 
 from wim_service.serving.config import ServiceConfig
-from wim_service.serving.replica import EngineReplica
-from wim_service.serving.replica_client import ENGINE_DEPLOYMENT
-from wim_service.serving.router import WiMRouter
+from wim_service.serving.ingress import WiMIngress
+from wim_service.serving.replica.client import ENGINE_DEPLOYMENT
+from wim_service.serving.replica.deployment import EngineReplica
 
-# The ingress: the HTTP app is built by `WiMRouter.__serve_build_asgi_app__` in the replica.
+# The ingress: a `WiMRouter`, and the HTTP app `WiMIngress.__serve_build_asgi_app__` builds
+# over it in the replica. (The deployment keeps the router's name: configs and dashboards use it.)
 WiMRouterDeployment: Deployment = serve.deployment(
     name="WiMRouter",
     ray_actor_options={"num_cpus": 0},
@@ -30,7 +31,7 @@ WiMRouterDeployment: Deployment = serve.deployment(
     # A router stopped by a rollout or a scale-down lets its open streams finish: with Serve's
     # default (20 s) a WiM stream, minutes long on a CPU, was cut with no `error` event.
     graceful_shutdown_timeout_s=300,
-)(serve.ingress()(WiMRouter))
+)(serve.ingress()(WiMIngress))
 
 EngineReplicaDeployment: Deployment = serve.deployment(
     name=ENGINE_DEPLOYMENT,
@@ -44,7 +45,7 @@ EngineReplicaDeployment: Deployment = serve.deployment(
     health_check_period_s=10,
     request_router_config=RequestRouterConfig(
         # Serve takes an import path here and resolves it in each caller's process.
-        request_router_class="wim_service.serving.pinning:PinnedReplicaRouter"  # type: ignore[arg-type]
+        request_router_class="wim_service.serving.replica.pinning:PinnedReplicaRouter"  # type: ignore[arg-type]
     ),
 )(EngineReplica)
 

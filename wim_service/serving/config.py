@@ -59,7 +59,7 @@ class RouterConfig(BaseModel):
     # stop counting at most this long after it.
     job_lease_s: float = Field(30.0, gt=0)
     # When at most this fraction of the fleet's session slots is free, a new document session
-    # goes only to a tenant under its fair share (serving/quotas.py, docs/security.md).
+    # goes only to a tenant under its fair share (serving/routing/quotas.py, docs/security.md).
     fair_share_headroom: float = Field(0.25, ge=0, lt=1)
     # OpenAI-API prompts (chat template included) with fewer tokens than this are answered by
     # one plain engine request; longer ones with a document run WiM (docs/openai.md).
@@ -67,7 +67,7 @@ class RouterConfig(BaseModel):
     # A plain request without `max_tokens` answers at most this many tokens (fewer if the
     # context window leaves less): it reserves KV for all of them while it runs.
     plain_max_tokens: int = Field(1024, ge=1)
-    # PDF uploads (`POST /extract/pdf`) are read in a worker process (serving/pdf.py): more
+    # PDF uploads (`POST /extract/pdf`) are read in a worker process (serving/http/pdf.py): more
     # pages than this are refused (413 `too_long`), as is more text than max_document_chars.
     pdf_max_pages: int = Field(500, ge=1)
     # A worker still reading after this long (its start-up included) is killed: 422

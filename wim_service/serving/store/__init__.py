@@ -11,7 +11,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from wim_service.serving.config import StoreConfig
-from wim_service.serving.errors import HTTPFailure
+from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.store.base import (
     SessionExists,
     SessionStore,

@@ -14,7 +14,7 @@ Promises of every backend (tests/test_session_store.py checks them on each):
 * A backend that cannot be reached raises `StoreUnavailable`.
 
 It also keeps each tenant's counts, so that a tenant's limits hold across every router that
-shares the store (`serving/quotas.py`):
+shares the store (`serving/routing/quotas.py`):
 
 * `admit_request` counts a request in a sliding window, or refuses it, in one step.
 * `start_job` counts a running job as a lease that `renew_jobs` extends while it runs; a job

@@ -8,7 +8,7 @@ Per session (prefix `P`, default `wim:`):
 * `P{id}:t`, a tombstone left by `delete`, for `tombstone_ttl_s`;
 * `Pexpiry`, a sorted set of session ids by expiry, for `sweep`.
 
-Per tenant `T` (`serving/quotas.py` counts its limits here):
+Per tenant `T` (`serving/routing/quotas.py` counts its limits here):
 
 * `Ptenant:T:requests`, a sorted set of request ids by time, the last `window_s`;
 * `Ptenant:T:jobs`, a sorted set of running job ids by lease end;

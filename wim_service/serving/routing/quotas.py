@@ -22,9 +22,9 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Mapping, Set
 from typing import TypeVar
 
-from wim_service.serving.auth import Tenant
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.errors import HTTPFailure, ServiceCode
+from wim_service.serving.http.auth import Tenant
+from wim_service.serving.http.errors import HTTPFailure, ServiceCode
 from wim_service.serving.store import SessionStore, StoredSession, StoreUnavailable, reachable
 
 logger = logging.getLogger(__name__)

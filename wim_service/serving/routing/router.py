@@ -1,4 +1,4 @@
-"""`WiMRouter`: the ingress. Wires the HTTP API to document sessions, placement and failover.
+"""`WiMRouter`: the service's logic behind the HTTP API: document sessions, placement, failover.
 
 * `ReplicaFleet` polls the engine replicas' loads and binds each session to one replica
   (bounded load); every call of the session goes there (`PinnedReplicaRouter`).
@@ -6,12 +6,13 @@
   session store: in this process, or in Redis shared by every router replica. `Dispatcher`
   runs jobs on the bound replica and, if that replica dies or leaves, rebuilds the session
   elsewhere from the text and retries, so the client still gets its answer.
-* Errors are HTTP statuses with a JSON body `{code, message}` (`errors.py`); a streamed job
-  reports late errors as an `error` event (`responses.py`).
-* `LoopLagMonitor` measures how late the router's event loop runs (`loop_lag.py`), from the
-  HTTP app's start to its shutdown.
+* Errors are HTTP statuses with a JSON body `{code, message}` (`http/errors.py`); a streamed job
+  reports late errors as an `error` event (`http/responses.py`).
+* `LoopLagMonitor` measures how late the router's event loop runs
+  (`observability/loop_lag.py`), from the HTTP app's start to its shutdown.
 
-A plain class: `serving/app.py` makes it a Serve deployment and ingress.
+A plain class that knows no HTTP app: `serving/ingress.py` builds the ASGI app over it, and
+`serving/app.py` makes that the Serve ingress deployment.
 """
 
 from __future__ import annotations
@@ -23,34 +24,33 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Response
-
-from wim_service.serving.api import DocumentRequest, DocumentResponse, WiMRequest
-from wim_service.serving.auth import ApiKeys, Capability, Tenant, check_open_mode
-from wim_service.serving.bindings import BindResult
 from wim_service.serving.config import ServiceConfig
-from wim_service.serving.documents import DocumentTable, check_document_options, document_response
-from wim_service.serving.errors import HTTPFailure, status_of
-from wim_service.serving.failover import Dispatcher
-from wim_service.serving.fleet import ReplicaFleet
-from wim_service.serving.http_app import build_http_app
-from wim_service.serving.loop_lag import LoopLagMonitor
-from wim_service.serving.metrics import JobObserver, WiMMetrics
-from wim_service.serving.pdf import PdfExtractor
-from wim_service.serving.plain import PlainParams
-from wim_service.serving.quotas import TenantGate
-from wim_service.serving.recent import Recent
-from wim_service.serving.replica_client import ReplicaClient, ServeReplicaClient
-from wim_service.serving.responses import (
+from wim_service.serving.http.auth import ApiKeys, Capability, Tenant, check_open_mode
+from wim_service.serving.http.bodies import DocumentRequest, DocumentResponse, WiMRequest
+from wim_service.serving.http.errors import HTTPFailure, status_of
+from wim_service.serving.http.pdf import PdfExtractor
+from wim_service.serving.http.responses import (
     Item,
     first_item,
-    json_response,
-    sse_response,
     with_late_errors,
 )
-from wim_service.serving.sizing import JobSizer
+from wim_service.serving.observability.loop_lag import LoopLagMonitor
+from wim_service.serving.observability.metrics import JobObserver, WiMMetrics
+from wim_service.serving.observability.vllm_metrics import merge_replica_metrics
+from wim_service.serving.replica.client import ReplicaClient, ServeReplicaClient
+from wim_service.serving.replica.plain import PlainParams
+from wim_service.serving.routing.bindings import BindResult
+from wim_service.serving.routing.documents import (
+    DocumentTable,
+    check_document_options,
+    document_response,
+)
+from wim_service.serving.routing.failover import Dispatcher
+from wim_service.serving.routing.fleet import ReplicaFleet
+from wim_service.serving.routing.quotas import TenantGate
+from wim_service.serving.routing.recent import Recent
+from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import SessionStore, StoredSession, make_store
-from wim_service.serving.vllm_metrics import merge_replica_metrics
 from wim_service.wim.errors import ErrorCode, WiMError
 
 logger = logging.getLogger(__name__)
@@ -102,14 +102,12 @@ class WiMRouter:
         self.pdf = PdfExtractor(self.config.router)
         self._background: asyncio.Task[None] | None = None
         # What the public probes and scrapes ask of the engine replicas, at most once per
-        # poll interval / `METRICS_MAX_AGE_S` however many requests come (`serving/recent.py`).
+        # poll interval / `METRICS_MAX_AGE_S` however many requests come
+        # (`serving/routing/recent.py`).
         self._loads = Recent(self.fleet.refresh_loads, router.load_poll_interval_s)
         self._replica_metrics = Recent(self._fetch_replica_metrics, METRICS_MAX_AGE_S)
         # The document sessions as last listed from the store (claimed while it is down).
         self._listed: list[StoredSession] = []
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_http_app(self)
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         """The caller's tenant (401 without a valid key), counted against its request rate."""
@@ -177,7 +175,7 @@ class WiMRouter:
                 held[session.replica].append(session.session_id)
         timeout = self.config.router.orphan_timeout_s
         await asyncio.gather(
-            *(self.client.call(r, "claim", ids, timeout) for r, ids in held.items()),
+            *(self.client.replica(r).claim(ids, timeout) for r, ids in held.items()),
             return_exceptions=True,
         )
 
@@ -212,7 +210,7 @@ class WiMRouter:
             status = str(exc.status)
             raise
         except asyncio.CancelledError:
-            status = "499"
+            status = str(status_of(ErrorCode.CANCELLED))
             raise
         finally:
             observer.finish(status)
@@ -238,18 +236,11 @@ class WiMRouter:
             raise HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
         return session
 
-    async def answer(self, body: WiMRequest, tenant: Tenant) -> Response:
-        """`POST /wim`: a one-shot job (`context`) or a query on a document session."""
-        session_id, items = await self.start_job(body, tenant)
-        if body.stream:
-            return sse_response(items, session_id)
-        return await json_response(items, session_id)
-
     async def start_job(self, body: WiMRequest, tenant: Tenant) -> tuple[str, AsyncIterator[Item]]:
         """Start a job: its session id and its events, the first one already produced.
 
         Errors before the first event are raised as `HTTPFailure`; later ones arrive as an
-        `error` event. Other APIs (OpenAI-compatible) build on this too.
+        `error` event. `POST /wim` and the OpenAI-compatible API build on this.
         """
         if body.context is not None:
             tenant.require(Capability.JOBS)
@@ -326,7 +317,7 @@ class WiMRouter:
     async def _fetch_replica_metrics(self) -> dict[str, str]:
         replicas = sorted(self.fleet.table.loads)
         texts = await asyncio.gather(
-            *(asyncio.wait_for(self.client.call(r, "metrics_text"), 10) for r in replicas),
+            *(asyncio.wait_for(self.client.replica(r).metrics_text(), 10) for r in replicas),
             return_exceptions=True,
         )
         return {r: t for r, t in zip(replicas, texts, strict=True) if isinstance(t, str)}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from wim_service.serving.errors import HTTPFailure, ServiceCode
+from wim_service.serving.http.errors import HTTPFailure, ServiceCode
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """The PDF worker: reads one PDF from stdin and writes its text, or why not, to stdout as JSON.
 
-Run by `serving/pdf.py` as `python -m wim_service.serving.pdf_worker PAGES CHARS MEMORY CPU`,
-one process per upload, so that the router can kill it. It imports only the standard library
-and pypdf: every worker pays its own start-up.
+Run by `serving/http/pdf.py` as
+`python -m wim_service.serving.http.pdf_worker PAGES CHARS MEMORY CPU`, one process per upload,
+so that the router can kill it. It imports only the standard library and pypdf: every worker
+pays its own start-up.
 
 It bounds itself before it reads a byte: address space (`MEMORY` bytes; pypdf's allocations
 past it raise `MemoryError`), CPU seconds (`CPU`; a worker whose router died without killing

@@ -10,12 +10,12 @@ import asyncio
 import logging
 import time
 
-from wim_service.serving.bindings import BindingTable, BindResult, NoCapacity
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.contracts import ReplicaLoad
-from wim_service.serving.errors import HTTPFailure
-from wim_service.serving.metrics import WiMMetrics
-from wim_service.serving.replica_client import ReplicaClient
+from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.observability.metrics import WiMMetrics
+from wim_service.serving.replica.client import ReplicaClient
+from wim_service.serving.replica.contracts import ReplicaLoad
+from wim_service.serving.routing.bindings import BindingTable, BindResult, NoCapacity
 from wim_service.wim.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class ReplicaFleet:
                 self.metrics.replica_draining.labels(replica).set(1)
 
     async def _load_of(self, replica: str) -> ReplicaLoad:
-        load = await asyncio.wait_for(self.client.call(replica, "load"), LOAD_TIMEOUT_S)
+        load = await asyncio.wait_for(self.client.replica(replica).load(), LOAD_TIMEOUT_S)
         return ReplicaLoad.model_validate(load)
 
     def ready(self) -> list[str]:

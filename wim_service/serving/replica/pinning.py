@@ -74,7 +74,7 @@ class PinnedReplicaRouter(ConsistentHashRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        from wim_service.serving import pinning  # the real module, not a pickled copy
+        from wim_service.serving.replica import pinning  # the real module, not a pickled copy
 
         pinning.publish_replicas(
             self._deployment_id.name, frozenset(r.replica_id.unique_id for r in replicas)
@@ -103,7 +103,7 @@ class PinnedReplicaRouter(ConsistentHashRouter):
         # Returning the candidates (not []) lets Serve's routing loop see the finished future
         # and drop the request; with [] that loop would spin without ever yielding.
         if not pending_request.future.done():
-            from wim_service.serving import pinning
+            from wim_service.serving.replica import pinning
 
             pending_request.future.set_exception(
                 pinning.ReplicaGone(f"engine replica {wanted} is no longer serving")

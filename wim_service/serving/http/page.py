@@ -8,21 +8,20 @@ the API key the user typed (`Authorization: Bearer`), kept in the tab's sessionS
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from wim_service.serving.errors import HTTPFailure
-from wim_service.serving.limits import caller
-from wim_service.serving.pdf import ExtractedText
+from wim_service.serving.http.auth import Tenant
+from wim_service.serving.http.edge import caller
+from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.http.pdf import ExtractedText
 from wim_service.wim.errors import ErrorCode
-
-if TYPE_CHECKING:
-    from wim_service.serving.router import WiMRouter
 
 T = TypeVar("T")
 
@@ -69,9 +68,13 @@ async def _unless_the_client_leaves(request: Request, work: Awaitable[T]) -> T:
     return working.result()
 
 
-def extract_routes() -> APIRouter:
-    """`POST /extract/pdf`: a PDF's text (the request body is the file). Include it behind
-    the app's authentication: parsing is work."""
+def extract_routes(
+    job: Callable[[Tenant], AbstractAsyncContextManager[None]],
+    extract: Callable[[bytes], Awaitable[ExtractedText]],
+) -> APIRouter:
+    """`POST /extract/pdf`: a PDF's text (the request body is the file), `extract(body)` run
+    as one of the caller's jobs (`job(tenant)`). Include it behind the app's authentication:
+    parsing is work."""
     api = APIRouter(tags=["page"])
 
     @api.post(
@@ -87,8 +90,7 @@ def extract_routes() -> APIRouter:
         data = await request.body()
         if not data.startswith(b"%PDF"):
             raise HTTPFailure(ErrorCode.INVALID_INPUT, "the body is not a PDF file")
-        router: WiMRouter = request.app.state.wim_router
-        async with router.gate.job(caller(request)):
-            return await _unless_the_client_leaves(request, router.pdf.extract(data))
+        async with job(caller(request)):
+            return await _unless_the_client_leaves(request, extract(data))
 
     return api

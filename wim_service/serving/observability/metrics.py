@@ -42,7 +42,13 @@ class WiMMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._sessions(self.registry)
+        self._latencies(self.registry)
+        self._work(self.registry)
+        self.event_loop_lag = event_loop_lag(self.registry)
+
+    def _sessions(self, r: CollectorRegistry) -> None:
+        """Requests, document sessions and the replicas' KV."""
         self.requests = Counter(
             "wim_requests", "WiM HTTP requests by outcome.", ["status"], registry=r
         )
@@ -64,6 +70,20 @@ class WiMMetrics:
             ["result"],  # hit | new | repin | rejected
             registry=r,
         )
+        self.kv_reserved_blocks = Gauge(
+            "wim_kv_reserved_blocks",
+            "KV blocks reserved by running jobs and document sessions, per replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_draining = Gauge(
+            "wim_replica_draining",
+            "1 while a replica takes no new sessions.",
+            ["replica"],
+            registry=r,
+        )
+
+    def _latencies(self, r: CollectorRegistry) -> None:
         self.segment_prefill_seconds = Histogram(
             "wim_segment_prefill_seconds",
             "Time to prefill one segment.",
@@ -85,6 +105,9 @@ class WiMMetrics:
         self.request_seconds = Histogram(
             "wim_request_seconds", "Whole request time.", buckets=_SECONDS, registry=r
         )
+
+    def _work(self, r: CollectorRegistry) -> None:
+        """Margins, failovers and the tokens they cost or save."""
         self.margins = Counter(
             "wim_margins",
             "Margins written, by relevance and by whether their own segment supports them.",
@@ -113,19 +136,6 @@ class WiMMetrics:
             "Prompt tokens served from the KV/prefix cache.",
             registry=r,
         )
-        self.kv_reserved_blocks = Gauge(
-            "wim_kv_reserved_blocks",
-            "KV blocks reserved by running jobs and document sessions, per replica.",
-            ["replica"],
-            registry=r,
-        )
-        self.replica_draining = Gauge(
-            "wim_replica_draining",
-            "1 while a replica takes no new sessions.",
-            ["replica"],
-            registry=r,
-        )
-        self.event_loop_lag = event_loop_lag(r)
 
 
 class JobObserver:

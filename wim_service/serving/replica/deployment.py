@@ -1,9 +1,10 @@
 """`EngineReplica`: one vLLM engine in a Ray Serve replica, running WiM jobs and document sessions.
 
 Thin over the engine layer: every method turns a call into `run_wim` / `WiMSession` work and
-streams the events back (typed models of `wim.events` and `serving.contracts`). It reports its
-load for the router's bounded-load placement, and its engine's `vllm:*` metrics and its event
-loop's lag (`loop_lag.py`) for the router's `/metrics`.
+streams the events back (typed models of `wim.events` and `serving.replica.contracts`). It
+implements `ReplicaProtocol` (`replica/protocol.py`): it reports its load for the router's
+bounded-load placement, and its engine's `vllm:*` metrics and its event loop's lag
+(`observability/loop_lag.py`) for the router's `/metrics`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,17 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from ray import serve
 
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.contracts import DocumentOpened, EngineDead, OpenResult, ReplicaLoad
-from wim_service.serving.held_documents import HeldDocuments
-from wim_service.serving.loop_lag import LoopLagMonitor
-from wim_service.serving.metrics import event_loop_lag
-from wim_service.serving.plain import PlainParams, plain_events
+from wim_service.serving.observability.loop_lag import LoopLagMonitor
+from wim_service.serving.observability.metrics import event_loop_lag
+from wim_service.serving.replica.contracts import (
+    DocumentOpened,
+    EngineDead,
+    OpenResult,
+    ReplicaLoad,
+)
+from wim_service.serving.replica.held_documents import HeldDocuments
+from wim_service.serving.replica.plain import PlainParams, plain_events
+from wim_service.serving.replica.protocol import ReplicaProtocol
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
@@ -137,9 +144,13 @@ class EngineReplica:
 
     # -- reporting -------------------------------------------------------------------------
 
-    def load(self) -> ReplicaLoad:
+    async def load(self) -> ReplicaLoad:
         """What the router places sessions by. Answered from memory, never from the engine
-        core: a busy engine must still report promptly, or the router would think it gone."""
+        core: a busy engine must still report promptly, or the router would think it gone.
+        (In a worker thread, as Serve ran it when it was a sync method.)"""
+        return await asyncio.to_thread(self._load)
+
+    def _load(self) -> ReplicaLoad:
         admission = self.backend.load()
         return ReplicaLoad(
             replica=self.replica,
@@ -153,9 +164,9 @@ class EngineReplica:
         )
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metrics (`serving/autoscaling.py`): how full this
+        """Serve's custom autoscaling metrics (`serving/replica/autoscaling.py`): how full this
         replica's KV and session slots are, parked document sessions included."""
-        from wim_service.serving.autoscaling import KV_RESERVED_FRACTION, SESSION_FRACTION
+        from wim_service.serving.replica.autoscaling import KV_RESERVED_FRACTION, SESSION_FRACTION
 
         admission = self.backend.load()
         return {
@@ -164,9 +175,12 @@ class EngineReplica:
             "documents": float(len(self.documents)),
         }
 
-    def metrics_text(self) -> str:
+    async def metrics_text(self) -> str:
         """This engine's own `vllm:*` Prometheus metrics and this replica's event-loop lag (the
-        router adds a replica label)."""
+        router adds a replica label); rendered in a worker thread."""
+        return await asyncio.to_thread(self._metrics_text)
+
+    def _metrics_text(self) -> str:
         return generate_latest(REGISTRY).decode() + generate_latest(self.registry).decode()
 
     async def check_health(self) -> None:
@@ -181,3 +195,7 @@ class EngineReplica:
             self.loop_lag.stop()
         with contextlib.suppress(Exception):
             self.backend.shutdown()
+
+
+def _implements(replica: EngineReplica) -> ReplicaProtocol:
+    return replica  # mypy checks that EngineReplica has every method of the protocol

@@ -14,17 +14,17 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from wim_service.serving.bindings import BindResult
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.contracts import DocumentOpened, OpenResult
-from wim_service.serving.documents import DocumentTable
-from wim_service.serving.errors import HTTPFailure
-from wim_service.serving.fleet import ReplicaFleet
-from wim_service.serving.metrics import WiMMetrics
-from wim_service.serving.plain import PlainParams, plain_blocks
-from wim_service.serving.replica_client import ReplicaClient, ReplicaLost
-from wim_service.serving.responses import Item
-from wim_service.serving.sizing import JobSizer
+from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.http.responses import Item
+from wim_service.serving.observability.metrics import WiMMetrics
+from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
+from wim_service.serving.replica.contracts import DocumentOpened
+from wim_service.serving.replica.plain import PlainParams, plain_blocks
+from wim_service.serving.routing.bindings import BindResult
+from wim_service.serving.routing.documents import DocumentTable
+from wim_service.serving.routing.fleet import ReplicaFleet
+from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 from wim_service.wim.events import ErrorEvent, WiMEvent
@@ -68,6 +68,20 @@ class StreamProgress:
             self.answer_sent = max(self.answer_sent, self.answer_seen)
             return bool(event.text)
         return True
+
+
+@dataclass
+class _Job:
+    """One job's attempts so far: where it runs, what it delivered, what it tried."""
+
+    session_id: str
+    record: StoredSession | None  # the document session queried; None for a one-shot job
+    subject: str  # what log lines name the job by
+    progress: StreamProgress = field(default_factory=StreamProgress)
+    replica: str | None = None  # a one-shot job's placement (None: place it anew)
+    exclude: set[str] = field(default_factory=set)  # replicas lost by this job
+    failovers: int = 0
+    transient_retries: int = 0
 
 
 class Dispatcher:
@@ -115,8 +129,8 @@ class Dispatcher:
         while True:
             replica = await self.fleet.place(None, needed, exclude)
             try:
-                result: OpenResult = await self.client.call(
-                    replica, "open_document", session.session_id, text, session.options
+                result = await self.client.replica(replica).open_document(
+                    session.session_id, text, session.options
                 )
             except ReplicaLost:
                 self.fleet.lost(replica, "replica_lost")
@@ -143,7 +157,7 @@ class Dispatcher:
     async def _close_on(self, replica: str, document_id: str) -> None:
         # A replica that cannot be reached reaps the session itself once no router claims it.
         with contextlib.suppress(Exception):
-            await self.client.call(replica, "close_document", document_id)
+            await self.client.replica(replica).close_document(document_id)
 
     async def document_replica(self, document_id: str) -> str:
         """The replica holding the document; rebuilt elsewhere if its replica is gone. The
@@ -217,14 +231,14 @@ class Dispatcher:
     async def plain(
         self, session_id: str, prompt_ids: list[int], params: PlainParams
     ) -> AsyncIterator[Item]:
-        """Events of one plain engine request (`serving/plain.py`), placed like a one-shot job
-        under `session_id` and unbound when it ends. Not failed over: a short prompt is cheap
-        for its client to send again, and part of its answer may be out already."""
+        """Events of one plain engine request (`serving/replica/plain.py`), placed like a
+        one-shot job under `session_id` and unbound when it ends. Not failed over: a short prompt
+        is cheap for its client to send again, and part of its answer may be out already."""
         needed = plain_blocks(len(prompt_ids), params, self.sizer.limits.block_size)
         replica = await self.fleet.place(session_id, needed, set())
         self.metrics.binding.labels(BindResult.NEW).inc()
         try:
-            async for event in self.client.stream(replica, "complete", prompt_ids, params):
+            async for event in self.client.replica(replica).complete(prompt_ids, params):
                 yield replica, event
         except ReplicaLost as exc:
             self.fleet.lost(replica, "replica_lost")
@@ -245,74 +259,81 @@ class Dispatcher:
         context: str | None,
         record: StoredSession | None,
     ) -> AsyncIterator[Item]:
-        progress = StreamProgress()
-        failovers = transient_retries = 0
-        exclude: set[str] = set()
-        replica: str | None = None
         # What log lines name the job by: a document id stays out of logs (docs/security.md).
-        subject = session_id if record is None else "a document query"
+        job = _Job(session_id, record, session_id if record is None else "a document query")
         while True:
-            progress.new_attempt()
-            if record is not None:
-                async with self.documents.lock(session_id):
-                    replica = await self.document_replica(session_id)
-                events = self.client.stream(replica, "query_document", session_id, query, options)
-            else:
-                if replica is None:
-                    needed = await self.sizer.needed_blocks(context or "", options, query)
-                    replica = await self.fleet.place(session_id, needed, exclude)
-                    self.metrics.binding.labels(
-                        BindResult.REPIN if failovers else BindResult.NEW
-                    ).inc()
-                events = self.client.stream(replica, "run", context, query, options)
+            job.progress.new_attempt()
+            replica, events = await self._start_attempt(job, query, options, context)
             try:
                 async for event in events:
-                    if (
-                        record is not None
-                        and isinstance(event, ErrorEvent)
-                        and event.code == ErrorCode.NOT_FOUND.value
-                    ):
-                        # The replica no longer has this session (restarted): rebuild it.
-                        raise ReplicaLost(replica, LookupError(event.message))
-                    if isinstance(event, ErrorEvent) and event.code == ErrorCode.ENGINE_ERROR:
-                        # The replica logged the failure under the incident id its message
-                        # names; this line ties that id to the job and the replica.
-                        logger.warning("%s: replica %s: %s", subject, replica, event.message)
-                    if progress.fresh(event):
+                    self._check_event(job, replica, event)
+                    if job.progress.fresh(event):
                         yield replica, event
                 return
             except (HTTPFailure, WiMError, asyncio.CancelledError):
                 raise
             except ReplicaLost as exc:
-                if exc.transient and transient_retries < TRANSIENT_RETRIES:
-                    # Unreachable for a moment is not gone: try the same replica again.
-                    transient_retries += 1
-                    logger.warning("replica %s unreachable (%s); retrying", replica, exc)
-                    await asyncio.sleep(TRANSIENT_BACKOFF_S * transient_retries)
-                    continue
-                failovers += 1
-                if failovers > self.config.max_failovers:
-                    raise logged_failure(
-                        ErrorCode.ENGINE_ERROR,
-                        "engine replicas kept failing on this request; retry later",
-                        exc,
-                        subject,
-                    ) from exc
-                logger.warning("replica %s lost mid-request (%s); failing over", replica, exc)
-                if record is not None:
-                    async with self.documents.lock(session_id):
-                        current = await self.documents.get(session_id)
-                        if current is not None and current.replica == replica:
-                            await self._repin(current, "replica_lost")
-                else:
-                    self.fleet.lost(replica, "replica_lost")
-                    exclude.add(replica)
-                    self.fleet.table.unbind(session_id)
-                    replica = None
+                await self._recover(job, replica, exc)
             except Exception as exc:  # a bug or engine fault on the replica: not retried
                 raise logged_failure(
                     ErrorCode.ENGINE_ERROR,
                     "the engine failed on this request",
                     exc,
-                    f"{subject} on replica {replica}",
+                    f"{job.subject} on replica {replica}",
                 ) from exc
+
+    async def _start_attempt(
+        self, job: _Job, query: str, options: WiMOptions, context: str | None
+    ) -> tuple[str, AsyncIterator[WiMEvent]]:
+        """The replica of this attempt and its events: the document's replica (rebuilt there
+        if it was lost), or the one-shot job's, placed anew after a failover."""
+        if job.record is not None:
+            async with self.documents.lock(job.session_id):
+                replica = await self.document_replica(job.session_id)
+            events = self.client.replica(replica).query_document(job.session_id, query, options)
+            return replica, events
+        if job.replica is None:
+            needed = await self.sizer.needed_blocks(context or "", options, query)
+            job.replica = await self.fleet.place(job.session_id, needed, job.exclude)
+            self.metrics.binding.labels(BindResult.REPIN if job.failovers else BindResult.NEW).inc()
+        return job.replica, self.client.replica(job.replica).run(context or "", query, options)
+
+    def _check_event(self, job: _Job, replica: str, event: WiMEvent) -> None:
+        if job.record is not None and (
+            isinstance(event, ErrorEvent) and event.code == ErrorCode.NOT_FOUND.value
+        ):
+            # The replica no longer has this session (restarted): rebuild it.
+            raise ReplicaLost(replica, LookupError(event.message))
+        if isinstance(event, ErrorEvent) and event.code == ErrorCode.ENGINE_ERROR:
+            # The replica logged the failure under the incident id its message names; this
+            # line ties that id to the job and the replica.
+            logger.warning("%s: replica %s: %s", job.subject, replica, event.message)
+
+    async def _recover(self, job: _Job, replica: str, exc: ReplicaLost) -> None:
+        """After `replica` was lost: retry it if it was unreachable for a moment, else fail
+        the job over (its session rebuilt or placed elsewhere), up to `max_failovers`."""
+        if exc.transient and job.transient_retries < TRANSIENT_RETRIES:
+            # Unreachable for a moment is not gone: try the same replica again.
+            job.transient_retries += 1
+            logger.warning("replica %s unreachable (%s); retrying", replica, exc)
+            await asyncio.sleep(TRANSIENT_BACKOFF_S * job.transient_retries)
+            return
+        job.failovers += 1
+        if job.failovers > self.config.max_failovers:
+            raise logged_failure(
+                ErrorCode.ENGINE_ERROR,
+                "engine replicas kept failing on this request; retry later",
+                exc,
+                job.subject,
+            ) from exc
+        logger.warning("replica %s lost mid-request (%s); failing over", replica, exc)
+        if job.record is not None:
+            async with self.documents.lock(job.session_id):
+                current = await self.documents.get(job.session_id)
+                if current is not None and current.replica == replica:
+                    await self._repin(current, "replica_lost")
+        else:
+            self.fleet.lost(replica, "replica_lost")
+            job.exclude.add(replica)
+            self.fleet.table.unbind(job.session_id)
+            job.replica = None

@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from wim_service.serving.auth import Tenant
-from wim_service.serving.errors import HTTPFailure, ServiceCode
+from wim_service.serving.http.auth import Tenant
+from wim_service.serving.http.errors import HTTPFailure, ServiceCode
 
 # Routes that take no body (GET, DELETE, the page and probes) still get a cap: a client may
 # send one anyway.

@@ -13,13 +13,15 @@ from typing import Any
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from wim_service.serving.api import MarginOut, WiMResponse
-from wim_service.serving.errors import HTTPFailure
+from wim_service.serving.http.bodies import MarginOut, WiMResponse
+from wim_service.serving.http.errors import HTTPFailure
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import DoneEvent, ErrorEvent, WiMEvent
 
 # (replica that produced it, event)
 Item = tuple[str, WiMEvent]
+# Server-sent events pass proxies unbuffered and uncached.
+SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 
 async def close(items: AsyncIterator[Item]) -> None:
@@ -95,5 +97,5 @@ def sse_response(items: AsyncIterator[Item], session_id: str) -> StreamingRespon
     return StreamingResponse(
         _sse(items, session_id),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        headers=SSE_HEADERS,
     )

@@ -11,7 +11,7 @@ import asyncio
 from functools import cached_property
 
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.errors import HTTPFailure
+from wim_service.serving.http.errors import HTTPFailure
 from wim_service.wim.backend import EngineLimits
 from wim_service.wim.capacity import JobShape
 from wim_service.wim.errors import WiMError

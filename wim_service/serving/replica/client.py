@@ -1,8 +1,9 @@
 """Calls from the router to named engine replicas.
 
-`ReplicaClient` is what the router's logic needs: the live replica set, a unary call and a
-streamed call to one named replica, and `ReplicaLost` when that replica has gone. The Serve
-implementation pins each call with `PinnedReplicaRouter`; tests inject fakes.
+`ReplicaClient` is what the router's logic needs: the live replica set, one named replica as a
+typed `ReplicaProtocol` (`replica(name)`), and `ReplicaLost` when that replica has gone. The
+Serve implementation sends each call by name through the engine deployment's handle, pinned
+with `PinnedReplicaRouter`; tests inject fakes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 
 from pydantic import TypeAdapter
 
+from wim_service.serving.replica.protocol import CallsByName, ReplicaProtocol
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import WiMEvent
 
@@ -43,12 +45,12 @@ class ReplicaClient(Protocol):
 
     async def live_replicas(self) -> frozenset[str]: ...
 
-    async def call(self, replica: str, method: str, *args: Any) -> Any: ...
+    def replica(self, name: str) -> ReplicaProtocol:
+        """The replica `name`; its calls raise `ReplicaLost` once it has gone."""
+        ...
 
-    def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]: ...
 
-
-class ServeReplicaClient:
+class ServeReplicaClient(CallsByName):
     """`ReplicaClient` over the engine deployment's Serve handle."""
 
     def __init__(self, engine: Any) -> None:
@@ -56,7 +58,7 @@ class ServeReplicaClient:
         self.in_flight: dict[str, int] = {}
 
     async def live_replicas(self) -> frozenset[str]:
-        from wim_service.serving.pinning import live_replicas
+        from wim_service.serving.replica.pinning import live_replicas
 
         replicas = live_replicas(ENGINE_DEPLOYMENT)
         if not replicas:
@@ -79,7 +81,7 @@ class ServeReplicaClient:
         from ray.serve._private.utils import generate_request_id
         from ray.serve.context import _get_serve_request_context, _serve_request_context
 
-        from wim_service.serving.pinning import target_key
+        from wim_service.serving.replica.pinning import target_key
 
         handle = self.engine.options(
             method_name=method, stream=stream, session_id=target_key(replica)
@@ -124,8 +126,8 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
     """Failures that mean "the replica is gone", not "the job is bad": the session moves."""
     from ray.exceptions import RayActorError
 
-    from wim_service.serving.contracts import EngineDead
-    from wim_service.serving.pinning import ReplicaGone
+    from wim_service.serving.replica.contracts import EngineDead
+    from wim_service.serving.replica.pinning import ReplicaGone
 
     # RayActorError covers ActorDiedError and ActorUnavailableError; Ray re-raises the
     # replica's EngineDead as an instance of EngineDead.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from wim_service.serving.contracts import ReplicaLoad
+from wim_service.serving.replica.contracts import ReplicaLoad
 
 
 class BindResult(StrEnum):

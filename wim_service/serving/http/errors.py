@@ -14,6 +14,7 @@ import math
 import re
 import secrets
 from enum import StrEnum
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from wim_service.serving.api import ErrorBody
+from wim_service.serving.http.bodies import ErrorBody
 from wim_service.wim.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -70,28 +71,43 @@ STATUS: dict[str, int] = {
 
 
 def status_of(code: str) -> int:
-    return STATUS.get(code, 500)
+    """The table's status of `code`; a code missing from the table is a bug: 500."""
+    return STATUS.get(code, STATUS[ServiceCode.INTERNAL_ERROR])
+
+
+def retry_after_headers(retry_after: float | None) -> dict[str, str]:
+    """`Retry-After` in whole seconds (at least 1), if the error has one."""
+    if retry_after is None:
+        return {}
+    return {"Retry-After": str(max(1, math.ceil(retry_after)))}
 
 
 class HTTPFailure(Exception):
-    """An error answered as an HTTP status (before any byte of a stream was sent)."""
+    """The one way to fail a request: a code of the table (which gives the status) and a
+    message, answered before any byte of a stream was sent. `param` names the request field
+    at fault where the API reports it (the OpenAI-compatible routes)."""
 
-    def __init__(self, code: str, message: str, retry_after: float | None = None):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        retry_after: float | None = None,
+        *,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code, self.message, self.retry_after = str(code), message, retry_after
+        self.param = param
 
     @property
     def status(self) -> int:
         return status_of(self.code)
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        headers = dict(headers or {})
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return JSONResponse(
             ErrorBody(code=self.code, message=self.message).model_dump(),
             status_code=self.status,
-            headers=headers,
+            headers={**(headers or {}), **retry_after_headers(self.retry_after)},
         )
 
 
@@ -104,12 +120,31 @@ async def _http_failure(request: Request, exc: Exception) -> JSONResponse:
     return exc.response()
 
 
+# pydantic names the member of a union that failed in an error's location ("str",
+# "list[str]", "function-after[_utf8(), str]"): not a parameter's name.
+_UNION_MEMBER = re.compile(r"^(?:str|int|float|bool|none|list|dict)$|[\[(]")
+
+
+def field_path(location: tuple[Any, ...]) -> str:
+    """A validation error's location as a dotted field path, union members left out."""
+    return ".".join(
+        str(part) for part in location if not (isinstance(part, str) and _UNION_MEMBER.search(part))
+    )
+
+
+def invalid_request(exc: RequestValidationError) -> HTTPFailure:
+    """A body that does not match its schema: every problem, and the first field at fault (a
+    JSON syntax error's location is a character position: no field)."""
+    errors = exc.errors()
+    message = "; ".join(f"{field_path(e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors)
+    where = errors[0]["loc"][1:] if errors else ()
+    param = field_path(where) if where and isinstance(where[0], str) else None
+    return HTTPFailure(ServiceCode.INVALID_REQUEST, message, param=param or None)
+
+
 async def _invalid(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    problems = "; ".join(
-        f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
-    )
-    return HTTPFailure(ServiceCode.INVALID_REQUEST, problems).response()
+    return invalid_request(exc).response()
 
 
 # What the web framework refuses itself (a body it cannot decode, an unknown route, a wrong

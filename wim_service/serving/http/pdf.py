@@ -3,7 +3,7 @@
 pypdf runs on whatever a client uploads: a few kilobytes can cost it minutes of CPU or
 gigabytes of memory (a content stream of millions of operators, a stream that inflates to
 75 MB), and a thread cannot be stopped. So each PDF is read by its own worker process
-(`serving/pdf_worker.py`) that the router awaits without blocking its event loop and kills
+(`serving/http/pdf_worker.py`) that the router awaits without blocking its event loop and kills
 past `RouterConfig.pdf_timeout_s`, when the request is cancelled, and when the router shuts
 down. The worker limits its own address space (`pdf_max_memory_bytes`), refuses more pages
 than `pdf_max_pages` and more text than `max_document_chars` (the service would not take it).
@@ -19,11 +19,11 @@ import sys
 from pydantic import BaseModel, ValidationError
 
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.errors import HTTPFailure, ServiceCode
-from wim_service.serving.pdf_worker import Refusal
+from wim_service.serving.http.errors import HTTPFailure, ServiceCode
+from wim_service.serving.http.pdf_worker import Refusal
 from wim_service.wim.errors import ErrorCode
 
-WORKER = "wim_service.serving.pdf_worker"
+WORKER = "wim_service.serving.http.pdf_worker"
 
 
 class ExtractedText(BaseModel):

@@ -15,8 +15,8 @@ from collections.abc import Awaitable
 from typing import TypeVar
 from weakref import WeakValueDictionary
 
-from wim_service.serving.api import DocumentResponse
-from wim_service.serving.errors import HTTPFailure, ServiceCode
+from wim_service.serving.http.bodies import DocumentResponse
+from wim_service.serving.http.errors import HTTPFailure, ServiceCode
 from wim_service.serving.store import SessionStore, StoredSession, StoreUnavailable, reachable
 from wim_service.wim.options import WiMOptions
 

@@ -1,44 +1,46 @@
-"""The HTTP API: routes over a `WiMRouter`, built when the ingress replica starts.
+"""The ingress: the HTTP API built over a `WiMRouter`, and the Serve deployment class that
+holds the router and builds the app when its replica starts.
 
-Serve calls `WiMRouter.__serve_build_asgi_app__` after the router's constructor; tests can
-build the same app over a router with fake replicas.
+The router holds the logic and knows no HTTP app; `build_http_app` wraps it in routes, the
+edge (authentication, body limits) and the error handlers. Serve calls
+`WiMIngress.__serve_build_asgi_app__` after the constructor; tests build the same app over a
+router with fake replicas.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Response
+from fastapi import APIRouter, Depends, FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 
-from wim_service.serving.api import (
+from wim_service.serving.config import RouterConfig
+from wim_service.serving.http.auth import Tenant
+from wim_service.serving.http.bodies import (
     DocumentRequest,
     DocumentResponse,
     ErrorBody,
     WiMRequest,
     WiMResponse,
 )
-from wim_service.serving.auth import Tenant
-from wim_service.serving.config import RouterConfig
-from wim_service.serving.errors import STATUS, HTTPFailure, install_error_handlers
-from wim_service.serving.limits import (
+from wim_service.serving.http.edge import (
     SMALL_BODY_BYTES,
     EdgeMiddleware,
     EdgeOf,
     RouteEdge,
     caller,
 )
-from wim_service.serving.openai_api import OpenAIError, openai_routes
-from wim_service.serving.openai_models import ErrorResponse
-from wim_service.serving.page import extract_routes, install_page
-
-if TYPE_CHECKING:
-    from wim_service.serving.router import WiMRouter
-
+from wim_service.serving.http.errors import STATUS, HTTPFailure, install_error_handlers
+from wim_service.serving.http.page import extract_routes, install_page
+from wim_service.serving.http.responses import json_response, sse_response
+from wim_service.serving.openai.errors import OpenAIError
+from wim_service.serving.openai.models import ErrorResponse
+from wim_service.serving.openai.routes import openai_routes
+from wim_service.serving.routing.router import WiMRouter
 
 # A route parameter of this type is the authenticated caller (in open mode: anyone).
 Caller = Annotated[Tenant, Depends(caller)]
@@ -92,7 +94,7 @@ def error_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
 API_ERRORS = error_responses(ErrorBody)
 
 
-def build_http_app(router: WiMRouter) -> FastAPI:
+def _lifespan(router: WiMRouter) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # The loop that serves the app (Serve's replica, uvicorn, a TestClient's) runs its
@@ -103,6 +105,11 @@ def build_http_app(router: WiMRouter) -> FastAPI:
         finally:
             router.shutdown()  # Serve runs this when the router replica stops
 
+    return lifespan
+
+
+def build_http_app(router: WiMRouter) -> FastAPI:
+    """The service's ASGI app over `router`."""
     app = FastAPI(
         title="wim_service",
         summary="Long-document question answering with Writing in the Margins on vLLM.",
@@ -112,7 +119,7 @@ def build_http_app(router: WiMRouter) -> FastAPI:
             '`document_id`. Add `"stream": true` for server-sent events.'
         ),
         version="0.1.0",
-        lifespan=lifespan,
+        lifespan=_lifespan(router),
     )
     app.add_middleware(
         EdgeMiddleware,
@@ -123,54 +130,83 @@ def build_http_app(router: WiMRouter) -> FastAPI:
     # Its request-id middleware goes outermost; it also names the router replica that
     # answered (several share one address behind Serve's proxy).
     install_error_handlers(app, {"X-WiM-Router": router.name})
-    app.state.wim_router = router
     app.include_router(
         openai_routes(router),
         responses=error_responses(ErrorResponse),  # the same statuses, in OpenAI's shape
     )
-    app.include_router(extract_routes(), responses=API_ERRORS)
+    app.include_router(extract_routes(router.gate.job, router.pdf.extract), responses=API_ERRORS)
     install_page(app)
+    app.include_router(wim_routes(router), responses=API_ERRORS)
+    app.include_router(probe_routes(router))
+    return app
 
-    @app.post(
+
+def wim_routes(router: WiMRouter) -> APIRouter:
+    """`POST /wim` and the document sessions."""
+    api = APIRouter()
+
+    @api.post(
         "/wim",
         response_model=WiMResponse,
-        responses={200: {"content": {"text/event-stream": {}}}, **API_ERRORS},
+        responses={200: {"content": {"text/event-stream": {}}}},
     )
     async def wim(body: WiMRequest, caller: Caller) -> Response:
         """Answer a query about a document: one-shot (`context`) or a session (`document_id`)."""
-        return await router.answer(body, caller)
+        session_id, items = await router.start_job(body, caller)
+        if body.stream:
+            return sse_response(items, session_id)
+        return await json_response(items, session_id)
 
-    @app.post("/documents", response_model=DocumentResponse, status_code=201, responses=API_ERRORS)
+    @api.post("/documents", response_model=DocumentResponse, status_code=201)
     async def create_document(body: DocumentRequest, caller: Caller) -> DocumentResponse:
         """Read a document once and pin its KV on one engine replica for later queries."""
         return await router.create_document(body, caller)
 
-    @app.get("/documents/{document_id}", response_model=DocumentResponse, responses=API_ERRORS)
+    @api.get("/documents/{document_id}", response_model=DocumentResponse)
     async def get_document(document_id: str, caller: Caller) -> DocumentResponse:
         return await router.get_document(document_id, caller)
 
-    @app.delete("/documents/{document_id}", status_code=204, responses=API_ERRORS)
+    @api.delete("/documents/{document_id}", status_code=204)
     async def delete_document(document_id: str, caller: Caller) -> Response:
         """End a document session: its KV is freed and purged from the engine's cache."""
         await router.delete_document(document_id, caller)
         return Response(status_code=204)
 
-    @app.get("/healthz")
+    return api
+
+
+def probe_routes(router: WiMRouter) -> APIRouter:
+    """The public probes and the Prometheus scrape."""
+    api = APIRouter()
+
+    @api.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
+    @api.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
     async def readyz() -> JSONResponse:
         ready = await router.ready_replicas()
         return JSONResponse(
             {"ready": bool(ready), "replicas": ready}, status_code=200 if ready else 503
         )
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @api.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         """Prometheus text: the WiM metrics and every replica's `vllm:*` metrics."""
         return Response(
             await router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    return app
+    return api
+
+
+class WiMIngress:
+    """The Serve ingress (`serving/app.py`): a `WiMRouter`, and the HTTP app over it, built
+    when the replica starts."""
+
+    def __init__(self, engine: Any, config: dict[str, Any]) -> None:
+        """`engine` is the EngineReplica deployment's handle; `config` a `ServiceConfig`."""
+        self.router = WiMRouter(engine, config)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_http_app(self.router)

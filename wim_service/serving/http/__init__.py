@@ -1,0 +1,1 @@
+"""The HTTP wire: bodies, the error table, API keys, edge limits, responses, page, PDF."""

@@ -1,0 +1,1 @@
+"""Metrics: the Prometheus registry, event-loop lag, the engines' own metrics."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API (`/v1`) over a `WiMRouter`."""

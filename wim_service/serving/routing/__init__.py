@@ -1,0 +1,1 @@
+"""The router's logic: document sessions, placement, failover, sizing, tenant quotas."""
