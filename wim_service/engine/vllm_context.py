@@ -24,20 +24,27 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from wim_service.engine.admission import KVAdmission
 from wim_service.engine.request_params import PRIORITY, check_window, sampling_params
 from wim_service.engine.scheduler import SALT_PREFIX
 from wim_service.engine.timeline import RequestSpan
-from wim_service.wim.backend import GenerationChunk, GenerationParams, PromptCost, RequestKind
+from wim_service.wim.backend import (
+    EngineLimits,
+    GenerationChunk,
+    GenerationParams,
+    PromptCost,
+    RequestKind,
+)
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.outputs import RequestOutput
-
-    from wim_service.engine.vllm_engine import VLLMBackend
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +62,27 @@ def _generation_params(params: GenerationParams) -> SamplingParams:
     )
 
 
+class ContextHost(Protocol):
+    """What a context uses of the backend that opened it (`vllm_engine.VLLMBackend`): named
+    here so that the context does not import the backend that imports it."""
+
+    engine: AsyncLLM
+    limits: EngineLimits
+    admission: KVAdmission
+    timeline: deque[RequestSpan]
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def next_request_id(self, salt: str, kind: str) -> str: ...
+
+    async def purge(self, salt: str) -> dict[str, int]: ...
+
+
 class VLLMContext:
     """One WiM context: a streaming-input session plus same-salt branch requests."""
 
-    def __init__(self, backend: VLLMBackend, reserved_blocks: int) -> None:
+    def __init__(self, backend: ContextHost, reserved_blocks: int) -> None:
         self.backend = backend
         self.engine = backend.engine
         self.salt = SALT_PREFIX + secrets.token_hex(16)
