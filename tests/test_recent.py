@@ -1,4 +1,4 @@
-"""`serving.recent.Recent`, and the public probes that go through it: however many anonymous
+"""`serving.routing.recent.Recent`, and the public probes that go through it: however many anonymous
 `/readyz` and `/metrics` requests arrive, the engine replicas are asked once per interval."""
 
 from __future__ import annotations

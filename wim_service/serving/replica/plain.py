@@ -1,7 +1,7 @@
 """Plain engine requests: a short prompt answered directly, without WiM.
 
 The OpenAI-compatible API sends prompts below `RouterConfig.plain_prompt_tokens` this way
-(`openai_api.py`). The request speaks the same event types as a WiM job (answer deltas, then
+(`serving/openai/`). The request speaks the same event types as a WiM job (answer deltas, then
 `done` with usage and timings), so the router places, streams and fails it over like one.
 """
 
