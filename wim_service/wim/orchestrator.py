@@ -16,7 +16,6 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from wim_service.wim.backend import (
     Backend,
@@ -43,6 +42,7 @@ from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
 from wim_service.wim.plan import DocumentPlan, check_query, prepare_job, relevance_ids
 from wim_service.wim.prompts import MarginNote, PromptBuilder
 from wim_service.wim.segmentation import Segment, leading_sentences
+from wim_service.wim.streams import Generated, HeldText, consume, recorded, stop_tasks
 from wim_service.wim.tokenizer import Tokenizer
 
 Emit = Callable[[WiMEvent], None]
@@ -79,59 +79,6 @@ class _Ledger:
         )
 
 
-@dataclass
-class _Generated:
-    token_ids: list[int]
-    text: str
-    cost: PromptCost | None
-
-
-async def _consume(
-    stream: AsyncIterator[GenerationChunk],
-    tokenizer: Tokenizer,
-    *,
-    stop: list[str],
-    keep_going: Callable[[int], bool] | None = None,
-    give_up: Callable[[str], bool] | None = None,
-    on_text: Callable[[str], None] | None = None,
-) -> _Generated:
-    """Drain a generation: decode incrementally, honour stop strings, stream text deltas.
-
-    `keep_going(first_token)` may end the generation right after its first token;
-    `give_up(text)` ends it once the text settled so far makes the rest pointless. Text that
-    could still turn out to begin a stop string is held back from `on_text` (and from
-    `give_up`) until resolved.
-    """
-    ids: list[int] = []
-    text, emitted = "", 0
-    cost: PromptCost | None = None
-    holdback = max((len(s) for s in stop), default=1) - 1
-    try:
-        async for chunk in stream:
-            if cost is None:
-                cost = chunk.cost
-            first = not ids
-            ids.extend(chunk.token_ids)
-            if first and ids and keep_going is not None and not keep_going(ids[0]):
-                break
-            text = tokenizer.decode(ids)
-            cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-            # A trailing U+FFFD is an incomplete UTF-8 sequence: wait for its next token.
-            stable = len(text) if cut >= 0 or chunk.finished else len(text.rstrip("\ufffd"))
-            limit = stable if cut >= 0 or chunk.finished else max(stable - holdback, emitted)
-            if on_text is not None and limit > emitted:
-                on_text(text[emitted:limit])
-                emitted = limit
-            if cut >= 0 or (give_up is not None and give_up(text[:limit])):
-                break
-    finally:
-        # Leaving early (stop string, NO first token, cancellation) aborts the request.
-        await stream.aclose()  # type: ignore[attr-defined]
-    return _Generated(ids, text, cost)
-
-
 def evidence_min_query_overlap(options: WiMOptions) -> float:
     """The share of the query a margin's evidence must hold for a note to be kept: with
     snapping the note is the evidence, so the query filter reads it; otherwise the filter
@@ -157,48 +104,6 @@ def _strip_relevance_word(text: str, word: str) -> str:
     return body.lstrip(" \t\n:#-,.;")
 
 
-async def _stop(tasks: Sequence[asyncio.Task[Any]]) -> None:
-    """Cancel `tasks` and wait until each has ended: a task closes its engine request on its
-    way out, and that request must be aborted before the job's KV reservation goes back."""
-    running = [task for task in tasks if not task.done()]
-    for task in running:
-        task.cancel()
-    if running:
-        await asyncio.wait(running)
-
-
-async def _recorded(
-    stream: AsyncIterator[GenerationChunk], chunks: list[GenerationChunk]
-) -> AsyncIterator[GenerationChunk]:
-    """`stream`, keeping every chunk in `chunks`: what a request cost even if it is cut off."""
-    try:
-        async for chunk in stream:
-            chunks.append(chunk)
-            yield chunk
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]
-
-
-class _HeldText:
-    """Answer text held back until the answer is known to stand, then passed on as it comes."""
-
-    def __init__(self) -> None:
-        self._held: list[str] = []
-        self._sink: Callable[[str], None] | None = None
-
-    def __call__(self, delta: str) -> None:
-        if self._sink is None:
-            self._held.append(delta)
-        else:
-            self._sink(delta)
-
-    def release(self, sink: Callable[[str], None]) -> None:
-        self._sink = sink
-        for delta in self._held:
-            sink(delta)
-        self._held.clear()
-
-
 def _note_text(note: MarginNote | None) -> str | None:
     """What a margin's outcome puts in the final prompt: its note's text, or nothing."""
     return note.text if note is not None else None
@@ -212,9 +117,9 @@ class _EarlyAnswer:
     suffix: list[int]  # its final prompt
     # The note text (or None: no note) it takes each margin running at its start to give.
     assumes: dict[int, str | None]
-    text: _HeldText
+    text: HeldText
     chunks: list[GenerationChunk]
-    task: asyncio.Task[_Generated]
+    task: asyncio.Task[Generated]
 
     def refuted_by(self, segment: int, note: MarginNote | None) -> bool:
         """Whether the margin of `segment` ended otherwise than this answer assumed: then its
@@ -359,7 +264,7 @@ class WiMSession:
 
         prefix_tokens = len(self.plan.prefix_ids) + segment.token_end
         try:
-            generated = await _consume(
+            generated = await consume(
                 self.context.branch(prefix_tokens, suffix, params),
                 self.builder.tokenizer,
                 stop=options.margin_stop,
@@ -428,7 +333,7 @@ class WiMSession:
             stop_token_ids=self._stop_ids(options),
             first_token_ids=self.yes_ids | self.no_ids,
         )
-        generated = await _consume(
+        generated = await consume(
             self.context.generate(prompt, params), self.builder.tokenizer, stop=[]
         )
         ledger.add(generated.cost, minimal=len(prompt))
@@ -489,7 +394,7 @@ class WiMSession:
                         await task
             timings.prefill_s = time.perf_counter() - started
         except BaseException:
-            await _stop(tasks)
+            await stop_tasks(tasks)
             raise
         return tasks
 
@@ -522,7 +427,7 @@ class WiMSession:
                     # One at a time: the reference backend works on one request at once.
                     await task
         except BaseException:
-            await _stop(tasks)
+            await stop_tasks(tasks)
             raise
         return tasks
 
@@ -631,11 +536,11 @@ class WiMSession:
         self, suffix: list[int], assumes: dict[int, str | None], options: WiMOptions
     ) -> _EarlyAnswer:
         chunks: list[GenerationChunk] = []
-        text = _HeldText()
+        text = HeldText()
         stream = self.context.branch(self.plan.context_tokens, suffix, self._answer_params(options))
         task = asyncio.create_task(
-            _consume(
-                _recorded(stream, chunks),
+            consume(
+                recorded(stream, chunks),
                 self.builder.tokenizer,
                 stop=options.answer_stop,
                 on_text=text,
@@ -730,11 +635,11 @@ class WiMSession:
                     if conclude
                     else self.context.branch(self.plan.context_tokens, suffix, params)
                 )
-                generated = await _consume(
+                generated = await consume(
                     stream, self.builder.tokenizer, stop=options.answer_stop, on_text=on_text
                 )
         finally:
-            await _stop([*margins, *(answer.task for answer in early)])
+            await stop_tasks([*margins, *(answer.task for answer in early)])
         ledger.add(generated.cost, minimal=len(suffix))
         ledger.answer_tokens += len(generated.token_ids)
         held = {note.segment for note in shown}
