@@ -37,8 +37,9 @@ from wim_service.wim.events import (
     Usage,
     WiMEvent,
 )
-from wim_service.wim.grounding import SegmentText, may_still_copy, query_overlap
-from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
+from wim_service.wim.grounding import SegmentText
+from wim_service.wim.notes import NotePolicy
+from wim_service.wim.options import RelevanceMode, WiMOptions
 from wim_service.wim.plan import DocumentPlan, check_query, prepare_job, relevance_ids
 from wim_service.wim.prompts import MarginNote, PromptBuilder
 from wim_service.wim.segmentation import Segment, leading_sentences
@@ -77,24 +78,6 @@ class _Ledger:
             answer_tokens=self.answer_tokens,
             discarded_answer_tokens=self.discarded_answer_tokens,
         )
-
-
-def evidence_min_query_overlap(options: WiMOptions) -> float:
-    """The share of the query a margin's evidence must hold for a note to be kept: with
-    snapping the note is the evidence, so the query filter reads it; otherwise the filter
-    reads the margin's own words, which evidence does not bound."""
-    return options.note_min_query_overlap if options.grounding is GroundingMode.SNAP else 0.0
-
-
-def no_note_can_be_kept(segment_text: SegmentText, query: str, options: WiMOptions) -> bool:
-    """Whether every margin of this segment would fall to the query-overlap filter: with
-    snapping, a note is one of the segment's sentence windows, and none shares enough."""
-    threshold = evidence_min_query_overlap(options)
-    return (
-        options.skip_unmatched_segments
-        and threshold > 0
-        and segment_text.best_query_overlap(query, options.grounding_max_sentences) < threshold
-    )
 
 
 def _strip_relevance_word(text: str, word: str) -> str:
@@ -211,7 +194,8 @@ class WiMSession:
     ) -> MarginNote | None:
         """Write (and judge) the margin of `segment`; returns it if relevant."""
         segment_text = self.segment_texts[segment.index]
-        if no_note_can_be_kept(segment_text, query, options):
+        policy = NotePolicy.of(options)
+        if policy.none_can_be_kept(segment_text, query):
             emit(
                 MarginEvent(
                     segment=segment.index,
@@ -239,7 +223,6 @@ class WiMSession:
             return verdict[0]
 
         cut_short = False
-        grounding_on = options.grounding is not GroundingMode.OFF
 
         def written(text: str) -> str:
             # The margin as `ground` will see it: a first-token margin without its YES.
@@ -254,12 +237,7 @@ class WiMSession:
             ):
                 return True
             # Grounding or the query filter will drop it whatever follows; stop paying for it.
-            cut_short = grounding_on and segment_text.cannot_keep(
-                body,
-                query,
-                max_sentences=options.grounding_max_sentences,
-                min_query_overlap=evidence_min_query_overlap(options),
-            )
+            cut_short = policy.cannot_keep(segment_text, body, query)
             return cut_short
 
         prefix_tokens = len(self.plan.prefix_ids) + segment.token_end
@@ -290,27 +268,16 @@ class WiMSession:
         else:
             relevant = True
         relevant = relevant and bool(text)
-        grounding = segment_text.ground(
-            text,
-            min_coverage=options.grounding_min_coverage,
-            max_sentences=options.grounding_max_sentences,
-        )
-        evidence = grounding.evidence if grounding.grounded else None
-        note = evidence.text if evidence and options.grounding is GroundingMode.SNAP else text
-        overlap = query_overlap(query, note)
-        kept = (
-            relevant
-            and (grounding.grounded or options.grounding is GroundingMode.OFF)
-            and overlap >= options.note_min_query_overlap
-        )
+        judged = policy.judge(segment_text, query, text, relevant=relevant)
+        evidence = judged.evidence
         emit(
             MarginEvent(
                 segment=segment.index,
                 text=text,
                 relevant=relevant,
-                grounded=grounding.grounded,
+                grounded=judged.grounding.grounded,
                 cut_short=cut_short,
-                kept=kept,
+                kept=judged.kept,
                 evidence=evidence.text if evidence else "",
                 evidence_start=evidence.char_start if evidence else None,
                 evidence_end=evidence.char_end if evidence else None,
@@ -319,7 +286,7 @@ class WiMSession:
                 elapsed_s=time.perf_counter() - submitted,
             )
         )
-        return MarginNote(segment.index, note, rank=overlap) if kept else None
+        return judged.note_of(segment.index)
 
     async def _classify(
         self, query: str, margin: str, options: WiMOptions, ledger: _Ledger
@@ -404,8 +371,8 @@ class WiMSession:
         groups: list[list[Segment]] = [[]]
         for segment in self.plan.segments:
             groups[-1].append(segment)
-            if query is None or not no_note_can_be_kept(
-                self.segment_texts[segment.index], query, options
+            if query is None or not NotePolicy.of(options).none_can_be_kept(
+                self.segment_texts[segment.index], query
             ):
                 groups.append([])
         return [group for group in groups if group]
@@ -476,7 +443,9 @@ class WiMSession:
                     known.append(note)
                 continue
             running.append(segment.index)
-            if not no_note_can_be_kept(self.segment_texts[segment.index], query, options):
+            if not NotePolicy.of(options).none_can_be_kept(
+                self.segment_texts[segment.index], query
+            ):
                 pending += 1
                 if (note := self._expected_note(segment, query, options)) is not None:
                     guessed.append(note)
@@ -551,25 +520,11 @@ class WiMSession:
     def _expected_note(
         self, segment: Segment, query: str, options: WiMOptions
     ) -> MarginNote | None:
-        """The note a running margin gives if it copies its segment's sentence closest to the
-        query, as the instruction asks (snapping only: otherwise a note is the margin's own
-        words, which cannot be foreseen), unless what it has written so far strays from that
-        sentence. A wrong guess costs the early answer, not its correctness: it stands only
-        if its final prompt is the one the actual notes make."""
-        if options.grounding is not GroundingMode.SNAP:
-            return None
-        text, overlap = self.segment_texts[segment.index].closest_sentence(query)
-        if not text or overlap < options.note_min_query_overlap:
-            return None
-        if not self._draft_may_give(segment.index, text, options):
-            return None
-        return MarginNote(segment.index, text, rank=overlap)
+        draft = self._drafts.get(segment.index, "")
+        return NotePolicy.of(options).expected_note(self.segment_texts[segment.index], query, draft)
 
     def _draft_may_give(self, segment: int, note: str, options: WiMOptions) -> bool:
-        """Whether the margin of `segment`, if still running, may still give `note` (a margin
-        that is not running has no draft, and may)."""
-        draft = self._drafts.get(segment, "")
-        return may_still_copy(draft, note, min_coverage=options.grounding_min_coverage)
+        return NotePolicy.of(options).may_still_give(self._drafts.get(segment, ""), note)
 
     def _drafts_follow(self, answer: _EarlyAnswer, options: WiMOptions) -> bool:
         """Whether every running margin that `answer` expects a note of may still give it."""
