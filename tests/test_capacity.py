@@ -16,7 +16,8 @@ import pytest
 from wim_service.wim.backend import EngineLimits
 from wim_service.wim.capacity import JobShape, largest_document
 from wim_service.wim.options import RelevanceMode, WiMOptions
-from wim_service.wim.orchestrator import open_document, plan_document, run_wim
+from wim_service.wim.orchestrator import open_document, run_wim
+from wim_service.wim.plan import plan_document
 from wim_service.wim.prompts import PromptBuilder
 
 QUERY = "What is the access code for the night gate?"

@@ -20,7 +20,7 @@ import pytest
 from wim_service.cli.lifecycle import GRACE_S
 from wim_service.wim.backend import EngineLimits
 from wim_service.wim.options import RelevanceMode, WiMOptions
-from wim_service.wim.orchestrator import plan_document
+from wim_service.wim.plan import plan_document
 from wim_service.wim.prompts import PromptBuilder
 
 from .conftest import EXAMPLES, TEST_ENGINE

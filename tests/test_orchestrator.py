@@ -19,8 +19,9 @@ from wim_service.wim.backend import (
 )
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
-from wim_service.wim.orchestrator import _consume, open_document, run_wim
+from wim_service.wim.orchestrator import open_document, run_wim
 from wim_service.wim.prompts import MarginNote, PromptBuilder
+from wim_service.wim.streams import consume
 
 Script = Callable[[GenerationParams, int], str]
 
@@ -498,7 +499,7 @@ async def test_streamed_text_stops_at_the_first_stop_string(
 ) -> None:
     ids = tokenizer.encode_user_text(written).ids
     deltas: list[str] = []
-    generated = await _consume(_chunks(ids), tokenizer, stop=stop, on_text=deltas.append)
+    generated = await consume(_chunks(ids), tokenizer, stop=stop, on_text=deltas.append)
     assert generated.text == kept
     # The deltas are the kept text, in non-empty pieces, never a half character or a piece
     # of a stop string.

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from wim_service.wim.margins import strip_relevance_word
 from wim_service.wim.options import PromptTemplates, RelevanceMode, WiMOptions
-from wim_service.wim.orchestrator import _strip_relevance_word
 from wim_service.wim.prompts import MarginNote, PromptBuilder, fill
 from wim_service.wim.tokenizer import HFTokenizer
 
@@ -117,7 +117,7 @@ def test_private_use_characters_in_templates_are_refused_by_name() -> None:
     ],
 )
 def test_a_kept_margin_loses_its_relevance_word(text: str, stripped: str) -> None:
-    assert _strip_relevance_word(text, "YES") == stripped
+    assert strip_relevance_word(text, "YES") == stripped
 
 
 def _tokenizer_folder(model_dir: Path, folder: Path, eos: list[int] | None) -> Path:

@@ -6,7 +6,8 @@ import pytest
 
 from wim_service.engine.hf_backend import HFBackend
 from wim_service.wim.options import RelevanceMode, WiMOptions
-from wim_service.wim.orchestrator import plan_document, run_wim
+from wim_service.wim.orchestrator import run_wim
+from wim_service.wim.plan import plan_document
 from wim_service.wim.prompts import PromptBuilder
 
 from .conftest import TEST_ENGINE

@@ -41,7 +41,7 @@ from wim_service.wim.events import (
     WiMEvent,
 )
 from wim_service.wim.options import WiMOptions
-from wim_service.wim.orchestrator import check_query, plan_document
+from wim_service.wim.plan import check_query, plan_document
 from wim_service.wim.prompts import PromptBuilder
 
 SEGMENTS = 3

@@ -26,7 +26,8 @@ from tests.test_orchestrator import DOC, FakeBackend, FakeContext, options
 from wim_service.wim.backend import GenerationChunk, GenerationParams, RequestKind
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.options import RelevanceMode, WiMOptions
-from wim_service.wim.orchestrator import open_document, prepare_job, run_wim
+from wim_service.wim.orchestrator import open_document, run_wim
+from wim_service.wim.plan import prepare_job
 from wim_service.wim.prompts import PromptBuilder
 
 QUERY = "What is the access code for the night gate?"

@@ -13,7 +13,8 @@ from wim_service.wim.backend import GenerationParams, RequestKind
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import DoneEvent
 from wim_service.wim.options import RelevanceMode, WiMOptions
-from wim_service.wim.orchestrator import open_document, plan_document, run_wim
+from wim_service.wim.orchestrator import open_document, run_wim
+from wim_service.wim.plan import plan_document
 from wim_service.wim.prompts import PromptBuilder
 
 pytestmark = pytest.mark.engine

@@ -25,8 +25,8 @@ from wim_service.benchmarks.common import QUERIES, BenchSettings, JobResult, lin
 from wim_service.benchmarks.intervals import RoundsInterval, t_interval
 from wim_service.wim.backend import RequestKind
 from wim_service.wim.grounding import SegmentText, query_overlap
+from wim_service.wim.notes import NotePolicy
 from wim_service.wim.options import WiMOptions
-from wim_service.wim.orchestrator import evidence_min_query_overlap, no_note_can_be_kept
 from wim_service.wim.prompts import PromptBuilder
 from wim_service.wim.segmentation import Segment, leading_sentences
 
@@ -54,11 +54,12 @@ def grounding_seconds(document: str, query: str, job: JobResult, options: WiMOpt
     calls than it had tokens) and at its end, then the query-overlap score of its note. It
     runs on the job's event loop, beside the engine, so this is an upper bound on what it adds
     to the job's wall time."""
+    policy = NotePolicy.of(options)
     started = time.perf_counter()
     for margin in job.margins:
         segment = Segment(margin.segment, 0, 0, margin.char_start, margin.char_end)
         segment_text = SegmentText(document, segment)
-        if no_note_can_be_kept(segment_text, query, options):
+        if policy.none_can_be_kept(segment_text, query):
             continue
         segment_text.closest_sentence(query)
         for end in range(len(margin.text) + 1):
@@ -68,7 +69,7 @@ def grounding_seconds(document: str, query: str, job: JobResult, options: WiMOpt
                 margin.text[:end],
                 query,
                 max_sentences=options.grounding_max_sentences,
-                min_query_overlap=evidence_min_query_overlap(options),
+                min_query_overlap=policy.evidence_min_query_overlap,
             )
         grounding = segment_text.ground(
             margin.text,

@@ -5,6 +5,10 @@ the document with the query known, so margin i is submitted together with the pu
 i+1 and runs in the same engine steps; a document session (`open_document`) reads the document
 once and then answers many queries, each as branches over the pinned context.
 
+The session pushes segments and awaits the answer; a query's state is a `QueryRun`
+(`wim.query`), its margins are written by `wim.margins`, the answers started before its last
+margin ends are `wim.early`'s, and which margins become notes is `wim.notes`'s rule.
+
 Everything a job produces is an event (`wim_service.wim.events`); errors end the stream with
 an `ErrorEvent`, and the engine context is always closed (and purged) when a job ends.
 """
@@ -14,352 +18,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from wim_service.wim.backend import (
-    Backend,
-    ContextSession,
-    EngineLimits,
-    GenerationChunk,
-    GenerationParams,
-    PromptCost,
-    RequestKind,
-)
-from wim_service.wim.capacity import JobShape
+from wim_service.wim.backend import Backend, ContextSession
+from wim_service.wim.early import EarlyAnswers, MarginTasks
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
-from wim_service.wim.events import (
-    AnswerEvent,
-    DoneEvent,
-    ErrorEvent,
-    MarginEvent,
-    SegmentEvent,
-    Timings,
-    Usage,
-    WiMEvent,
-)
-from wim_service.wim.grounding import SegmentText, may_still_copy, query_overlap
-from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
-from wim_service.wim.prompts import MarginNote, PromptBuilder, TemplateError
-from wim_service.wim.segmentation import Segment, leading_sentences, segment_document
-from wim_service.wim.tokenizer import EncodedText, Tokenizer
-
-Emit = Callable[[WiMEvent], None]
-
-
-@dataclass(frozen=True)
-class DocumentPlan:
-    """A document tokenized once and cut into segments, with the prompt prefix before it."""
-
-    text: str
-    encoded: EncodedText
-    prefix_ids: list[int]
-    segments: list[Segment]
-
-    @property
-    def context_tokens(self) -> int:
-        return len(self.prefix_ids) + len(self.encoded.ids)
-
-    def context_ids(self, end: int) -> list[int]:
-        """Prompt tokens up to document token `end` (the prefix included)."""
-        return self.prefix_ids + self.encoded.ids[:end]
-
-    def shape(self, builder: PromptBuilder, options: WiMOptions, query: str | None) -> JobShape:
-        """The worst case of a job on this document (`query=None`: a query not known yet)."""
-        try:
-            return JobShape.of(
-                builder,
-                context_tokens=self.context_tokens,
-                document_tokens=len(self.encoded.ids),
-                segments=len(self.segments),
-                options=options,
-                query=query,
-            )
-        except TemplateError as exc:  # templates the chat template renders inconsistently
-            raise WiMError(ErrorCode.INVALID_INPUT, f"options.prompts: {exc}") from exc
-
-
-def plan_document(
-    builder: PromptBuilder, document: str, options: WiMOptions, limits: EngineLimits
-) -> DocumentPlan:
-    if not document.strip():
-        raise WiMError(ErrorCode.INVALID_INPUT, "the document is empty")
-    encoded = builder.tokenizer.encode_user_text(document)
-    prefix = builder.context_prefix
-    if len(prefix) + len(encoded.ids) >= limits.max_model_len:
-        raise WiMError(
-            ErrorCode.TOO_LONG,
-            f"the document is {len(encoded.ids)} tokens; with the {len(prefix)}-token prompt "
-            f"prefix it does not fit the model's {limits.max_model_len}-token context window",
-        )
-    segments = segment_document(
-        document,
-        encoded,
-        target_tokens=options.segment_tokens,
-        max_tokens=options.segment_cap,
-        block_size=limits.block_size,
-        prefix_tokens=len(prefix),
-    )
-    return DocumentPlan(document, encoded, prefix, segments)
-
-
-def relevance_ids(builder: PromptBuilder) -> tuple[frozenset[int], frozenset[int]]:
-    """The YES and NO first tokens; templates whose words cannot be told apart are refused."""
-    try:
-        return builder.relevance_token_ids()
-    except TemplateError as exc:
-        raise WiMError(ErrorCode.INVALID_INPUT, f"prompts.yes / prompts.no: {exc}") from exc
-
-
-def check_options(builder: PromptBuilder, options: WiMOptions) -> None:
-    """Refuse options that validate but cannot run with this tokenizer, before any engine work."""
-    relevance_ids(builder)
-    vocab = builder.tokenizer.vocab_size
-    outside = sorted({i for i in options.stop_token_ids if i >= vocab})
-    if outside:
-        raise WiMError(
-            ErrorCode.INVALID_INPUT,
-            f"stop_token_ids {outside} are outside the model's vocabulary (ids 0-{vocab - 1})",
-        )
-
-
-def check_query(
-    plan: DocumentPlan,
-    builder: PromptBuilder,
-    limits: EngineLimits,
-    query: str,
-    options: WiMOptions,
-) -> JobShape:
-    """Refuse a query that cannot run, before any engine work; returns its worst case."""
-    if not query.strip():
-        raise WiMError(ErrorCode.INVALID_INPUT, "the query is empty")
-    check_options(builder, options)
-    shape = plan.shape(builder, options, query)
-    shape.check_window(limits.max_model_len)
-    return shape
-
-
-def prepare_job(
-    builder: PromptBuilder,
-    document: str,
-    options: WiMOptions,
-    limits: EngineLimits,
-    query: str | None = None,
-) -> tuple[DocumentPlan, JobShape]:
-    """Everything before engine work: plan the document, refuse what cannot run, size the job
-    (`query=None`: a document session, its queries not known yet).
-
-    Tokenizing and segmenting a long document is CPU work: the entry points run this in a
-    thread, so that the event loop keeps serving other jobs (and an engine replica's load polls).
-    """
-    plan = plan_document(builder, document, options, limits)
-    if query is not None:
-        return plan, check_query(plan, builder, limits, query, options)
-    check_options(builder, options)
-    shape = plan.shape(builder, options, None)
-    shape.check_window(limits.max_model_len)
-    return plan, shape
-
-
-@dataclass
-class _Ledger:
-    """Prompt-token accounting of one job."""
-
-    submitted: int = 0
-    cached: int = 0
-    minimal: int = 0
-    margin_tokens: int = 0
-    answer_tokens: int = 0
-    discarded_answer_tokens: int = 0
-
-    def add(self, cost: PromptCost | None, *, minimal: int) -> None:
-        if cost is not None:
-            self.submitted += cost.submitted
-            self.cached += cost.cached
-        self.minimal += minimal
-
-    def usage(self, plan: DocumentPlan) -> Usage:
-        return Usage(
-            context_tokens=plan.context_tokens,
-            segments=len(plan.segments),
-            prompt_tokens_submitted=self.submitted,
-            prompt_tokens_computed=self.submitted - self.cached,
-            prompt_tokens_cached=self.cached,
-            minimal_prompt_tokens=self.minimal,
-            margin_tokens=self.margin_tokens,
-            answer_tokens=self.answer_tokens,
-            discarded_answer_tokens=self.discarded_answer_tokens,
-        )
-
-
-@dataclass
-class _Generated:
-    token_ids: list[int]
-    text: str
-    cost: PromptCost | None
-
-
-async def _consume(
-    stream: AsyncIterator[GenerationChunk],
-    tokenizer: Tokenizer,
-    *,
-    stop: list[str],
-    keep_going: Callable[[int], bool] | None = None,
-    give_up: Callable[[str], bool] | None = None,
-    on_text: Callable[[str], None] | None = None,
-) -> _Generated:
-    """Drain a generation: decode incrementally, honour stop strings, stream text deltas.
-
-    `keep_going(first_token)` may end the generation right after its first token;
-    `give_up(text)` ends it once the text settled so far makes the rest pointless. Text that
-    could still turn out to begin a stop string is held back from `on_text` (and from
-    `give_up`) until resolved.
-    """
-    ids: list[int] = []
-    text, emitted = "", 0
-    cost: PromptCost | None = None
-    holdback = max((len(s) for s in stop), default=1) - 1
-    try:
-        async for chunk in stream:
-            if cost is None:
-                cost = chunk.cost
-            first = not ids
-            ids.extend(chunk.token_ids)
-            if first and ids and keep_going is not None and not keep_going(ids[0]):
-                break
-            text = tokenizer.decode(ids)
-            cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-            # A trailing U+FFFD is an incomplete UTF-8 sequence: wait for its next token.
-            stable = len(text) if cut >= 0 or chunk.finished else len(text.rstrip("\ufffd"))
-            limit = stable if cut >= 0 or chunk.finished else max(stable - holdback, emitted)
-            if on_text is not None and limit > emitted:
-                on_text(text[emitted:limit])
-                emitted = limit
-            if cut >= 0 or (give_up is not None and give_up(text[:limit])):
-                break
-    finally:
-        # Leaving early (stop string, NO first token, cancellation) aborts the request.
-        await stream.aclose()  # type: ignore[attr-defined]
-    return _Generated(ids, text, cost)
-
-
-def evidence_min_query_overlap(options: WiMOptions) -> float:
-    """The share of the query a margin's evidence must hold for a note to be kept: with
-    snapping the note is the evidence, so the query filter reads it; otherwise the filter
-    reads the margin's own words, which evidence does not bound."""
-    return options.note_min_query_overlap if options.grounding is GroundingMode.SNAP else 0.0
-
-
-def no_note_can_be_kept(segment_text: SegmentText, query: str, options: WiMOptions) -> bool:
-    """Whether every margin of this segment would fall to the query-overlap filter: with
-    snapping, a note is one of the segment's sentence windows, and none shares enough."""
-    threshold = evidence_min_query_overlap(options)
-    return (
-        options.skip_unmatched_segments
-        and threshold > 0
-        and segment_text.best_query_overlap(query, options.grounding_max_sentences) < threshold
-    )
-
-
-def _strip_relevance_word(text: str, word: str) -> str:
-    body = text.lstrip()
-    if body.upper().startswith(word.upper()):
-        body = body[len(word) :]
-    return body.lstrip(" \t\n:#-,.;")
-
-
-async def _stop(tasks: Sequence[asyncio.Task[Any]]) -> None:
-    """Cancel `tasks` and wait until each has ended: a task closes its engine request on its
-    way out, and that request must be aborted before the job's KV reservation goes back."""
-    running = [task for task in tasks if not task.done()]
-    for task in running:
-        task.cancel()
-    if running:
-        await asyncio.wait(running)
-
-
-async def _recorded(
-    stream: AsyncIterator[GenerationChunk], chunks: list[GenerationChunk]
-) -> AsyncIterator[GenerationChunk]:
-    """`stream`, keeping every chunk in `chunks`: what a request cost even if it is cut off."""
-    try:
-        async for chunk in stream:
-            chunks.append(chunk)
-            yield chunk
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]
-
-
-class _HeldText:
-    """Answer text held back until the answer is known to stand, then passed on as it comes."""
-
-    def __init__(self) -> None:
-        self._held: list[str] = []
-        self._sink: Callable[[str], None] | None = None
-
-    def __call__(self, delta: str) -> None:
-        if self._sink is None:
-            self._held.append(delta)
-        else:
-            self._sink(delta)
-
-    def release(self, sink: Callable[[str], None]) -> None:
-        self._sink = sink
-        for delta in self._held:
-            sink(delta)
-        self._held.clear()
-
-
-def _note_text(note: MarginNote | None) -> str | None:
-    """What a margin's outcome puts in the final prompt: its note's text, or nothing."""
-    return note.text if note is not None else None
-
-
-@dataclass
-class _EarlyAnswer:
-    """An answer started before the last margins ended, over the notes kept until then (and
-    maybe the notes the running margins are expected to give)."""
-
-    suffix: list[int]  # its final prompt
-    # The note text (or None: no note) it takes each margin running at its start to give.
-    assumes: dict[int, str | None]
-    text: _HeldText
-    chunks: list[GenerationChunk]
-    task: asyncio.Task[_Generated]
-
-    def refuted_by(self, segment: int, note: MarginNote | None) -> bool:
-        """Whether the margin of `segment` ended otherwise than this answer assumed: then its
-        final prompt is not the one the notes make. Notes are compared by text: their rank only
-        orders them for the window, and the answer that stands is checked against the final
-        prompt itself, so a wrong call here costs time, never a wrong answer."""
-        return segment in self.assumes and self.assumes[segment] != _note_text(note)
-
-    async def discard(self, ledger: _Ledger) -> None:
-        """Stop it (a later note changed the final prompt) and book the work it did."""
-        self.task.cancel()
-        await asyncio.wait([self.task])
-        if not self.task.cancelled():
-            self.task.exception()  # an early answer that failed is as moot as one that did not
-        cost = next((chunk.cost for chunk in self.chunks if chunk.cost is not None), None)
-        # Its final prompt counts as minimal too: the request was meant, not a cache miss.
-        ledger.add(cost, minimal=len(self.suffix) if cost is not None else 0)
-        ledger.discarded_answer_tokens += sum(len(chunk.token_ids) for chunk in self.chunks)
-
-
-@dataclass(frozen=True)
-class QueryRoom:
-    """The KV blocks a query may hold beyond the pinned context, and the shape of its job."""
-
-    shape: JobShape
-    blocks: int
-
-    def holds_early_answers(
-        self, block: int, pending_margins: int, suffix_tokens: Sequence[int]
-    ) -> bool:
-        return self.shape.early_answer_blocks(block, pending_margins, suffix_tokens) <= self.blocks
+from wim_service.wim.events import AnswerEvent, DoneEvent, ErrorEvent, SegmentEvent, WiMEvent
+from wim_service.wim.margins import MarginWriter
+from wim_service.wim.options import WiMOptions
+from wim_service.wim.pinned import PinnedDocument
+from wim_service.wim.plan import DocumentPlan, check_query, prepare_job, relevance_ids
+from wim_service.wim.prompts import PromptBuilder
+from wim_service.wim.query import Emit, Ledger, QueryRoom, QueryRun
+from wim_service.wim.segmentation import Segment
+from wim_service.wim.streams import Generated, consume, stop_tasks
+from wim_service.wim.tokenizer import Tokenizer
 
 
 def _closed_under_query() -> WiMError:
@@ -383,17 +56,12 @@ class WiMSession:
         self.plan = plan
         self.options = options
         self.context = context
-        self.yes_ids, self.no_ids = relevance_ids(builder)
+        self.document = PinnedDocument.of(builder, plan, context, backend.limits)
         # KV blocks reserved for one query beyond the context (a document session); a query
         # that may need more reserves the difference while it runs.
         self.query_blocks = plan.shape(builder, options, None).query_blocks(
             backend.limits.block_size, backend.limits.max_model_len
         )
-        # Each segment's sentences, parsed on first use and kept for every later query.
-        self.segment_texts = [SegmentText(plan.text, s) for s in plan.segments]
-        # What each running margin has written so far (as `ground` will read it), by segment:
-        # early answers are started over the notes these drafts still point to.
-        self._drafts: dict[int, str] = {}
         self._closed = False
         self._lock = asyncio.Lock()  # one query at a time per session
         self._queries = 0  # queries running or waiting for the lock
@@ -406,400 +74,87 @@ class WiMSession:
 
     # -- steps -------------------------------------------------------------------------
 
-    def _stop_ids(self, options: WiMOptions) -> frozenset[int]:
-        return self.builder.tokenizer.eos_token_ids | frozenset(options.stop_token_ids)
-
-    async def _margin(
-        self,
-        segment: Segment,
-        query: str,
-        suffix: list[int],
-        options: WiMOptions,
-        ledger: _Ledger,
-        emit: Emit,
-    ) -> MarginNote | None:
-        """Write (and judge) the margin of `segment`; returns it if relevant."""
-        segment_text = self.segment_texts[segment.index]
-        if no_note_can_be_kept(segment_text, query, options):
+    async def _push(self, group: list[Segment], emit: Emit, ledger: Ledger) -> None:
+        """Append the segments of `group` to the context, as one push."""
+        first, last = group[0], group[-1]
+        chunk = self.plan.encoded.ids[first.token_start : last.token_end]
+        if first.index == 0:
+            chunk = self.plan.prefix_ids + chunk
+        cost = await self.context.extend(chunk)
+        ledger.add(cost, minimal=len(chunk))
+        for segment in group:
             emit(
-                MarginEvent(
+                SegmentEvent(
                     segment=segment.index,
-                    text="",
-                    relevant=False,
-                    skipped=True,
+                    segments=len(self.plan.segments),
+                    tokens=segment.num_tokens,
+                    context_tokens=segment.token_end,
                     char_start=segment.char_start,
                     char_end=segment.char_end,
-                    elapsed_s=0.0,
                 )
             )
-            return None
-        submitted = time.perf_counter()
-        first_token = options.relevance is RelevanceMode.FIRST_TOKEN
-        params = GenerationParams(
-            kind=RequestKind.MARGIN,
-            max_tokens=options.margin_max_tokens,
-            stop_token_ids=self._stop_ids(options),
-            first_token_ids=(self.yes_ids | self.no_ids) if first_token else None,
-        )
-        verdict: list[bool] = []
 
-        def keep_going(token: int) -> bool:
-            verdict.append(token in self.yes_ids)
-            return verdict[0]
+    async def read_document(self, emit: Emit) -> None:
+        """Prefill every segment, one push each, with no query yet (a document session)."""
+        ledger = Ledger()  # a document session reports usage per query
+        for segment in self.plan.segments:
+            await self._push([segment], emit, ledger)
 
-        cut_short = False
-        grounding_on = options.grounding is not GroundingMode.OFF
-
-        def written(text: str) -> str:
-            # The margin as `ground` will see it: a first-token margin without its YES.
-            return _strip_relevance_word(text, self.builder.templates.yes) if first_token else text
-
-        def enough(text: str) -> bool:
-            nonlocal cut_short
-            body = written(text)
-            self._drafts[segment.index] = body
-            if options.margin_max_sentences and leading_sentences(
-                body, options.margin_max_sentences
-            ):
-                return True
-            # Grounding or the query filter will drop it whatever follows; stop paying for it.
-            cut_short = grounding_on and segment_text.cannot_keep(
-                body,
-                query,
-                max_sentences=options.grounding_max_sentences,
-                min_query_overlap=evidence_min_query_overlap(options),
-            )
-            return cut_short
-
-        prefix_tokens = len(self.plan.prefix_ids) + segment.token_end
-        try:
-            generated = await _consume(
-                self.context.branch(prefix_tokens, suffix, params),
-                self.builder.tokenizer,
-                stop=options.margin_stop,
-                keep_going=keep_going if first_token else None,
-                give_up=enough,
-            )
-        finally:
-            self._drafts.pop(segment.index, None)
-        ledger.add(generated.cost, minimal=len(suffix))
-        ledger.margin_tokens += len(generated.token_ids)
-        text = generated.text.strip()
-        said_yes = bool(verdict and verdict[0])
-        if first_token:
-            text = written(text) if said_yes else ""
-        if options.margin_max_sentences:
-            # The token that began the next sentence is not part of the margin.
-            text = leading_sentences(text, options.margin_max_sentences) or text
-        if first_token:
-            relevant = said_yes
-        elif options.relevance is RelevanceMode.CLASSIFIER:
-            # A cut-short margin is dropped whatever the verdict: no request to judge it.
-            relevant = not cut_short and await self._classify(query, text, options, ledger)
-        else:
-            relevant = True
-        relevant = relevant and bool(text)
-        grounding = segment_text.ground(
-            text,
-            min_coverage=options.grounding_min_coverage,
-            max_sentences=options.grounding_max_sentences,
-        )
-        evidence = grounding.evidence if grounding.grounded else None
-        note = evidence.text if evidence and options.grounding is GroundingMode.SNAP else text
-        overlap = query_overlap(query, note)
-        kept = (
-            relevant
-            and (grounding.grounded or options.grounding is GroundingMode.OFF)
-            and overlap >= options.note_min_query_overlap
-        )
-        emit(
-            MarginEvent(
-                segment=segment.index,
-                text=text,
-                relevant=relevant,
-                grounded=grounding.grounded,
-                cut_short=cut_short,
-                kept=kept,
-                evidence=evidence.text if evidence else "",
-                evidence_start=evidence.char_start if evidence else None,
-                evidence_end=evidence.char_end if evidence else None,
-                char_start=segment.char_start,
-                char_end=segment.char_end,
-                elapsed_s=time.perf_counter() - submitted,
-            )
-        )
-        return MarginNote(segment.index, note, rank=overlap) if kept else None
-
-    async def _classify(
-        self, query: str, margin: str, options: WiMOptions, ledger: _Ledger
-    ) -> bool:
-        if not margin:
-            return False
-        prompt = self.builder.classifier_prompt(query, margin)
-        params = GenerationParams(
-            kind=RequestKind.CLASSIFIER,
-            max_tokens=1,
-            stop_token_ids=self._stop_ids(options),
-            first_token_ids=self.yes_ids | self.no_ids,
-        )
-        generated = await _consume(
-            self.context.generate(prompt, params), self.builder.tokenizer, stop=[]
-        )
-        ledger.add(generated.cost, minimal=len(prompt))
-        ledger.margin_tokens += len(generated.token_ids)
-        return bool(generated.token_ids) and generated.token_ids[0] in self.yes_ids
-
-    async def read(
-        self,
-        emit: Emit,
-        ledger: _Ledger,
-        timings: Timings,
-        started: float,
-        *,
-        query: str | None = None,
-        options: WiMOptions | None = None,
-        pipelined: bool = True,
-    ) -> list[asyncio.Task[MarginNote | None]]:
-        """Prefill every segment; with a query, write each margin as soon as its segment is in.
+    async def read(self, run: QueryRun, *, pipelined: bool = True) -> MarginTasks:
+        """Prefill every segment, writing each margin as soon as its segment is in.
 
         Pipelined: margin i is submitted right after segment i's KV is computed, together with
         the push of segment i+1, so both share engine steps. Otherwise margin i is awaited first.
-        Segments whose margin is skipped (`no_note_can_be_kept`) need no boundary of their own:
-        they are pushed together with the segments after them, up to the next one with a
-        margin, in fewer and larger engine steps (each step has a fixed cost).
+        Segments whose margin is skipped (`NotePolicy.none_can_be_kept`) need no boundary of
+        their own: they are pushed together with the segments after them, up to the next one
+        with a margin, in fewer and larger engine steps (each step has a fixed cost).
         Returns the margins' tasks, the last ones possibly still running (`answer` awaits them).
         """
-        options = options or self.options
-        suffix = self.builder.margin_suffix(query, options.relevance) if query is not None else []
+        writer = MarginWriter(self.document, run)
         concurrent = pipelined and self.backend.limits.concurrent_branches
-        tasks: list[asyncio.Task[MarginNote | None]] = []
+        tasks: MarginTasks = []
         try:
-            for group in self._push_groups(query, options):
-                first, last = group[0], group[-1]
-                chunk = self.plan.encoded.ids[first.token_start : last.token_end]
-                if first.index == 0:
-                    chunk = self.plan.prefix_ids + chunk
-                cost = await self.context.extend(chunk)
-                ledger.add(cost, minimal=len(chunk))
+            for group in self._push_groups(writer):
+                await self._push(group, run.emit, run.ledger)
                 for segment in group:
-                    emit(
-                        SegmentEvent(
-                            segment=segment.index,
-                            segments=len(self.plan.segments),
-                            tokens=segment.num_tokens,
-                            context_tokens=segment.token_end,
-                            char_start=segment.char_start,
-                            char_end=segment.char_end,
-                        )
-                    )
-                if query is None:
-                    continue
-                for segment in group:
-                    task = asyncio.create_task(
-                        self._margin(segment, query, suffix, options, ledger, emit)
-                    )
+                    task = asyncio.create_task(writer.write(segment))
                     tasks.append(task)
                     if not concurrent:
                         await task
-            timings.prefill_s = time.perf_counter() - started
+            run.timings.prefill_s = time.perf_counter() - run.started
         except BaseException:
-            await _stop(tasks)
+            await stop_tasks(tasks)
             raise
         return tasks
 
-    def _push_groups(self, query: str | None, options: WiMOptions) -> list[list[Segment]]:
+    def _push_groups(self, writer: MarginWriter) -> list[list[Segment]]:
         """Consecutive segments pushed as one: each group ends with a segment whose margin is
-        written, or with the document's last segment. Without a query, one segment each."""
+        written, or with the document's last segment."""
         groups: list[list[Segment]] = [[]]
         for segment in self.plan.segments:
             groups[-1].append(segment)
-            if query is None or not no_note_can_be_kept(
-                self.segment_texts[segment.index], query, options
-            ):
+            if not writer.skips(segment):
                 groups.append([])
         return [group for group in groups if group]
 
-    async def ask_margins(
-        self, query: str, options: WiMOptions, emit: Emit, ledger: _Ledger
-    ) -> list[asyncio.Task[MarginNote | None]]:
+    async def ask_margins(self, run: QueryRun) -> MarginTasks:
         """Margins of every segment for a new query over the already-read document: their
         tasks, all running at once (`answer` awaits them), or already done one by one."""
-        suffix = self.builder.margin_suffix(query, options.relevance)
-        tasks: list[asyncio.Task[MarginNote | None]] = []
+        writer = MarginWriter(self.document, run)
+        tasks: MarginTasks = []
         try:
             for segment in self.plan.segments:
-                task = asyncio.create_task(
-                    self._margin(segment, query, suffix, options, ledger, emit)
-                )
+                task = asyncio.create_task(writer.write(segment))
                 tasks.append(task)
                 if not self.backend.limits.concurrent_branches:
                     # One at a time: the reference backend works on one request at once.
                     await task
         except BaseException:
-            await _stop(tasks)
+            await stop_tasks(tasks)
             raise
         return tasks
 
-    def _final_suffix(
-        self, query: str, notes: list[MarginNote], options: WiMOptions
-    ) -> tuple[list[int], list[MarginNote]]:
-        budget = (
-            self.backend.limits.max_model_len - self.plan.context_tokens - options.answer_max_tokens
-        )
-        return self.builder.final_suffix_within(query, notes, budget)
-
-    def _answer_params(self, options: WiMOptions) -> GenerationParams:
-        return GenerationParams(
-            kind=RequestKind.ANSWER,
-            max_tokens=options.answer_max_tokens,
-            stop_token_ids=self._stop_ids(options),
-        )
-
-    def _answers_early(
-        self,
-        query: str,
-        margins: list[asyncio.Task[MarginNote | None]],
-        options: WiMOptions,
-        room: QueryRoom,
-        early: Sequence[_EarlyAnswer],
-    ) -> list[_EarlyAnswer]:
-        """Answers to start beside the margins still running, if any are and the query's
-        reservation holds them together with `early`, the answers already running: the one
-        over the notes kept so far plus those the running margins are expected to give
-        (`_expected_note`) and, while no answer runs, the one over the kept notes alone, in
-        case the running margins keep nothing. An answer over a final prompt that one of
-        `early` already has is not started twice. At most one final prompt is the one the
-        margins' notes make."""
-        done = [task for task in margins if task.done()]
-        if not options.answer_early or len(done) == len(margins):
-            return []
-        if any(task.cancelled() or task.exception() is not None for task in done):
-            return []  # the job is failing: `answer` raises it
-        known: list[MarginNote] = []
-        guessed: list[MarginNote] = []
-        running: list[int] = []
-        pending = 0  # margins that will hold KV: a skipped one (its task not yet run) holds none
-        for segment, task in zip(self.plan.segments, margins, strict=True):  # one per segment
-            if task.done():
-                if (note := task.result()) is not None:
-                    known.append(note)
-                continue
-            running.append(segment.index)
-            if not no_note_can_be_kept(self.segment_texts[segment.index], query, options):
-                pending += 1
-                if (note := self._expected_note(segment, query, options)) is not None:
-                    guessed.append(note)
-        nothing_kept = dict.fromkeys(running)
-        versions = [] if early else [(self._final_suffix(query, known, options)[0], nothing_kept)]
-        versions.append(
-            (
-                self._final_suffix(query, known + guessed, options)[0],
-                nothing_kept | {note.segment: note.text for note in guessed},
-            )
-        )
-        suffixes = [answer.suffix for answer in early]
-        fresh: list[tuple[list[int], dict[int, str | None]]] = []
-        for suffix, assumes in versions:
-            if suffix not in suffixes:
-                suffixes.append(suffix)
-                fresh.append((suffix, assumes))
-        block = self.backend.limits.block_size
-        while fresh and not room.holds_early_answers(
-            block, pending, [len(suffix) for suffix in suffixes]
-        ):
-            fresh.pop()  # the guess goes first
-            suffixes.pop()
-        return [self._start_early_answer(suffix, assumes, options) for suffix, assumes in fresh]
-
-    async def _await_margins(
-        self,
-        query: str,
-        margins: list[asyncio.Task[MarginNote | None]],
-        options: WiMOptions,
-        room: QueryRoom,
-        early: list[_EarlyAnswer],
-        ledger: _Ledger,
-    ) -> list[MarginNote]:
-        """The kept notes, once every margin has ended. Meanwhile, each time a margin ends, an
-        early answer is discarded if that margin ended otherwise than it assumed, or if a
-        margin still running has strayed from the note it expects of it (either would only
-        slow the engine steps that the margins and the other answers share), and the answer
-        over what is expected by then starts unless it runs already (`_answers_early`).
-        `early` is updated in place: what is left of it may stand."""
-        segment_of = {task: index for index, task in enumerate(margins)}  # one per segment
-        running = {task for task in margins if not task.done()}
-        while running:
-            ended, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            outcomes = [(segment_of[task], task.result()) for task in ended]  # raises a failure
-            for answer in list(early):
-                if any(
-                    answer.refuted_by(segment, note) for segment, note in outcomes
-                ) or not self._drafts_follow(answer, options):
-                    early.remove(answer)
-                    await answer.discard(ledger)
-            if running:
-                early.extend(self._answers_early(query, margins, options, room, early))
-        return [note for task in margins if (note := task.result()) is not None]
-
-    def _start_early_answer(
-        self, suffix: list[int], assumes: dict[int, str | None], options: WiMOptions
-    ) -> _EarlyAnswer:
-        chunks: list[GenerationChunk] = []
-        text = _HeldText()
-        stream = self.context.branch(self.plan.context_tokens, suffix, self._answer_params(options))
-        task = asyncio.create_task(
-            _consume(
-                _recorded(stream, chunks),
-                self.builder.tokenizer,
-                stop=options.answer_stop,
-                on_text=text,
-            )
-        )
-        return _EarlyAnswer(suffix, assumes, text, chunks, task)
-
-    def _expected_note(
-        self, segment: Segment, query: str, options: WiMOptions
-    ) -> MarginNote | None:
-        """The note a running margin gives if it copies its segment's sentence closest to the
-        query, as the instruction asks (snapping only: otherwise a note is the margin's own
-        words, which cannot be foreseen), unless what it has written so far strays from that
-        sentence. A wrong guess costs the early answer, not its correctness: it stands only
-        if its final prompt is the one the actual notes make."""
-        if options.grounding is not GroundingMode.SNAP:
-            return None
-        text, overlap = self.segment_texts[segment.index].closest_sentence(query)
-        if not text or overlap < options.note_min_query_overlap:
-            return None
-        if not self._draft_may_give(segment.index, text, options):
-            return None
-        return MarginNote(segment.index, text, rank=overlap)
-
-    def _draft_may_give(self, segment: int, note: str, options: WiMOptions) -> bool:
-        """Whether the margin of `segment`, if still running, may still give `note` (a margin
-        that is not running has no draft, and may)."""
-        draft = self._drafts.get(segment, "")
-        return may_still_copy(draft, note, min_coverage=options.grounding_min_coverage)
-
-    def _drafts_follow(self, answer: _EarlyAnswer, options: WiMOptions) -> bool:
-        """Whether every running margin that `answer` expects a note of may still give it."""
-        return all(
-            note is None or self._draft_may_give(segment, note, options)
-            for segment, note in answer.assumes.items()
-        )
-
-    async def answer(
-        self,
-        query: str,
-        margins: list[asyncio.Task[MarginNote | None]],
-        options: WiMOptions,
-        emit: Emit,
-        ledger: _Ledger,
-        timings: Timings,
-        started: float,
-        *,
-        conclude: bool,
-        room: QueryRoom,
-    ) -> None:
+    async def answer(self, run: QueryRun, margins: MarginTasks, *, conclude: bool) -> None:
         """Await the margins, generate the answer after the document and the kept notes, and
         end the job with its `DoneEvent`.
 
@@ -809,58 +164,57 @@ class WiMSession:
         session takes no further query); otherwise the answer is a branch over the context.
 
         Margins still running when this is called (`answer_early`): answers start at once, as
-        branches beside them, their text held back: one over the notes kept so far and, with
-        snapping, one that adds the sentence each running margin is expected to copy. Most
-        margins end either as not kept or as expected; then one of those answers has exactly
-        the final prompt every note makes, so it stands, and the margins' last decode steps
-        carried it. The others are discarded (their tokens are counted as
-        `discarded_answer_tokens`) as soon as a margin ends otherwise than they assumed, and
-        the answer over what is expected then starts at once (`_await_margins`); if none
-        stands at the end, the answer starts over with every note.
+        branches beside them, their text held back (`wim.early`). If one of them has exactly
+        the final prompt every note makes, it stands, and the margins' last decode steps
+        carried it; the others are discarded (their tokens are counted as
+        `discarded_answer_tokens`). If none stands, the answer starts over with every note.
         """
-        early = self._answers_early(query, margins, options, room, [])
+        early = EarlyAnswers(self.document, run, margins)
+        early.start()
         try:
-            notes = await self._await_margins(query, margins, options, room, early, ledger)
+            notes = await early.await_margins()
             if margins:
-                timings.margins_s = time.perf_counter() - started
-            suffix, shown = self._final_suffix(query, notes, options)
-
-            def on_text(delta: str) -> None:
-                if not timings.answer_ttft_s:
-                    timings.answer_ttft_s = time.perf_counter() - started
-                emit(AnswerEvent(text=delta))
-
-            standing = next((answer for answer in early if answer.suffix == suffix), None)
-            for answer in early:
-                if answer is not standing:
-                    await answer.discard(ledger)
-            if standing is not None:
-                standing.text.release(on_text)
-                generated = await standing.task
-            else:
-                params = self._answer_params(options)
-                stream = (
-                    self.context.conclude(suffix, params)
-                    if conclude
-                    else self.context.branch(self.plan.context_tokens, suffix, params)
-                )
-                generated = await _consume(
-                    stream, self.builder.tokenizer, stop=options.answer_stop, on_text=on_text
-                )
+                run.timings.margins_s = time.perf_counter() - run.started
+            suffix, shown = self.document.final_suffix(run.query, notes, run.options)
+            generated = await self._final_answer(run, early, suffix, conclude=conclude)
         finally:
-            await _stop([*margins, *(answer.task for answer in early)])
-        ledger.add(generated.cost, minimal=len(suffix))
-        ledger.answer_tokens += len(generated.token_ids)
+            await stop_tasks([*margins, *early.tasks])
+        run.ledger.add(generated.cost, minimal=len(suffix))
+        run.ledger.answer_tokens += len(generated.token_ids)
         held = {note.segment for note in shown}
-        timings.total_s = time.perf_counter() - started
-        emit(
+        run.timings.total_s = time.perf_counter() - run.started
+        run.emit(
             DoneEvent(
                 answer=generated.text.strip(),
                 notes=sorted(held),
                 notes_dropped=sorted(n.segment for n in notes if n.segment not in held),
-                usage=ledger.usage(self.plan),
-                timings=timings,
+                usage=run.ledger.usage(self.plan),
+                timings=run.timings,
             )
+        )
+
+    async def _final_answer(
+        self, run: QueryRun, early: EarlyAnswers, suffix: list[int], *, conclude: bool
+    ) -> Generated:
+        """The answer over `suffix`: the early answer over it if one runs, else a new one."""
+
+        def on_text(delta: str) -> None:
+            if not run.timings.answer_ttft_s:
+                run.timings.answer_ttft_s = time.perf_counter() - run.started
+            run.emit(AnswerEvent(text=delta))
+
+        standing = early.standing(suffix)
+        await early.discard_all_but(standing)
+        if standing is not None:
+            standing.text.release(on_text)
+            return await standing.task
+        stream = (
+            self.context.conclude(suffix, self.document.answer_params(run.options))
+            if conclude
+            else self.document.answer_branch(suffix, run.options)
+        )
+        return await consume(
+            stream, self.builder.tokenizer, stop=run.options.answer_stop, on_text=on_text
         )
 
     async def close(self) -> None:
@@ -896,7 +250,7 @@ class WiMSession:
                         raise _closed_under_query()
                     self._running = asyncio.current_task()
                     try:
-                        await run(emit)
+                        await answer_query(emit)
                     except asyncio.CancelledError:
                         if not self._closed:
                             raise
@@ -909,26 +263,15 @@ class WiMSession:
             finally:
                 self._queries -= 1
 
-        async def run(emit: Emit) -> None:
+        async def answer_query(emit: Emit) -> None:
             limits = self.backend.limits
             shape = check_query(self.plan, self.builder, limits, query, options)
             needed = shape.query_blocks(limits.block_size, limits.max_model_len)
             room = QueryRoom(shape, max(needed, self.query_blocks))
             async with self.context.reserve_more(max(0, needed - self.query_blocks)):
-                started = time.perf_counter()
-                ledger, timings = _Ledger(), Timings()
-                margins = await self.ask_margins(query, options, emit, ledger)
-                await self.answer(
-                    query,
-                    margins,
-                    options,
-                    emit,
-                    ledger,
-                    timings,
-                    started,
-                    conclude=False,
-                    room=room,
-                )
+                run = QueryRun(query, options, emit, room, started=time.perf_counter())
+                margins = await self.ask_margins(run)
+                await self.answer(run, margins, conclude=False)
 
         return _event_stream(job)
 
@@ -976,24 +319,12 @@ def run_wim(
         reserve = shape.one_shot_blocks(limits.block_size, limits.max_model_len)
         session = await _open(backend, builder, plan, options, reserve)
         try:
-            timings, ledger = Timings(), _Ledger()
-            timings.queue_s = time.perf_counter() - started
-            started = time.perf_counter()
-            margins = await session.read(
-                emit, ledger, timings, started, query=query, options=options, pipelined=pipelined
-            )
+            queue_s = time.perf_counter() - started
             room = QueryRoom(shape, reserve - shape.context_blocks(limits.block_size))
-            await session.answer(
-                query,
-                margins,
-                options,
-                emit,
-                ledger,
-                timings,
-                started,
-                conclude=True,
-                room=room,
-            )
+            run = QueryRun(query, options, emit, room, started=time.perf_counter())
+            run.timings.queue_s = queue_s
+            margins = await session.read(run, pipelined=pipelined)
+            await session.answer(run, margins, conclude=True)
         finally:
             await session.close()
 
@@ -1016,8 +347,7 @@ async def open_document(
     reserve = shape.session_blocks(limits.block_size, limits.max_model_len)
     session = await _open(backend, builder, plan, options, reserve)
     try:
-        started = time.perf_counter()
-        await session.read(emit or (lambda _: None), _Ledger(), Timings(), started)
+        await session.read_document(emit or (lambda _: None))
     except BaseException:
         await session.close()
         raise

@@ -16,7 +16,7 @@ from wim_service.wim.backend import EngineLimits
 from wim_service.wim.capacity import JobShape
 from wim_service.wim.errors import WiMError
 from wim_service.wim.options import WiMOptions
-from wim_service.wim.orchestrator import prepare_job
+from wim_service.wim.plan import prepare_job
 from wim_service.wim.prompts import PromptBuilder
 from wim_service.wim.tokenizer import HFTokenizer
 
