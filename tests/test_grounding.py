@@ -60,7 +60,7 @@ NIGHT_GATE = "What is the access code for the night gate?"
 
 def hopeless(segment: SegmentText, partial: str, min_query_overlap: float = 0.0) -> bool:
     return segment.cannot_keep(
-        partial, NIGHT_GATE, max_sentences=2, min_query_overlap=min_query_overlap
+        partial, NIGHT_GATE, max_sentences=2, clears=lambda share: share >= min_query_overlap
     )
 
 
@@ -677,9 +677,13 @@ async def test_a_margin_that_names_what_only_far_sentences_hold_is_cut_short(
         if margin.cut_short:
             assert full.startswith(margin.text) and len(full) > len(margin.text)
             written = margin.text + " "
-            assert segment_text.cannot_keep(written, query, max_sentences=2, min_query_overlap=0.8)
+            assert segment_text.cannot_keep(
+                written, query, max_sentences=2, clears=lambda share: share >= 0.8
+            )
             # Every value it had named is in some window: only the query filter ruled it out.
-            if not segment_text.cannot_keep(written, query, max_sentences=2, min_query_overlap=0):
+            if not segment_text.cannot_keep(
+                written, query, max_sentences=2, clears=lambda share: True
+            ):
                 far.append(segment)
         else:
             assert full == margin.text

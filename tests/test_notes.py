@@ -93,13 +93,13 @@ def test_the_verdict(segment: SegmentText, overlap: float) -> None:
 def test_forecasts_only_where_the_rule_allows_them(segment: SegmentText) -> None:
     strict = replace(SNAP, min_query_overlap=0.99)
     assert strict.none_can_be_kept(segment, QUERY)
-    assert strict.evidence_min_query_overlap == 0.99
+    assert strict.evidence_clears(0.99) and not strict.evidence_clears(0.98)
     # Skipping off, a threshold of 0, or notes in the margins' own words: no segment skipped.
     assert not replace(strict, skip_unmatched=False).none_can_be_kept(segment, QUERY)
     assert not replace(strict, min_query_overlap=0.0).none_can_be_kept(segment, "Pelicans?")
     for mode in (GroundingMode.CHECK, GroundingMode.OFF):
         loose = replace(strict, grounding=mode)
-        assert loose.evidence_min_query_overlap == 0.0
+        assert loose.evidence_clears(0.0)
         assert not loose.none_can_be_kept(segment, QUERY)
         assert loose.expected_note(segment, QUERY, "") is None
     # Checked: a value the segment lacks still dooms the margin; grounding off, nothing does.

@@ -65,12 +65,7 @@ def grounding_seconds(document: str, query: str, job: JobResult, options: WiMOpt
         for end in range(len(margin.text) + 1):
             if options.margin_max_sentences:
                 leading_sentences(margin.text[:end], options.margin_max_sentences)
-            segment_text.cannot_keep(
-                margin.text[:end],
-                query,
-                max_sentences=options.grounding_max_sentences,
-                min_query_overlap=policy.evidence_min_query_overlap,
-            )
+            policy.cannot_keep(segment_text, margin.text[:end], query)
         grounding = segment_text.ground(
             margin.text,
             min_coverage=options.grounding_min_coverage,

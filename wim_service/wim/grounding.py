@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -246,21 +247,22 @@ class SegmentText:
         )
 
     def cannot_keep(
-        self, partial: str, query: str, *, max_sentences: int, min_query_overlap: float
+        self, partial: str, query: str, *, max_sentences: int, clears: Callable[[float], bool]
     ) -> bool:
         """Whether `partial`, the start of a margin still being written, already holds a number
-        or name (or a denial) that no window of this segment holds together with
-        `min_query_overlap` of the query. Evidence must hold every such value, and with
-        snapping the note is the evidence, so then `ground` or the query filter refuses every
-        continuation of it, and the margin need not be written to its end (pass 0 when the
-        filter reads the margin's own words).
+        or name (or a denial) that no window of this segment holds together with a share of
+        the query that `clears` the keep rule's filter (`notes.NotePolicy`, the one place that
+        states it). Evidence must hold every such value, and with snapping the note is the
+        evidence, so then `ground` or the query filter refuses every continuation of it, and
+        the margin need not be written to its end (pass a `clears` that accepts any share when
+        the filter reads the margin's own words).
 
         Only what it has settled (`_settled`) counts as written. A margin that has written no
         such value yet is never hopeless: coverage alone may still ground it.
         """
         values = Claim.parse(_settled(partial)).exact_values
         return bool(values) and not any(
-            values <= window.vocabulary and window.query_overlap >= min_query_overlap
+            values <= window.vocabulary and clears(window.query_overlap)
             for window in self.largest_windows(query, max_sentences)
         )
 

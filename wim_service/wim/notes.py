@@ -68,12 +68,11 @@ class NotePolicy:
         """Whether a note holding `overlap` of the query holds enough of it to be kept."""
         return overlap >= self.min_query_overlap
 
-    @property
-    def evidence_min_query_overlap(self) -> float:
-        """The share of the query a margin's evidence must hold for its note to be kept: with
-        snapping the note is the evidence, so the query filter reads it; otherwise the filter
-        reads the margin's own words, which evidence does not bound."""
-        return self.min_query_overlap if self.grounding is GroundingMode.SNAP else 0.0
+    def evidence_clears(self, overlap: float) -> bool:
+        """Whether evidence holding `overlap` of the query allows its margin's note to be kept:
+        with snapping the note is the evidence, so the query filter reads it; otherwise the
+        filter reads the margin's own words, which evidence does not bound."""
+        return self.grounding is not GroundingMode.SNAP or self.clears_query_filter(overlap)
 
     def judge(
         self, segment_text: SegmentText, query: str, margin: str, *, relevant: bool
@@ -113,7 +112,7 @@ class NotePolicy:
             draft,
             query,
             max_sentences=self.max_sentences,
-            min_query_overlap=self.evidence_min_query_overlap,
+            clears=self.evidence_clears,
         )
 
     def expected_note(self, segment_text: SegmentText, query: str, draft: str) -> MarginNote | None:
