@@ -1,8 +1,8 @@
 """The `wim` command and the package's import structure.
 
-Every module imports on its own (no import cycle, no module that only works after another one
-was imported), no module imports another in a cycle (lazy imports inside functions included),
-every subcommand's `--help` works through the console script, and the engine flags come from
+Every module imports on its own (no module that only works after another one was imported;
+import cycles, lazy and type-only ones included, are tests/test_layers.py's), every
+subcommand's `--help` works through the console script, and the engine flags come from
 `EngineConfig` itself.
 """
 
@@ -117,88 +117,6 @@ def test_import_check_reports_a_module_that_needs_another_first(tmp_path: Path) 
     failures = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(failures) == {"cyclic.a", "cyclic.b"}
     assert "partially initialized module" in failures["cyclic.a"]
-
-
-def _resolve(name: str) -> str | None:
-    """The wim_service module that `import name` ends in (a name in a module: that module)."""
-    while name and name not in MODULES:
-        name = name.rpartition(".")[0]
-    return name or None
-
-
-def _type_checking_only(tree: ast.Module) -> set[int]:
-    """Nodes under `if TYPE_CHECKING:`: they never run, so they cannot form an import cycle."""
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for statement in node.body:
-                skipped.update(id(n) for n in ast.walk(statement))
-    return skipped
-
-
-def _imports(name: str, path: Path) -> set[str]:
-    """wim_service modules that `name` imports anywhere (module level or inside functions)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = _type_checking_only(tree)
-    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    found: set[str | None] = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            found.update(_resolve(a.name) for a in node.names if a.name.startswith("wim_service"))
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package[: len(package) - node.level + 1]
-                base = ".".join([*parent, base] if base else parent)
-            if base.split(".")[0] != "wim_service":
-                continue
-            for alias in node.names:
-                submodule = f"{base}.{alias.name}"
-                found.add(submodule if submodule in MODULES else _resolve(base))
-    return {m for m in found if m is not None and m != name}
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    cycles: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while (w := stack.pop()) != v:
-                component.append(w)
-            if component:
-                cycles.append(sorted([v, *component]))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return cycles
-
-
-def test_no_import_cycle_even_through_lazy_imports() -> None:
-    graph = {name: _imports(name, path) for name, path in MODULES.items()}
-    assert "wim_service.engine.config" in graph["wim_service.cli.run"]  # the walk sees imports
-    assert _cycles(graph) == []
-
-
-def test_cycle_finder_finds_a_lazy_cycle() -> None:
-    # The cycle this layout removed: cli -> bench (parser) and bench -> cli (engine_config).
-    graph = {"cli": {"bench"}, "bench": {"cli", "wim"}, "wim": set()}
-    assert _cycles(graph) == [["bench", "cli"]]
 
 
 # Pointers to design notes and research kept outside the repository: a reader cannot follow them.
