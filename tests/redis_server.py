@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from wim_service.engine.lifetime import dies_with_this_thread
+
 
 def redis_binary() -> str:
     path = shutil.which("redis-server")
@@ -56,12 +58,14 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start on this server's port (again, after `stop`) and wait until it answers PING."""
         self.process = subprocess.Popen(
-            [
-                self.binary,
-                *("--port", str(self.port), "--bind", "127.0.0.1"),
-                *("--save", "", "--appendonly", "no", "--dir", str(self.workdir)),
-                *("--daemonize", "no", "--loglevel", "warning"),
-            ],
+            dies_with_this_thread(
+                [
+                    self.binary,
+                    *("--port", str(self.port), "--bind", "127.0.0.1"),
+                    *("--save", "", "--appendonly", "no", "--dir", str(self.workdir)),
+                    *("--daemonize", "no", "--loglevel", "warning"),
+                ]
+            ),
             stdout=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + timeout_s

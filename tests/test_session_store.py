@@ -11,10 +11,13 @@ import asyncio
 import base64
 import os
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import psutil
 import pytest
 from cryptography.exceptions import InvalidTag
 
@@ -451,3 +454,30 @@ def test_the_document_key_comes_from_env_and_must_be_strict_base64(
     # Read without the key, an encrypted text names the setting that is missing.
     with pytest.raises(ValueError, match=ENCRYPTION_KEY_ENV):
         plain.open("doc-1", sealed)
+
+
+CHILD_WITH_A_SERVER = """
+import pathlib, sys, tempfile, time
+from tests.redis_server import RedisServer
+server = RedisServer(sys.argv[1], pathlib.Path(tempfile.mkdtemp())).start()
+print(server.process.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_redis_server_ends_with_the_process_that_started_it() -> None:
+    """SIGKILL leaves no fixture teardown to run: the kernel ends the server (setpriv
+    --pdeathsig), so a killed test run leaves no redis-server behind."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD_WITH_A_SERVER, redis_binary()],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert child.stdout is not None
+    server = psutil.Process(int(child.stdout.readline()))
+    assert "redis-server" in " ".join(server.cmdline())
+    child.kill()
+    child.wait()
+    gone, alive = psutil.wait_procs([server], timeout=10)
+    assert gone and not alive

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from wim_service.benchmarks.common import line
+from wim_service.engine.lifetime import dies_with_this_thread
 from wim_service.serving.config import StoreConfig
 from wim_service.serving.http.auth import OPEN_TENANT, ApiKeys
 from wim_service.serving.http.bodies import DocumentRequest
@@ -85,7 +86,9 @@ def redis_url() -> Iterator[str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        dies_with_this_thread(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        ),
         stdout=subprocess.DEVNULL,
     )
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 
@@ -47,3 +48,13 @@ def die_with_multiprocessing_parent() -> None:
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid is not None:
         die_with_parent(parent.pid)
+
+
+def dies_with_this_thread(argv: list[str]) -> list[str]:
+    """`argv` wrapped so that the program gets SIGKILL when the thread that starts it ends
+    (`setpriv --pdeathsig`, util-linux): a helper server (redis-server) never outlives the
+    test or benchmark that started it, even one killed by a signal. No `preexec_fn`, which is
+    unsafe in a process with threads. Start it from a thread that lives as long as its
+    process (the main thread); without setpriv (not Linux), `argv` as it is."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    return argv if setpriv is None else [setpriv, "--pdeathsig", "KILL", "--", *argv]
