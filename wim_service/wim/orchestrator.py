@@ -52,10 +52,7 @@ class WiMSession:
         context: ContextSession,
     ) -> None:
         self.backend = backend
-        self.builder = builder
-        self.plan = plan
         self.options = options
-        self.context = context
         self.document = PinnedDocument.of(builder, plan, context, backend.limits)
         # KV blocks reserved for one query beyond the context (a document session); a query
         # that may need more reserves the difference while it runs.
@@ -66,6 +63,19 @@ class WiMSession:
         self._lock = asyncio.Lock()  # one query at a time per session
         self._queries = 0  # queries running or waiting for the lock
         self._running: asyncio.Task[None] | None = None  # the task of the query holding it
+
+    # What the session pins, as its document holds them (read by the serving layer too).
+    @property
+    def builder(self) -> PromptBuilder:
+        return self.document.builder
+
+    @property
+    def plan(self) -> DocumentPlan:
+        return self.document.plan
+
+    @property
+    def context(self) -> ContextSession:
+        return self.document.context
 
     @property
     def busy(self) -> bool:
