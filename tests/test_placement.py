@@ -1,0 +1,102 @@
+"""The placement policies on hand-made replica states (`wim_service/placement/`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from wim_service.placement.policy import ExpectedWait, RoundRobin, Sticky, make_policy
+from wim_service.placement.profile import EngineProfile
+from wim_service.placement.state import NoRoom, PrefixCache, ReplicaState, Work
+
+PROFILE = EngineProfile.load()
+
+
+def replicas(*backlogs: float, free: int = 1000) -> list[ReplicaState]:
+    return [
+        ReplicaState(
+            f"r{i}", free_blocks=free, free_sessions=4, backlog_s=b, prefix_cache=PrefixCache(100)
+        )
+        for i, b in enumerate(backlogs)
+    ]
+
+
+def test_the_shipped_profile_loads_and_costs_grow_with_tokens() -> None:
+    assert PROFILE.prefill.seconds(2000) > PROFILE.prefill.seconds(1000) > 0
+    assert PROFILE.prefill.seconds(0) == 0
+    assert PROFILE.decode.step_seconds(8, 10_000) > PROFILE.decode.step_seconds(1, 1000)
+
+
+def test_prefix_cache_matches_leading_blocks_and_evicts_the_oldest() -> None:
+    cache = PrefixCache(4)
+    cache.insert([1, 2, 3])
+    assert cache.match([1, 2, 9, 3]) == 2
+    cache.insert([7, 8])  # 5 blocks > 4: block 1 (least recent) leaves
+    assert cache.match([1, 2]) == 0
+    assert cache.match([2, 3]) == 2
+
+
+def test_expected_wait_prefers_a_cached_prefix_unless_its_replica_is_busier() -> None:
+    work = Work(prompt_tokens=4096, answer_tokens=16, prefix=tuple(range(8)))
+    fleet = replicas(0.0, 0.0)
+    fleet[1].prefix_cache.insert(range(8))  # type: ignore[union-attr]
+    policy = ExpectedWait(PROFILE)
+    chosen = policy.place(work, fleet)
+    assert (chosen.replica, chosen.cached_tokens) == ("r1", 4096)
+    # Busier than recomputing the whole prompt elsewhere: the idle replica wins.
+    fleet[1].backlog_s = PROFILE.prefill.seconds(4096) + 1.0
+    assert policy.place(work, fleet).replica == "r0"
+
+
+def test_expected_wait_opens_a_copy_of_a_hot_document_only_when_it_is_quicker() -> None:
+    work = Work(
+        prompt_tokens=3100, answer_tokens=16, document="d", document_tokens=3000, document_blocks=94
+    )
+    fleet = replicas(0.0, 0.0)
+    fleet[0].documents = frozenset({"d"})
+    policy = ExpectedWait(PROFILE)
+    assert policy.place(work, fleet) == policy.place(work, fleet)
+    stay = policy.place(work, fleet)
+    assert (stay.replica, stay.open_copy) == ("r0", False)
+    fleet[0].backlog_s = PROFILE.prefill.seconds(3000) * 2
+    copy = policy.place(work, fleet)
+    assert (copy.replica, copy.open_copy) == ("r1", True)
+    # At its copy limit a document stays where its copies are.
+    assert ExpectedWait(PROFILE, max_copies=1).place(work, fleet).replica == "r0"
+
+
+def test_sticky_keeps_a_document_home_and_places_new_work_by_prefix_then_room() -> None:
+    fleet = replicas(0.0, 50.0, free=1000)
+    fleet[1].documents = frozenset({"d"})
+    doc = Work(prompt_tokens=3100, answer_tokens=16, document="d", document_tokens=3000)
+    assert Sticky().place(doc, fleet).replica == "r1"
+    fleet[0].free_blocks = 2000
+    assert Sticky().place(Work(prompt_tokens=100, answer_tokens=4), fleet).replica == "r0"
+    fleet[1].prefix_cache.insert([5])  # type: ignore[union-attr]
+    assert (
+        Sticky().place(Work(prompt_tokens=600, answer_tokens=4, prefix=(5,)), fleet).replica == "r1"
+    )
+
+
+def test_round_robin_cycles_and_reads_copies_where_it_lands() -> None:
+    fleet = replicas(0.0, 0.0, 0.0)
+    fleet[0].documents = frozenset({"d"})
+    policy = RoundRobin()
+    doc = Work(prompt_tokens=3100, answer_tokens=16, document="d", document_tokens=3000)
+    chosen = [policy.place(doc, fleet) for _ in range(4)]
+    assert [p.replica for p in chosen] == ["r0", "r1", "r2", "r0"]
+    assert [p.open_copy for p in chosen] == [False, True, True, False]
+
+
+@pytest.mark.parametrize("name", ["round_robin", "sticky", "wim"])
+def test_every_policy_refuses_when_nothing_has_room(name: str) -> None:
+    fleet = replicas(0.0, 0.0, free=10)
+    fleet[1].draining = True
+    with pytest.raises(NoRoom):
+        make_policy(name, PROFILE).place(
+            Work(prompt_tokens=100, answer_tokens=4, kv_blocks=20), fleet
+        )
+
+
+def test_an_unknown_policy_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown placement policy 'x'"):
+        make_policy("x", PROFILE)

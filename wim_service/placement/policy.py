@@ -1,0 +1,171 @@
+"""The placement policies: round robin, sticky (the service's behaviour before expected
+wait, kept for comparison) and expected wait (the default).
+
+Each policy answers where one job runs, given every replica's state; the caller then books
+the job on that replica (its KV, its session slot, its backlog) before it places the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from wim_service.placement.profile import EngineProfile
+from wim_service.placement.state import NoRoom, Placement, ReplicaState, Work
+
+
+class PlacementPolicy(Protocol):
+    name: str
+
+    def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
+        """Where `work` runs; raises `NoRoom` when no replica can take it."""
+        ...
+
+
+def holders(work: Work, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """The replicas holding a copy of the job's document (none for other jobs)."""
+    if work.document is None:
+        return []
+    return [r for r in replicas if work.document in r.documents and not r.draining]
+
+
+def with_room(work: Work, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """The replicas that could take the job on a fresh copy: room for the document (if any)
+    and the job in KV, and a free session slot."""
+    need = work.kv_blocks + work.document_blocks
+    return [r for r in replicas if not r.draining and r.free_blocks >= need and r.free_sessions > 0]
+
+
+def fits_holder(work: Work, replica: ReplicaState) -> bool:
+    """Whether a replica holding the job's document has room for the job itself."""
+    return replica.free_blocks >= work.kv_blocks
+
+
+@dataclass
+class ExpectedWait:
+    """Send each job where it is expected to finish its first token soonest: the work queued
+    ahead of it, plus the prefill that replica would still have to do (the tokens not already
+    in its cache; a whole document on a replica without a copy), plus the job's own margins.
+
+    A document job goes to the holder with the least expected wait, unless reading a copy of
+    the document elsewhere would be quicker (the document is hot): then a copy opens there,
+    up to `max_copies` per document.
+    """
+
+    profile: EngineProfile
+    max_copies: int = 4
+    name: str = "wim"
+
+    def start_s(self, work: Work, replica: ReplicaState, *, copy: bool) -> float:
+        """Expected seconds until the job's first answer token on `replica`."""
+        p = self.profile
+        if work.document is not None:
+            read = p.prefill.seconds(work.document_tokens) if copy else 0.0
+            query = work.prompt_tokens - work.document_tokens
+            prefill = read + p.prefill.seconds(query, cached=work.document_tokens)
+            context = work.document_tokens
+        else:
+            cached = work.cached_tokens(replica.cached_blocks(work))
+            prefill = p.prefill.seconds(work.prompt_tokens - cached, cached=cached)
+            context = work.prompt_tokens
+        margins = 0.0
+        if work.margins:
+            margins = p.prefill.seconds(work.margins * p.margin_prompt_tokens, cached=context)
+            batch = replica.running + work.margins
+            margins += p.decode_seconds(work.margin_tokens, batch, context * work.margins)
+        return replica.backlog_s + prefill + margins
+
+    def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
+        held = holders(work, replicas)
+        # (expected seconds, whether a copy is read first, replica): a holder wins a tie.
+        options = [
+            (self.start_s(work, r, copy=False), False, r) for r in held if fits_holder(work, r)
+        ]
+        if work.document is None or len(held) < self.max_copies:
+            copy = work.document is not None
+            options += [
+                (self.start_s(work, r, copy=copy), copy, r)
+                for r in with_room(work, replicas)
+                if r not in held
+            ]
+        if not options:
+            raise NoRoom(work, len(replicas))
+        seconds, copy, best = min(options, key=lambda o: (o[0], o[1], o[2].replica))
+        if work.document is not None:
+            cached = 0 if copy else work.document_tokens
+        else:
+            cached = work.cached_tokens(best.cached_blocks(work))
+        return Placement(
+            best.replica, open_copy=copy, cached_tokens=cached, expected_wait_s=seconds
+        )
+
+
+@dataclass
+class Sticky:
+    """The service's placement before expected wait: a document stays on the replica it was
+    first read on; a new document or one-shot job goes to the replica with the most free KV.
+    For work without documents (a trace of plain requests), a request goes to the replica
+    holding its longest cached prefix, the most free KV breaking ties."""
+
+    name: str = "sticky"
+
+    def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
+        held = holders(work, replicas)
+        if held:
+            home = held[0]
+            if not fits_holder(work, home):
+                raise NoRoom(work, len(replicas))
+            return Placement(home.replica, cached_tokens=work.document_tokens)
+        fitting = with_room(work, replicas)
+        if not fitting:
+            raise NoRoom(work, len(replicas))
+        best = max(
+            fitting,
+            key=lambda r: (r.cached_blocks(work), r.free_blocks, -r.free_sessions, r.replica),
+        )
+        return Placement(
+            best.replica,
+            open_copy=work.document is not None,
+            cached_tokens=work.cached_tokens(best.cached_blocks(work)),
+        )
+
+
+@dataclass
+class RoundRobin:
+    """Each job to the next replica in turn that can take it, whatever it holds: a document
+    job on a replica without a copy reads one there."""
+
+    name: str = "round_robin"
+    _turn: int = 0
+
+    def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
+        held = {r.replica for r in holders(work, replicas)}
+        fitting = [
+            r
+            for r in sorted(replicas, key=lambda r: r.replica)
+            if (r.replica in held and fits_holder(work, r)) or r in with_room(work, [r])
+        ]
+        if not fitting:
+            raise NoRoom(work, len(replicas))
+        chosen = fitting[self._turn % len(fitting)]
+        self._turn += 1
+        copy = work.document is not None and chosen.replica not in held
+        cached = work.document_tokens if chosen.replica in held else 0
+        if work.document is None:
+            cached = work.cached_tokens(chosen.cached_blocks(work))
+        return Placement(chosen.replica, open_copy=copy, cached_tokens=cached)
+
+
+POLICIES = ("round_robin", "sticky", "wim")
+
+
+def make_policy(name: str, profile: EngineProfile, *, max_copies: int = 4) -> PlacementPolicy:
+    """The policy called `name` (one of `POLICIES`)."""
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "sticky":
+        return Sticky()
+    if name == "wim":
+        return ExpectedWait(profile, max_copies=max_copies)
+    raise ValueError(f"unknown placement policy {name!r}; one of {', '.join(POLICIES)}")

@@ -1,0 +1,85 @@
+"""What an engine's work costs in seconds: a profile measured on real engine runs.
+
+Both the expected-wait policy (live) and the simulator's engines read the same profile, so
+that the simulator replays what the policy believes. `wim sim --calibrate` measures one; the
+profile measured on the development machine ships as `profiles/default.json`.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_PROFILE = "default.json"
+
+
+class PrefillCost(BaseModel):
+    """Prefilling `new` tokens after `cached` ones: a fixed step cost, a cost per token, and
+    attention's cost per token per token of context before it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fixed_s: float = Field(ge=0)
+    per_token_s: float = Field(gt=0)
+    per_token_context_s: float = Field(ge=0)
+
+    def seconds(self, new: int, cached: int = 0) -> float:
+        if new <= 0:
+            return 0.0
+        mean_context = cached + new / 2
+        return self.fixed_s + new * (self.per_token_s + self.per_token_context_s * mean_context)
+
+
+class DecodeCost(BaseModel):
+    """One decode step of a batch: a fixed cost, a cost per sequence, and one per token of
+    context the batch attends to."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fixed_s: float = Field(ge=0)
+    per_sequence_s: float = Field(ge=0)
+    per_context_token_s: float = Field(ge=0)
+
+    def step_seconds(self, batch: int, context_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        return (
+            self.fixed_s + batch * self.per_sequence_s + context_tokens * self.per_context_token_s
+        )
+
+
+class EngineProfile(BaseModel):
+    """An engine's costs and sizes, with where and how they were measured."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: int = Field(1, ge=1, le=1)
+    model: str
+    dtype: str
+    machine: str
+    measured_at: str
+    load_average: tuple[float, float, float]
+    block_tokens: int = Field(gt=0)
+    kv_capacity_tokens: int = Field(gt=0)
+    max_batch: int = Field(gt=0)
+    # What a margin adds to its segment's KV besides its own output (instruction and query).
+    margin_prompt_tokens: int = Field(ge=0)
+    prefill: PrefillCost
+    decode: DecodeCost
+    # The measurements the costs were fitted to, kept so that a fit can be checked.
+    samples: list[dict[str, float]] = Field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> EngineProfile:
+        """The profile in `path`, or the one shipped with the project."""
+        if path is None:
+            text = resources.files(__package__).joinpath("profiles", DEFAULT_PROFILE).read_text()
+        else:
+            text = Path(path).read_text(encoding="utf-8")
+        return cls.model_validate_json(text)
+
+    def decode_seconds(self, tokens: int, batch: int, context_tokens: int) -> float:
+        """`tokens` decode steps at a steady `batch` over `context_tokens` of KV."""
+        return tokens * self.decode.step_seconds(max(1, batch), context_tokens)

@@ -1,0 +1,106 @@
+"""What placement reads: a job's shape and every replica's state, and what it answers."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class PrefixCache:
+    """The prefix blocks a replica is believed to hold, least recently used first.
+
+    Blocks are hashes of fixed-size token blocks chained from the start of a prompt (the
+    Mooncake traces' `hash_ids`, or the router's hashes of a prompt's blocks), so a prompt's
+    cached part is the longest run of its leading blocks present here. The simulator keeps
+    one per engine exactly; the live router keeps one per replica of what it sent there, an
+    estimate as SGLang's cache-aware router keeps.
+    """
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, prefix: Sequence[int]) -> int:
+        """How many leading blocks of `prefix` are cached."""
+        held = 0
+        for block in prefix:
+            if block not in self._blocks:
+                break
+            held += 1
+        return held
+
+    def insert(self, prefix: Sequence[int]) -> None:
+        """Record `prefix` as cached and most recently used; evict the least recently used
+        blocks past capacity."""
+        for block in prefix:
+            self._blocks[block] = None
+            self._blocks.move_to_end(block)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One job as placement sees it, in tokens.
+
+    A *document* job (`document` set) runs on a replica holding that document's KV (a copy):
+    a query of a document session, or the session's first read. Any other job (a one-shot WiM
+    job, a plain request, a trace request) prefills its `prompt_tokens`, of which the leading
+    `prefix` blocks may already be cached on a replica.
+    """
+
+    prompt_tokens: int  # tokens prefilled when nothing is cached (document + query)
+    answer_tokens: int  # tokens decoded for the answer
+    kv_blocks: int = 0  # worst-case KV reservation of the job itself
+    prefix: tuple[int, ...] = ()  # hashes of the prompt's leading blocks
+    prefix_block_tokens: int = 512
+    document: str | None = None
+    document_tokens: int = 0  # what a copy of the document costs to prefill
+    document_blocks: int = 0  # what a copy of the document holds in KV
+    margins: int = 0  # margins the job writes (one per segment it reads)
+    margin_tokens: int = 0  # tokens decoded per margin
+
+    def cached_tokens(self, blocks: int) -> int:
+        return min(self.prompt_tokens, blocks * self.prefix_block_tokens)
+
+
+@dataclass
+class ReplicaState:
+    """A replica's state at the moment of placement."""
+
+    replica: str
+    free_blocks: int
+    free_sessions: int
+    # Expected seconds before a job sent now starts its prefill: the admitted work ahead of it.
+    backlog_s: float = 0.0
+    running: int = 0  # sequences decoding now (the batch a new job joins)
+    draining: bool = False
+    documents: frozenset[str] = frozenset()  # documents with a copy here
+    prefix_cache: PrefixCache | None = None
+
+    def cached_blocks(self, work: Work) -> int:
+        return self.prefix_cache.match(work.prefix) if self.prefix_cache is not None else 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    replica: str
+    # The job reads a copy of its document on `replica` first (the document's first copy for a
+    # new session; another one for a hot document).
+    open_copy: bool = False
+    cached_tokens: int = 0  # prompt tokens `replica` is expected to serve from its cache
+    expected_wait_s: float = 0.0  # the policy's estimate until the job's first token
+
+
+class NoRoom(Exception):
+    """No replica can take the job now (every one full or draining)."""
+
+    def __init__(self, work: Work, replicas: int) -> None:
+        super().__init__(
+            f"no engine replica has room for {work.kv_blocks} KV blocks ({replicas} live)"
+        )
+        self.replicas = replicas
