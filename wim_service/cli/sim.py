@@ -77,6 +77,13 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--segment-tokens", type=int, default=SIM_DEFAULTS.segment_tokens)
     group.add_argument("--margin-tokens", type=int, default=SIM_DEFAULTS.margin_tokens)
     group.add_argument("--max-copies", type=int, default=SIM_DEFAULTS.max_copies)
+    group.add_argument(
+        "--backlog",
+        choices=["prefill+decode", "prefill"],
+        default="prefill+decode",
+        help="what a replica's backlog counts for placement: booked prefills and the batch's "
+        "decode left, or the prefills only (%(default)s)",
+    )
 
 
 def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +140,7 @@ def settings_from(args: argparse.Namespace) -> SimSettings:
         segment_tokens=args.segment_tokens,
         margin_tokens=args.margin_tokens,
         max_copies=args.max_copies,
+        backlog_decode=args.backlog == "prefill+decode",
     )
     settings.check()
     return settings

@@ -93,6 +93,11 @@ class Engine:
     profile: EngineProfile
     slots: int
     schedule: Callable[[Engine, float], None]
+    # Whether the backlog placement reads counts the batch's decode left. This engine starts a
+    # new prefill after the current decode step, so only prefills truly delay a job's start;
+    # counting the decode too makes a replica that is decoding look busy (as it is on an
+    # engine that interleaves prefill chunks with the batch's steps).
+    backlog_decode: bool = True
     capacity_blocks: int = 0
     free_blocks: int = 0
     running_jobs: int = 0  # booked jobs without a copy: each holds a session slot
@@ -129,8 +134,11 @@ class Engine:
 
     def backlog_s(self, now: float) -> float:
         """Expected seconds of admitted work ahead of a job sent now: the prefill under way
-        and those queued or still to come for booked jobs, and the batch's decode left."""
+        and those queued or still to come for booked jobs, and (`backlog_decode`) the batch's
+        decode left at its present size."""
         prefill = max(0.0, self._busy_until - now) if self._prefill is not None else 0.0
+        if not self.backlog_decode:
+            return prefill + self._queued_s
         decode = self._decode_s
         if self._run is not None:  # the estimate was made as this run started
             decode = max(0.0, decode - (now - self._run.start))

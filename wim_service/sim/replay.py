@@ -68,7 +68,10 @@ class Replay:
     ) -> None:
         self.trace, self.profile, self.settings = trace, profile, settings
         self.policy: PlacementPolicy = make_policy(policy, profile, max_copies=settings.max_copies)
-        self.engines = [Engine(i, profile, settings.slots, self._schedule) for i in range(replicas)]
+        self.engines = [
+            Engine(i, profile, settings.slots, self._schedule, settings.backlog_decode)
+            for i in range(replicas)
+        ]
         self.by_name = {f"r{i:02d}": engine for i, engine in enumerate(self.engines)}
         self.result = RunResult(policy, replicas, len(trace.requests))
         self._heap: list[tuple[float, int, int, Any, Any]] = []

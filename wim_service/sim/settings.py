@@ -15,6 +15,9 @@ class SimSettings:
     segment_tokens: int = 1024  # a WiM query writes one margin per segment of its document
     margin_tokens: int = 24  # tokens decoded per margin
     max_copies: int = 4  # copies of one document the `wim` policy may open
+    # Whether a replica's backlog (what placement reads) counts its batch's decode left, or
+    # only the prefills booked ahead (engine.py says why both are defensible).
+    backlog_decode: bool = True
 
     def check(self) -> None:
         if self.slots < 1:
