@@ -92,10 +92,10 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         "| " + " | ".join(HEADERS[k].ljust(w) for k, w in zip(keys, widths, strict=True)) + " |",
         "|" + "|".join("-" * (w + 2) for w in widths) + "|",
     ]
-    for cell in cells:
-        lines.append(
-            "| " + " | ".join(c.rjust(w) for c, w in zip(cell, widths, strict=True)) + " |"
-        )
+    for cell in cells:  # names flush left, numbers flush right
+        padded = [cell[0].ljust(widths[0])]
+        padded += [c.rjust(w) for c, w in zip(cell[1:], widths[1:], strict=True)]
+        lines.append("| " + " | ".join(padded) + " |")
     return "\n".join(lines)
 
 
