@@ -229,6 +229,28 @@ def document_trace(rows: list[dict[str, Any]], tmp_path: Path) -> Trace:
     return read_trace(write_jsonl(tmp_path / "docs.jsonl", rows))
 
 
+def test_a_lone_request_takes_its_prefill_then_its_decode_steps() -> None:
+    request = Request(index=0, arrival_s=5.0, prompt_tokens=2000, answer_tokens=4)
+    (outcome,) = run(Trace("mooncake", (request,)), "wim", 1).outcomes
+    prefill = PROFILE.prefill.seconds(2000)
+    steps = sum(PROFILE.decode.step_seconds(1, 2001 + j) for j in range(3))
+    assert outcome.first_token_s - 5.0 == pytest.approx(prefill)
+    assert outcome.end_s - outcome.first_token_s == pytest.approx(steps)
+
+
+def test_a_lone_wim_query_reads_writes_its_margins_then_answers(tmp_path: Path) -> None:
+    trace = document_trace([doc_row(0, "a", wim=True, tokens=3000)], tmp_path)
+    (outcome,) = run(trace, "wim", 1, segment_tokens=1024, margin_tokens=5).outcomes
+    p, margins = PROFILE, 3  # ceil(3000 / 1024)
+    read = p.prefill.seconds(3000)
+    prompts = p.prefill.seconds(margins * p.margin_prompt_tokens, cached=3000)
+    context = margins * (3000 + p.margin_prompt_tokens + 1)
+    decode = sum(p.decode.step_seconds(margins, context + margins * j) for j in range(4))
+    query = p.prefill.seconds(40 + margins * 5, cached=3000)
+    assert outcome.first_token_s == pytest.approx(read + prompts + decode + query)
+    assert (outcome.prompt_tokens, outcome.cached_tokens) == (3040, 0)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_request_completes_once_when_capacity_allows(policy: str, tmp_path: Path) -> None:
     rows = generate(GeneratorOptions(requests=150, rate=0.3, documents=6, seed=2))
