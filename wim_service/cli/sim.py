@@ -204,7 +204,10 @@ def calibrate_profile(args: argparse.Namespace) -> int:
     """Measure this machine's engine (`wim_service.engine.calibration`) and write its profile."""
     if args.out is None:
         raise ValueError("--calibrate needs --out FILE")
-    from wim_service.engine.calibration import calibrate  # vLLM: only when calibrating
+    try:  # vLLM: imported only when calibrating
+        from wim_service.engine.calibration import calibrate
+    except ImportError as exc:  # a build without the engine's extras (vLLM)
+        raise ValueError(f"cannot calibrate here: {exc}") from None
 
     profile = calibrate(EngineConfig.from_cli_args(args))
     args.out.write_text(profile.model_dump_json(indent=2) + "\n", encoding="utf-8")
