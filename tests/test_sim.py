@@ -332,6 +332,17 @@ def test_expected_wait_spreads_a_burst_by_the_backlog_it_books(backlog_decode: b
     assert per_replica == [2, 2, 2, 2]
 
 
+def test_a_copy_being_read_already_holds_its_kv(tmp_path: Path) -> None:
+    # Room for one 3,000-token copy and its query (106 blocks of 125), not two: b, arriving
+    # while a's copy is still being read, waits for a's copy to retire.
+    small = PROFILE.model_copy(update={"kv_capacity_tokens": 4000})
+    trace = document_trace([doc_row(0, "a", wim=True), doc_row(0.1, "b", wim=True)], tmp_path)
+    result = simulate(trace, "wim", 1, small, SimSettings(copy_idle_s=10.0))
+    assert (result.queued_for_room, len(result.outcomes)) == (1, 2)
+    a, b = sorted(result.outcomes, key=lambda o: o.index)
+    assert b.first_token_s > a.end_s + 10.0
+
+
 def test_a_request_larger_than_a_replica_is_counted_not_placed() -> None:
     big = Request(index=0, arrival_s=0.0, prompt_tokens=PROFILE.kv_capacity_tokens, answer_tokens=9)
     result = run(Trace("mooncake", (big,)), "wim", 2)

@@ -146,23 +146,23 @@ class Engine:
 
     # -- booking ------------------------------------------------------------------------
 
-    def book(self, blocks: int, estimate_s: float, *, document: str | None, copy: bool) -> None:
-        """Reserve a placed job's KV and session slot, and count its prefills as backlog."""
+    def book(
+        self, blocks: int, estimate_s: float, *, document: str | None, copy_blocks: int = 0
+    ) -> None:
+        """Reserve a placed job's KV and session slot, and count its prefills as backlog; with
+        `copy_blocks`, open a copy of its document here and reserve its KV at once (the read
+        is queued, and nothing placed meanwhile may count on those blocks)."""
         self.free_blocks -= blocks
         self._queued_s += estimate_s
         if document is None:
             self.running_jobs += 1
             return
-        if copy:
-            self.copies[document] = Copy(blocks=0)
+        if copy_blocks:
+            self.copies[document] = Copy(blocks=copy_blocks)
             self._documents = frozenset(self.copies)
+            self.free_blocks -= copy_blocks
+            self._resize_cache()
         self.copies[document].active += 1
-
-    def hold_document(self, document: str, blocks: int) -> None:
-        """The copy's KV, taken from the pool (and from what the prefix cache may keep)."""
-        self.copies[document].blocks = blocks
-        self.free_blocks -= blocks
-        self._resize_cache()
 
     def release(self, blocks: int, now: float, *, document: str | None) -> None:
         self.free_blocks += blocks

@@ -69,13 +69,14 @@ class Job:
         self.placed_s = now
         if not self.request.wim:
             estimate = plain_seconds(profile, work, engine.cache.match(work.prefix))
-            engine.book(work.kv_blocks, estimate, document=None, copy=False)
+            engine.book(work.kv_blocks, estimate, document=None)
             engine.submit(PlainPrefill(self, estimate), now)
             return
         read = profile.prefill.seconds(work.document_tokens) if self.copy else 0.0
         margins = self.margins_prefill_seconds(profile)
         estimate = read + margins + self.query_prefill_seconds(profile)
-        engine.book(work.kv_blocks, estimate, document=work.document, copy=self.copy)
+        copy_blocks = work.document_blocks if self.copy else 0
+        engine.book(work.kv_blocks, estimate, document=work.document, copy_blocks=copy_blocks)
         self.cached_tokens = 0 if self.copy else work.document_tokens
         if self.copy:
             engine.submit(ReadPrefill(self, read), now)
@@ -135,7 +136,8 @@ class PlainPrefill:
 
 @dataclass(eq=False)
 class ReadPrefill:
-    """A copy of the document is read: its KV stays held for the session's later queries."""
+    """A copy of the document is read: its KV stays held for the session's later queries
+    (until the copy is retired)."""
 
     job: Job
     estimate_s: float
@@ -144,9 +146,7 @@ class ReadPrefill:
         return engine.profile.prefill.seconds(self.job.work.document_tokens)
 
     def finish(self, engine: Engine, now: float) -> None:
-        work = self.job.work
-        assert work.document is not None
-        engine.hold_document(work.document, work.document_blocks)
+        pass  # the copy's KV was reserved at booking; its margins come next, already queued
 
 
 @dataclass(eq=False)
