@@ -6,7 +6,7 @@
 * `wim_service/engine/` owns vLLM and imports neither Ray nor FastAPI/Starlette nor the
   serving layer.
 * `wim_service/placement/` (where work runs) is as pure as `wim/`: the live router and the
-  simulator run the same code.
+  simulator run the same code; `wim_service/sim/` (the simulator) is held to the same bans.
 * No wim_service module imports another in a cycle, and neither do the packages: the
   project's top-level packages, and the serving layer's own packages (`serving/http`,
   `serving/routing`, `serving/replica`, …, its top-level modules each on their own).
@@ -32,6 +32,11 @@ FORBIDDEN = {
     "engine": {"ray", "fastapi", "starlette", "uvicorn", "wim_service.serving"},
     # Placement is one pure policy, run by the live router and by `wim sim` alike.
     "placement": {
+        *("vllm", "ray", "fastapi", "starlette", "httpx", "requests", "aiohttp", "uvicorn"),
+        *("wim_service.engine", "wim_service.serving"),
+    },
+    # The simulator replays traces through that same placement code: as pure as placement.
+    "sim": {
         *("vllm", "ray", "fastapi", "starlette", "httpx", "requests", "aiohttp", "uvicorn"),
         *("wim_service.engine", "wim_service.serving"),
     },

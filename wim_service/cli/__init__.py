@@ -7,6 +7,7 @@ wim serve                      # the HTTP service on local Ray (what ./run.sh ru
 wim bench                      # the side-by-side benchmark of docs/benchmarks.md
 wim eval                       # answer quality: plain long context vs RAG vs WiM
 wim setup                      # convert the default model, write the punkt data
+wim sim --trace FILE           # replay a trace over simulated replicas, per placement policy
 
 Ctrl-C or SIGTERM stops a command together with every process it started, its vLLM engines and
 for `wim serve` its Ray cluster, within 7 s (status 130 / 143; see cli/lifecycle.py).
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 
-from wim_service.cli import bench, run, serve, setup
+from wim_service.cli import bench, run, serve, setup, sim
 from wim_service.cli import eval as evaluate
 
-SUBCOMMANDS = (run, serve, bench, evaluate, setup)
+SUBCOMMANDS = (run, serve, bench, evaluate, setup, sim)
 
 
 def build_parser() -> argparse.ArgumentParser:

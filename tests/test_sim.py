@@ -1,0 +1,402 @@
+"""`wim sim` (`wim_service/sim/`): trace readers, the generator, the replay's bookkeeping and
+what the policies do to it, and the command. No engine, no network.
+
+The speed of the replay is measured, not asserted here: `scripts/bench_sim.sh` times 64
+replicas over the shipped 4,000-request Mooncake trace.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wim_service.cli import main
+from wim_service.placement.profile import EngineProfile
+from wim_service.sim.engine import DecodeRun
+from wim_service.sim.generate import GeneratorOptions, generate, write_trace
+from wim_service.sim.replay import RunResult, simulate
+from wim_service.sim.report import KEYS, percentile, summarise
+from wim_service.sim.settings import SimSettings
+from wim_service.sim.traces import HASH_BLOCK_TOKENS, Request, Trace, TraceError, read_trace
+
+# The tests' own profile: the shipped one is replaced by measurements, which must not change
+# what these tests find (a 135M model on a 2-core CPU, 23,000 KV tokens per replica).
+PROFILE = EngineProfile.model_validate(
+    {
+        "model": "test",
+        "dtype": "float32",
+        "machine": "tests",
+        "measured_at": "never",
+        "load_average": [0, 0, 0],
+        "block_tokens": 32,
+        "kv_capacity_tokens": 23000,
+        "max_batch": 128,
+        "margin_prompt_tokens": 60,
+        "prefill": {"fixed_s": 0.02, "per_token_s": 3e-4, "per_token_context_s": 1e-8},
+        "decode": {"fixed_s": 0.02, "per_sequence_s": 1e-3, "per_context_token_s": 1e-7},
+    }
+)
+POLICIES = ("round_robin", "sticky", "wim")
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def mooncake_row(ms: int, tokens: int, hashes: list[int], out: int = 20) -> dict[str, Any]:
+    return {"timestamp": ms, "input_length": tokens, "output_length": out, "hash_ids": hashes}
+
+
+def doc_row(t: float, document: str, *, wim: bool, tokens: int = 3000) -> dict[str, Any]:
+    return {
+        "timestamp_s": t,
+        "session_id": f"s-{document}",
+        "document_id": document,
+        "document_tokens": tokens,
+        "query_tokens": 40,
+        "answer_tokens": 16,
+        "wim": wim,
+    }
+
+
+def run(trace: Trace, policy: str, replicas: int, **settings: Any) -> RunResult:
+    return simulate(trace, policy, replicas, PROFILE, SimSettings(**settings))
+
+
+# -- traces ---------------------------------------------------------------------------------
+
+
+def test_mooncake_reader_reads_gzip_and_orders_by_time(tmp_path: Path) -> None:
+    rows = [mooncake_row(3000, 1500, [0, 1, 2]), mooncake_row(1000, 600, [0, 7])]
+    path = tmp_path / "t.jsonl.gz"
+    with gzip.open(path, "wt") as out:
+        out.write("".join(json.dumps(row) + "\n" for row in rows) + "\n")  # a blank line too
+    trace = read_trace(path)
+    assert trace.kind == "mooncake"
+    first, second = trace.requests
+    assert (first.arrival_s, first.prompt_tokens, first.prefix, first.index) == (
+        1.0,
+        600,
+        (0, 7),
+        0,
+    )
+    assert (second.arrival_s, second.answer_tokens, second.index) == (3.0, 20, 1)
+    assert trace.scaled(2.5).requests[1].arrival_s == 7.5
+
+
+def test_document_reader_gives_wim_rows_a_session_and_plain_rows_the_documents_blocks(
+    tmp_path: Path,
+) -> None:
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            doc_row(0, "a", wim=True),
+            doc_row(1, "a", wim=False),
+            doc_row(2, "a", wim=False),
+            doc_row(3, "b", wim=False),
+        ],
+    )
+    trace = read_trace(path)
+    wim, plain_a, plain_a2, plain_b = trace.requests
+    assert trace.kind == "document"
+    assert (wim.document, wim.prefix, wim.prompt_tokens) == ("a", (), 3040)
+    # Only the document's whole 512-token blocks are shared: 3000 // 512 = 5.
+    assert plain_a.document is None and len(plain_a.prefix) == 3000 // HASH_BLOCK_TOKENS
+    assert plain_a.prefix == plain_a2.prefix
+    assert not set(plain_a.prefix) & set(plain_b.prefix)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "t.jsonl:3: not JSON"),
+        ("[1, 2]", "t.jsonl:3: not a JSON object"),
+        ('{"timestamp": 5, "input_length": -1, "output_length": 1, "hash_ids": []}', ":3: input"),
+        ('{"timestamp": 5, "input_length": 9, "output_length": 1, "hash_ids": "x"}', ":3: hash"),
+    ],
+)
+def test_a_malformed_line_is_named_by_its_number(tmp_path: Path, line: str, message: str) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [mooncake_row(0, 100, [1])])
+    path.write_text(path.read_text() + "\n" + line + "\n")  # line 2 is blank
+    with pytest.raises(TraceError, match=message):
+        read_trace(path)
+
+
+def test_a_trace_of_no_known_kind_or_without_requests_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match=r"x.jsonl:1: unknown trace kind"):
+        read_trace(write_jsonl(tmp_path / "x.jsonl", [{"timestamp": 1}]))
+    with pytest.raises(TraceError, match="has no requests"):
+        read_trace(write_jsonl(tmp_path / "e.jsonl", []))
+    with pytest.raises(TraceError, match="no trace file"):
+        read_trace(tmp_path / "missing.jsonl")
+
+
+def test_the_shipped_mooncake_trace_is_package_data() -> None:
+    shipped = resources.files("wim_service.sim").joinpath(
+        "traces", "mooncake_conversation_4000.jsonl.gz"
+    )
+    trace = read_trace(Path(str(shipped)))
+    assert (trace.kind, len(trace.requests)) == ("mooncake", 4000)
+    # Conversation turns share prefixes: some hash appears in many requests.
+    firsts = [r.prefix[0] for r in trace.requests if r.prefix]
+    assert max(firsts.count(h) for h in set(firsts[:200])) > 10
+
+
+# -- the generator --------------------------------------------------------------------------
+
+
+def test_the_generator_is_deterministic_and_zipf_popular() -> None:
+    options = GeneratorOptions(requests=600, documents=10, zipf_exponent=1.2, seed=3)
+    rows = generate(options)
+    assert rows == generate(options)
+    assert rows != generate(replace(options, seed=4))
+    assert len(rows) == 600
+    assert [r["timestamp_s"] for r in rows] == sorted(r["timestamp_s"] for r in rows)
+    counts = {d: sum(r["document_id"] == d for r in rows) for d in {r["document_id"] for r in rows}}
+    assert max(counts, key=lambda d: counts[d]) == "doc-0000"
+    lengths = {(r["document_id"], r["document_tokens"]) for r in rows}
+    assert len(lengths) == len(counts)  # one length per document
+    assert 0.5 < sum(r["wim"] for r in rows) / len(rows) < 0.9  # wim_fraction 0.7
+
+
+def test_a_generated_trace_reads_back_as_a_document_trace(tmp_path: Path) -> None:
+    rows = generate(GeneratorOptions(requests=50, seed=1))
+    path = tmp_path / "g.jsonl"
+    write_trace(rows, path)
+    trace = read_trace(path)
+    assert trace.kind == "document" and len(trace.requests) == 50
+
+
+def test_generator_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="document tokens"):
+        generate(GeneratorOptions(document_tokens=(900, 100)))
+
+
+# -- the engine's arithmetic ----------------------------------------------------------------
+
+
+def test_a_decode_run_sums_its_steps_in_closed_form() -> None:
+    decode = PROFILE.decode
+    run_ = DecodeRun(
+        start=10.0,
+        batch=3,
+        context=9000,
+        step_s=decode.fixed_s + 3 * decode.per_sequence_s,
+        context_s=decode.per_context_token_s,
+    )
+    stepped = 10.0 + sum(decode.step_seconds(3, 9000 + 3 * j) for j in range(40))
+    assert run_.end(40) == pytest.approx(stepped)
+    # Cut short: the step under way at `now` still ends.
+    assert run_.steps_by(run_.end(7) - 1e-6, 40) == 7
+    assert run_.steps_by(run_.end(7), 40) == 7
+    assert run_.steps_by(10.0, 40) == 0
+
+
+def test_percentiles_interpolate() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+
+
+# -- replays --------------------------------------------------------------------------------
+
+
+def light_mooncake(requests: int = 120, gap_s: float = 4.0, groups: int = 6) -> Trace:
+    """Requests spaced `gap_s` apart, in `groups` conversations sharing a 10-block prefix."""
+    rows = []
+    for i in range(requests):
+        group = i % groups
+        shared = [1000 * group + b for b in range(10)]
+        rows.append(
+            Request(
+                index=i,
+                arrival_s=i * gap_s,
+                prompt_tokens=6000,
+                answer_tokens=30,
+                prefix=(*shared, 100_000 + i, 200_000 + i),
+            )
+        )
+    return Trace("mooncake", tuple(rows))
+
+
+def document_trace(rows: list[dict[str, Any]], tmp_path: Path) -> Trace:
+    return read_trace(write_jsonl(tmp_path / "docs.jsonl", rows))
+
+
+def test_a_lone_request_takes_its_prefill_then_its_decode_steps() -> None:
+    request = Request(index=0, arrival_s=5.0, prompt_tokens=2000, answer_tokens=4)
+    (outcome,) = run(Trace("mooncake", (request,)), "wim", 1).outcomes
+    prefill = PROFILE.prefill.seconds(2000)
+    steps = sum(PROFILE.decode.step_seconds(1, 2001 + j) for j in range(3))
+    assert outcome.first_token_s - 5.0 == pytest.approx(prefill)
+    assert outcome.end_s - outcome.first_token_s == pytest.approx(steps)
+
+
+def test_a_lone_wim_query_reads_writes_its_margins_then_answers(tmp_path: Path) -> None:
+    trace = document_trace([doc_row(0, "a", wim=True, tokens=3000)], tmp_path)
+    (outcome,) = run(trace, "wim", 1, segment_tokens=1024, margin_tokens=5).outcomes
+    p, margins = PROFILE, 3  # ceil(3000 / 1024)
+    read = p.prefill.seconds(3000)
+    prompts = p.prefill.seconds(margins * p.margin_prompt_tokens, cached=3000)
+    context = margins * (3000 + p.margin_prompt_tokens + 1)
+    decode = sum(p.decode.step_seconds(margins, context + margins * j) for j in range(4))
+    query = p.prefill.seconds(40 + margins * 5, cached=3000)
+    assert outcome.first_token_s == pytest.approx(read + prompts + decode + query)
+    assert (outcome.prompt_tokens, outcome.cached_tokens) == (3040, 0)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_request_completes_once_when_capacity_allows(policy: str, tmp_path: Path) -> None:
+    rows = generate(GeneratorOptions(requests=150, rate=0.3, documents=6, seed=2))
+    for trace in (document_trace(rows, tmp_path), light_mooncake()):
+        result = run(trace, policy, 3)
+        indexes = sorted(o.index for o in result.outcomes)
+        assert indexes == list(range(len(trace.requests)))
+        assert summarise(result)["completed"] == len(trace.requests)
+        assert all(o.arrival_s <= o.first_token_s <= o.end_s for o in result.outcomes)
+        assert result.unplaced == result.too_large == 0
+
+
+def test_prefix_reuse_is_higher_for_sticky_and_wim_than_round_robin() -> None:
+    trace = light_mooncake(gap_s=1.0)
+    reuse = {p: summarise(run(trace, p, 4))["prefix_reuse"] for p in POLICIES}
+    assert reuse["sticky"] > reuse["round_robin"]
+    assert reuse["wim"] > reuse["round_robin"]
+
+
+def hot_document(tmp_path: Path) -> Trace:
+    rows = generate(
+        GeneratorOptions(
+            requests=300,
+            rate=2.0,
+            documents=3,
+            zipf_exponent=3.0,
+            queries_per_session=1,
+            wim_fraction=1.0,
+            document_tokens=(4000, 4000),
+            seed=0,
+        )
+    )
+    assert sum(r["document_id"] == "doc-0000" for r in rows) > 0.8 * len(rows)
+    return document_trace(rows, tmp_path)
+
+
+@pytest.mark.parametrize("replicas", [4, 8])
+def test_a_hot_document_gets_copies_under_wim_and_a_lower_p95(
+    tmp_path: Path, replicas: int
+) -> None:
+    trace = hot_document(tmp_path)
+    sticky, wim = (run(trace, p, replicas) for p in ("sticky", "wim"))
+    documents = len({r.document for r in trace.requests})
+    assert sticky.copies_opened == documents  # one copy per document, ever
+    assert wim.copies_opened > documents
+    assert summarise(wim)["ttft_p95_s"] < summarise(sticky)["ttft_p95_s"]
+    hot_on = {o.replica for o in wim.outcomes if trace.requests[o.index].document == "doc-0000"}
+    assert len(hot_on) > 1
+
+
+def test_more_replicas_never_worsen_round_robins_p95_on_a_light_trace() -> None:
+    # No shared prefixes: which replica a conversation's turns meet would blur the queueing.
+    trace = light_mooncake(gap_s=1.0, groups=120)
+    p95 = [summarise(run(trace, "round_robin", n))["ttft_p95_s"] for n in (1, 2, 4, 8)]
+    assert p95 == sorted(p95, reverse=True)
+    assert p95[0] > p95[-1]
+
+
+def test_a_job_without_room_waits_and_its_wait_counts_in_its_ttft(tmp_path: Path) -> None:
+    # One replica, one session slot: b's query waits for a's copy to be retired.
+    trace = document_trace([doc_row(0, "a", wim=True), doc_row(0.5, "b", wim=True)], tmp_path)
+    result = run(trace, "wim", 1, slots=1, copy_idle_s=30.0)
+    assert (result.queued_for_room, result.copies_opened, result.copies_retired) == (1, 2, 2)
+    a, b = sorted(result.outcomes, key=lambda o: o.index)
+    assert b.first_token_s > a.end_s + 30.0
+    assert b.cached_tokens == a.cached_tokens == 0  # each read its own copy
+
+
+@pytest.mark.parametrize("backlog_decode", [True, False])
+def test_expected_wait_spreads_a_burst_by_the_backlog_it_books(backlog_decode: bool) -> None:
+    # Eight distinct prompts at once on four replicas: each booking raises that replica's
+    # backlog, so the next one goes elsewhere, two per replica.
+    burst = tuple(
+        Request(index=i, arrival_s=0.0, prompt_tokens=3000, answer_tokens=20, prefix=(i,))
+        for i in range(8)
+    )
+    result = run(Trace("mooncake", burst), "wim", 4, backlog_decode=backlog_decode)
+    per_replica = [sum(o.replica == r for o in result.outcomes) for r in range(4)]
+    assert per_replica == [2, 2, 2, 2]
+
+
+def test_a_copy_being_read_already_holds_its_kv(tmp_path: Path) -> None:
+    # Room for one 3,000-token copy and its query (106 blocks of 125), not two: b, arriving
+    # while a's copy is still being read, waits for a's copy to retire.
+    small = PROFILE.model_copy(update={"kv_capacity_tokens": 4000})
+    trace = document_trace([doc_row(0, "a", wim=True), doc_row(0.1, "b", wim=True)], tmp_path)
+    result = simulate(trace, "wim", 1, small, SimSettings(copy_idle_s=10.0))
+    assert (result.queued_for_room, len(result.outcomes)) == (1, 2)
+    a, b = sorted(result.outcomes, key=lambda o: o.index)
+    assert b.first_token_s > a.end_s + 10.0
+
+
+def test_a_request_larger_than_a_replica_is_counted_not_placed() -> None:
+    big = Request(index=0, arrival_s=0.0, prompt_tokens=PROFILE.kv_capacity_tokens, answer_tokens=9)
+    result = run(Trace("mooncake", (big,)), "wim", 2)
+    assert (result.too_large, len(result.outcomes)) == (1, 0)
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def test_the_command_prints_a_row_per_policy_and_writes_the_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace, profile = tmp_path / "docs.jsonl", tmp_path / "profile.json"
+    profile.write_text(PROFILE.model_dump_json())
+    assert main(["sim", "--generate", str(trace), "--requests", "60", "--rate", "0.2"]) == 0
+    out = tmp_path / "rows.json"
+    argv = ["sim", "--trace", str(trace), "--replicas", "1,3", "--policies", "sticky,wim"]
+    argv += ["--profile", str(profile)]
+    assert main([*argv, "--json-out", str(out), "--time-scale", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    body = [line for line in lines if line.startswith("|") and "---" not in line][1:]
+    assert [line.split("|")[1].strip() for line in body] == ["sticky", "wim"] * 2
+    rows = json.loads(out.read_text())
+    assert [(r["policy"], r["replicas"]) for r in rows] == [
+        ("sticky", 1),
+        ("wim", 1),
+        ("sticky", 3),
+        ("wim", 3),
+    ]
+    assert all(set(KEYS) <= set(r) and r["completed"] == 60 for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trace", "{tmp}/missing.jsonl"], "no trace file"),
+        (["--trace", "{bad}"], "bad.jsonl:2: not JSON"),
+        (["--trace", "{good}", "--policies", "wim,fastest"], "unknown placement policy 'fastest'"),
+        (["--trace", "{good}", "--replicas", "0"], "within 1-64"),
+        (["--trace", "{good}", "--replicas", "8,65"], "within 1-64"),
+        (["--trace", "{good}", "--replicas", "many"], "counts like 8"),
+        (["--trace", "{good}", "--profile", "{tmp}/none.json"], "no profile file"),
+        (["--generate", "{tmp}/g.jsonl", "--document-tokens", "9-x"], "LOW-HIGH"),
+        (["--calibrate"], "needs --out"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    good = write_jsonl(tmp_path / "good.jsonl", [mooncake_row(0, 100, [1])])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(good.read_text() + "{oops\n")
+    names = {"tmp": str(tmp_path), "good": str(good), "bad": str(bad)}
+    assert main(["sim", *(arg.format(**names) for arg in argv)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("wim: ") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -1,0 +1,215 @@
+"""`wim sim`: replay a trace over simulated replicas through the placement policies
+(`wim_service.sim`), write a synthetic WiM document trace, or measure an engine profile.
+
+wim sim --trace wim_service/sim/traces/mooncake_conversation_4000.jsonl.gz --replicas 64
+wim sim --trace docs.jsonl --replicas 1,2,4,8 --policies sticky,wim --json-out sim.json
+wim sim --generate docs.jsonl --requests 2000 --rate 2 --documents 20 --zipf-exponent 1.2
+wim sim --calibrate --out profile.json --kv-cache-gib 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from wim_service.cli.lifecycle import refused
+from wim_service.engine.config import EngineConfig
+from wim_service.placement.policy import POLICIES
+from wim_service.placement.profile import EngineProfile
+from wim_service.sim.generate import GeneratorOptions, generate, write_trace
+from wim_service.sim.replay import simulate
+from wim_service.sim.report import summarise, table
+from wim_service.sim.settings import SimSettings
+from wim_service.sim.traces import read_trace
+
+MAX_REPLICAS = 64
+GENERATOR_DEFAULTS = GeneratorOptions()
+SIM_DEFAULTS = SimSettings()
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "sim",
+        help="simulate placement policies over a trace",
+        description="Replay a trace over simulated engine replicas through the placement "
+        "policies; or --generate a WiM document trace; or --calibrate an engine profile (the "
+        "engine flags apply to --calibrate only).",
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--trace", type=Path, help="Mooncake or WiM document trace (.jsonl[.gz])")
+    mode.add_argument("--generate", type=Path, metavar="FILE", help="write a WiM document trace")
+    mode.add_argument(
+        "--calibrate", action="store_true", help="measure an engine profile; write it to --out"
+    )
+    _add_replay_arguments(parser)
+    _add_generator_arguments(parser)
+    parser.add_argument("--out", type=Path, help="where --calibrate writes the profile")
+    EngineConfig.add_cli_args(parser)
+    parser.set_defaults(main=main)
+
+
+def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("replay (--trace)")
+    group.add_argument(
+        "--replicas", default="8", help="replicas, 1-64, or a list to sweep: 1,2,4,8 (8)"
+    )
+    group.add_argument("--policies", default=",".join(POLICIES), help="(%(default)s)")
+    group.add_argument("--profile", type=Path, help="engine profile (default: the shipped one)")
+    group.add_argument("--json-out", type=Path, help="also write the rows as a JSON list here")
+    group.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply arrival times by this: above 1 spreads the trace for a smaller fleet "
+        "(%(default)s)",
+    )
+    group.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        help="KV tokens per replica instead of the profile's (what a bigger KV cache would do)",
+    )
+    group.add_argument("--slots", type=int, default=SIM_DEFAULTS.slots, help="session slots")
+    group.add_argument("--copy-idle-s", type=float, default=SIM_DEFAULTS.copy_idle_s)
+    group.add_argument("--segment-tokens", type=int, default=SIM_DEFAULTS.segment_tokens)
+    group.add_argument("--margin-tokens", type=int, default=SIM_DEFAULTS.margin_tokens)
+    group.add_argument("--max-copies", type=int, default=SIM_DEFAULTS.max_copies)
+    group.add_argument(
+        "--backlog",
+        choices=["prefill+decode", "prefill"],
+        default="prefill+decode",
+        help="what a replica's backlog counts for placement: booked prefills and the batch's "
+        "decode left, or the prefills only (%(default)s)",
+    )
+
+
+def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("document trace (--generate)")
+    d = GENERATOR_DEFAULTS
+    group.add_argument("--requests", type=int, default=d.requests)
+    group.add_argument("--rate", type=float, default=d.rate, help="queries per second (Poisson)")
+    group.add_argument("--documents", type=int, default=d.documents)
+    group.add_argument("--zipf-exponent", type=float, default=d.zipf_exponent)
+    group.add_argument("--queries-per-session", type=int, default=d.queries_per_session)
+    group.add_argument("--think-s", type=float, default=d.think_s, help="mean s between queries")
+    group.add_argument(
+        "--document-tokens", default="{}-{}".format(*d.document_tokens), help="LOW-HIGH"
+    )
+    group.add_argument("--query-tokens", type=int, default=d.query_tokens)
+    group.add_argument("--answer-tokens", type=int, default=d.answer_tokens)
+    group.add_argument("--wim-fraction", type=float, default=d.wim_fraction)
+    group.add_argument("--seed", type=int, default=d.seed)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.calibrate:
+            return calibrate_profile(args)
+        if args.generate is not None:
+            return generate_trace(args)
+        return replay(args)
+    except (OSError, ValueError) as exc:  # TraceError and pydantic's errors included
+        return refused(exc)
+
+
+def parse_replicas(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--replicas takes counts like 8 or 1,2,4,8, not {text!r}") from None
+    if any(not 1 <= n <= MAX_REPLICAS for n in counts):
+        raise ValueError(f"--replicas must be within 1-{MAX_REPLICAS}, not {text}")
+    return counts
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names or [text]:
+        if name not in POLICIES:
+            raise ValueError(f"unknown placement policy {name!r}; one of {', '.join(POLICIES)}")
+    return names
+
+
+def settings_from(args: argparse.Namespace) -> SimSettings:
+    settings = SimSettings(
+        slots=args.slots,
+        copy_idle_s=args.copy_idle_s,
+        segment_tokens=args.segment_tokens,
+        margin_tokens=args.margin_tokens,
+        max_copies=args.max_copies,
+        backlog_decode=args.backlog == "prefill+decode",
+    )
+    settings.check()
+    return settings
+
+
+def profile_from(args: argparse.Namespace) -> EngineProfile:
+    if args.profile is not None and not args.profile.is_file():
+        raise ValueError(f"no profile file {args.profile}")
+    profile = EngineProfile.load(args.profile)
+    if args.kv_capacity_tokens is not None:
+        if args.kv_capacity_tokens < profile.block_tokens:
+            raise ValueError(f"--kv-capacity-tokens must be at least {profile.block_tokens}")
+        profile = profile.model_copy(update={"kv_capacity_tokens": args.kv_capacity_tokens})
+    return profile
+
+
+def replay(args: argparse.Namespace) -> int:
+    """Every policy at every fleet size: a table on stdout, the rows as JSON if asked."""
+    counts, policies = parse_replicas(args.replicas), parse_policies(args.policies)
+    if not args.time_scale > 0:
+        raise ValueError("--time-scale must be above 0")
+    settings, profile = settings_from(args), profile_from(args)
+    trace = read_trace(args.trace).scaled(args.time_scale)
+    print(
+        f"{args.trace}: {len(trace.requests)} {trace.kind} requests, time scale "
+        f"{args.time_scale:g}; profile {profile.model} ({profile.machine}), "
+        f"{profile.kv_capacity_tokens} KV tokens per replica",
+        file=sys.stderr,
+    )
+    rows: list[dict[str, Any]] = []
+    for replicas in counts:
+        for policy in policies:
+            rows.append(summarise(simulate(trace, policy, replicas, profile, settings)))
+    print(table(rows))
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def generator_options(args: argparse.Namespace) -> GeneratorOptions:
+    low, sep, high = args.document_tokens.partition("-")
+    try:
+        document_tokens = (int(low), int(high if sep else low))
+    except ValueError:
+        raise ValueError(
+            f"--document-tokens takes LOW-HIGH, not {args.document_tokens!r}"
+        ) from None
+    given = {f.name: getattr(args, f.name) for f in fields(GeneratorOptions)}
+    return GeneratorOptions(**{**given, "document_tokens": document_tokens})
+
+
+def generate_trace(args: argparse.Namespace) -> int:
+    rows = generate(generator_options(args))
+    write_trace(rows, args.generate)
+    documents = len({row["document_id"] for row in rows})
+    print(f"wrote {len(rows)} requests over {documents} documents to {args.generate}")
+    return 0
+
+
+def calibrate_profile(args: argparse.Namespace) -> int:
+    """Measure this machine's engine (`wim_service.engine.calibration`) and write its profile."""
+    if args.out is None:
+        raise ValueError("--calibrate needs --out FILE")
+    try:  # vLLM: imported only when calibrating
+        from wim_service.engine.calibration import calibrate
+    except ImportError as exc:  # a build without the engine's extras (vLLM)
+        raise ValueError(f"cannot calibrate here: {exc}") from None
+
+    profile = calibrate(EngineConfig.from_cli_args(args))
+    args.out.write_text(profile.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    print(f"wrote the engine profile to {args.out}")
+    return 0

@@ -1,0 +1,31 @@
+"""`wim sim`: a discrete-event replay of a request trace over N simulated engine replicas,
+placed by the same policies (`wim_service.placement`) that the live router runs.
+
+Modules: `traces` (Mooncake and WiM document traces into one record), `generate` (synthetic
+document traces), `engine` (one replica's time line), `jobs` (how a request runs on it),
+`replay` (the event loop, placement and the queue for room), `report` (the summary table).
+
+What the model simplifies, on purpose:
+
+* Costs are the `EngineProfile`'s fitted formulas, not a model run: a prefill costs
+  `prefill.seconds(new, cached)`, a decode step `decode.step_seconds(batch, context)`.
+* An engine does one thing at a time: prefills one after another (first queued, first run),
+  and between them decode runs of the whole batch. A prefill pauses decoding (no chunked-prefill
+  overlap); it waits only for the decode step under way.
+* KV is reserved per job at placement for its worst case (prompt, margins and answer) and given
+  back when it ends; a document copy holds its blocks until retired (idle `copy_idle_s`). Cached
+  prefixes live in the KV no copy holds, as an LRU of 512-token blocks (Mooncake's hash size;
+  document traces hash their documents in blocks of the same size, so prefix reuse means the
+  same for both kinds), and never block a placement: vLLM evicts them on demand.
+* Session slots (the service's max_sessions) are taken by each copy and by each job running
+  without one; placement sees free KV, free slots, the backlog of booked prefills and the
+  batch's decode left, and each replica's exact prefix cache.
+* A WiM query's margins are one prefill of every margin prompt over the document's KV, then
+  decode side by side in the batch; no margin is judged or dropped, every answer decodes its
+  full `answer_tokens`, and nothing fails or is cancelled.
+* A job no replica has room for waits in one first-come-first-served queue (nothing overtakes
+  it); a request larger than an empty replica's KV is counted as too large, never placed.
+
+Speed: 64 replicas over the shipped 4,000-request Mooncake trace, all three policies, in a few
+seconds (`scripts/bench_sim.sh`).
+"""

@@ -1,0 +1,273 @@
+"""One simulated replica: a vLLM engine with continuous batching, timed by an `EngineProfile`.
+
+The engine does one thing at a time, as a CPU engine does: a prefill (one at a time, in the
+order submitted, costing `profile.prefill.seconds(new, cached)` for the tokens not served from
+its cache), or a run of decode steps of the whole running batch, each costing
+`profile.decode.step_seconds(batch, context)`. A prefill waits for the decode step under way,
+then pauses the batch (no chunked-prefill overlap: pessimistic for decode, true to the wait a
+queued prefill sees).
+
+It is event driven: between two changes of the batch (a sequence ends, a prefill arrives) the
+steps' costs sum in closed form, so one heap event covers many steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from wim_service.placement.profile import EngineProfile
+from wim_service.placement.state import PrefixCache, ReplicaState
+from wim_service.sim.traces import HASH_BLOCK_TOKENS
+
+
+class Prefill(Protocol):
+    """A prefill queued on an engine."""
+
+    estimate_s: float  # what the engine's backlog counts for it until it starts
+
+    def begin(self, engine: Engine) -> float:
+        """Seconds the prefill takes, decided when it starts (its cache hit is known then)."""
+        ...
+
+    def finish(self, engine: Engine, now: float) -> None: ...
+
+
+class Owner(Protocol):
+    def decoded(self, engine: Engine, now: float) -> None:
+        """One of the owner's sequences decoded its last token at `now`."""
+        ...
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    owner: Owner
+    remaining: int  # decode steps left
+    context: int  # tokens the next step attends to
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRun:
+    """Steps of an unchanging batch from `start`: step j ends at `end(j)`."""
+
+    start: float
+    batch: int
+    context: int  # the batch's context at the first step; each step adds `batch` tokens
+    step_s: float  # a step's cost without its context part
+    context_s: float  # a step's cost per context token
+
+    def end(self, steps: int) -> float:
+        context = steps * self.context + self.batch * steps * (steps - 1) / 2
+        return self.start + steps * self.step_s + self.context_s * context
+
+    def steps_by(self, now: float, most: int) -> int:
+        """Steps done by `now`, the step under way included (it is not cut short)."""
+        low, high = 0, most
+        while low < high:
+            mid = (low + high) // 2
+            if self.end(mid) >= now:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+
+@dataclass
+class Copy:
+    """A document's KV held on an engine (a document session's copy)."""
+
+    blocks: int
+    active: int = 0  # jobs booked on it and not yet done
+    last_used_s: float = 0.0
+
+
+@dataclass
+class Engine:
+    """One replica. `schedule(time)` asks the simulator to call `wake(time)`; only the latest
+    request counts (`version`)."""
+
+    index: int
+    profile: EngineProfile
+    slots: int
+    schedule: Callable[[Engine, float], None]
+    # Whether the backlog placement reads counts the batch's decode left. This engine starts a
+    # new prefill after the current decode step, so only prefills truly delay a job's start;
+    # counting the decode too makes a replica that is decoding look busy (as it is on an
+    # engine that interleaves prefill chunks with the batch's steps).
+    backlog_decode: bool = True
+    capacity_blocks: int = 0
+    free_blocks: int = 0
+    running_jobs: int = 0  # booked jobs without a copy: each holds a session slot
+    copies: dict[str, Copy] = field(default_factory=dict)
+    cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
+    queue: deque[Prefill] = field(default_factory=deque)
+    batch: list[Sequence] = field(default_factory=list)
+    version: int = 0
+    _prefill: Prefill | None = None
+    _run: DecodeRun | None = None
+    _run_steps: int = 0
+    _busy_until: float = 0.0
+    _queued_s: float = 0.0  # estimates of the queued prefills and of booked jobs' later ones
+    _decode_s: float = 0.0  # expected seconds to decode the batch, as of the last change
+    _documents: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.capacity_blocks = self.profile.kv_capacity_tokens // self.profile.block_tokens
+        self.free_blocks = self.capacity_blocks
+        self.cache = PrefixCache(self.profile.kv_capacity_tokens // HASH_BLOCK_TOKENS)
+
+    # -- what placement sees ------------------------------------------------------------
+
+    def state(self, now: float) -> ReplicaState:
+        return ReplicaState(
+            replica=f"r{self.index:02d}",
+            free_blocks=self.free_blocks,
+            free_sessions=self.slots - len(self.copies) - self.running_jobs,
+            backlog_s=self.backlog_s(now),
+            running=len(self.batch),
+            documents=self._documents,
+            prefix_cache=self.cache,
+        )
+
+    def backlog_s(self, now: float) -> float:
+        """Expected seconds of admitted work ahead of a job sent now: the prefill under way
+        and those queued or still to come for booked jobs, and (`backlog_decode`) the batch's
+        decode left at its present size."""
+        prefill = max(0.0, self._busy_until - now) if self._prefill is not None else 0.0
+        if not self.backlog_decode:
+            return prefill + self._queued_s
+        decode = self._decode_s
+        if self._run is not None:  # the estimate was made as this run started
+            decode = max(0.0, decode - (now - self._run.start))
+        return prefill + self._queued_s + decode
+
+    # -- booking ------------------------------------------------------------------------
+
+    def book(
+        self, blocks: int, estimate_s: float, *, document: str | None, copy_blocks: int = 0
+    ) -> None:
+        """Reserve a placed job's KV and session slot, and count its prefills as backlog; with
+        `copy_blocks`, open a copy of its document here and reserve its KV at once (the read
+        is queued, and nothing placed meanwhile may count on those blocks)."""
+        self.free_blocks -= blocks
+        self._queued_s += estimate_s
+        if document is None:
+            self.running_jobs += 1
+            return
+        if copy_blocks:
+            self.copies[document] = Copy(blocks=copy_blocks)
+            self._documents = frozenset(self.copies)
+            self.free_blocks -= copy_blocks
+            self._resize_cache()
+        self.copies[document].active += 1
+
+    def release(self, blocks: int, now: float, *, document: str | None) -> None:
+        self.free_blocks += blocks
+        if document is None:
+            self.running_jobs -= 1
+            return
+        copy = self.copies[document]
+        copy.active -= 1
+        copy.last_used_s = now
+
+    def retire_if_idle(self, document: str, now: float, idle_s: float) -> bool:
+        """Drop a copy no job has used for `idle_s`; whether it was dropped."""
+        copy = self.copies.get(document)
+        if copy is None or copy.active or now - copy.last_used_s < idle_s:
+            return False
+        del self.copies[document]
+        self._documents = frozenset(self.copies)
+        self.free_blocks += copy.blocks
+        self._resize_cache()
+        return True
+
+    def _resize_cache(self) -> None:
+        # vLLM keeps cached prefixes in KV blocks no copy holds; eviction happens on insert.
+        held = sum(c.blocks for c in self.copies.values()) * self.profile.block_tokens
+        self.cache.capacity_blocks = max(0, self.profile.kv_capacity_tokens - held) // (
+            HASH_BLOCK_TOKENS
+        )
+
+    # -- work ---------------------------------------------------------------------------
+
+    def submit(self, prefill: Prefill, now: float) -> None:
+        """Queue a prefill; a decode run pauses after its current step."""
+        self.queue.append(prefill)
+        if self._run is not None:
+            self._interrupt(now)
+        elif self._prefill is None:
+            self._start_next(now)
+
+    def decode(self, owner: Owner, count: int, steps: int, context: int) -> None:
+        """Add `count` sequences of `steps` decode steps each to the batch (between runs: a
+        prefill has just ended or a sequence has)."""
+        assert self._run is None
+        self.batch.extend(Sequence(owner, steps, context) for _ in range(count))
+        self._estimate_decode()
+
+    def wake(self, now: float) -> None:
+        """The prefill or decode run that the last `schedule` timed has ended."""
+        if self._prefill is not None:
+            prefill, self._prefill = self._prefill, None
+            prefill.finish(self, now)
+        elif self._run is not None:
+            self._end_run(now)
+        self._start_next(now)
+
+    def _start_next(self, now: float) -> None:
+        if self._prefill is not None or self._run is not None:
+            return
+        if self.queue:
+            self._prefill = self.queue.popleft()
+            self._queued_s -= self._prefill.estimate_s
+            self._busy_until = now + self._prefill.begin(self)
+            self._at(self._busy_until)
+        elif self.batch:
+            decode = self.profile.decode
+            self._run = DecodeRun(
+                start=now,
+                batch=len(self.batch),
+                context=sum(s.context for s in self.batch),
+                step_s=decode.fixed_s + len(self.batch) * decode.per_sequence_s,
+                context_s=decode.per_context_token_s,
+            )
+            self._run_steps = min(s.remaining for s in self.batch)
+            self._at(self._run.end(self._run_steps))
+
+    def _interrupt(self, now: float) -> None:
+        assert self._run is not None
+        self._run_steps = self._run.steps_by(now, self._run_steps)
+        self._at(self._run.end(self._run_steps))
+
+    def _end_run(self, now: float) -> None:
+        steps, self._run = self._run_steps, None
+        done: list[Sequence] = []
+        kept: list[Sequence] = []
+        for sequence in self.batch:
+            sequence.remaining -= steps
+            sequence.context += steps  # each step adds a token to every sequence
+            (done if sequence.remaining <= 0 else kept).append(sequence)
+        self.batch = kept
+        self._estimate_decode()
+        for sequence in done:  # after the batch is consistent: an owner may queue a prefill
+            sequence.owner.decoded(self, now)
+
+    def _estimate_decode(self) -> None:
+        """The batch's decode left, at a steady batch (what the expected-wait policy reads)."""
+        if not self.batch:
+            self._decode_s = 0.0
+            return
+        longest = max(s.remaining for s in self.batch)
+        context = sum(s.context for s in self.batch)
+        self._decode_s = self.profile.decode_seconds(longest, len(self.batch), context)
+
+    def _at(self, time: float) -> None:
+        self.version += 1
+        self.schedule(self, time)
+
+
+def blocks_for(tokens: int, block_tokens: int) -> int:
+    return math.ceil(tokens / block_tokens)

@@ -1,0 +1,98 @@
+"""`wim sim --generate`: a synthetic WiM document trace, the same for the same seed.
+
+Sessions arrive as a Poisson process; each picks a document by Zipf popularity (document k of
+n with weight 1 / k**exponent, so `doc-0000` is the hottest) and sends its queries one after
+another, a think time apart. Each query is a WiM query with probability `wim_fraction`, else
+a plain long-context request over the same document.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GeneratorOptions:
+    requests: int = 1000
+    rate: float = 1.0  # queries per second over the whole trace
+    documents: int = 50
+    zipf_exponent: float = 1.1
+    queries_per_session: int = 4
+    think_s: float = 20.0  # mean seconds between a session's queries
+    document_tokens: tuple[int, int] = (2000, 8000)
+    query_tokens: int = 64
+    answer_tokens: int = 128
+    wim_fraction: float = 0.7
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raise ValueError naming the first option out of its range."""
+        low, high = self.document_tokens
+        rules = [
+            (self.requests >= 1, "requests must be at least 1"),
+            (self.rate > 0, "rate must be above 0"),
+            (self.documents >= 1, "documents must be at least 1"),
+            (self.zipf_exponent >= 0, "zipf exponent must be at least 0"),
+            (self.queries_per_session >= 1, "queries per session must be at least 1"),
+            (self.think_s >= 0, "think time must be at least 0"),
+            (1 <= low <= high, "document tokens must be a range LOW-HIGH with 1 <= LOW <= HIGH"),
+            (self.query_tokens >= 1 and self.answer_tokens >= 1, "query/answer tokens >= 1"),
+            (0 <= self.wim_fraction <= 1, "wim fraction must be within 0-1"),
+        ]
+        for ok, message in rules:
+            if not ok:
+                raise ValueError(message)
+
+
+def zipf_weights(n: int, exponent: float) -> list[float]:
+    return [1.0 / (k**exponent) for k in range(1, n + 1)]
+
+
+def _sessions(options: GeneratorOptions, rng: random.Random) -> Iterator[list[dict[str, Any]]]:
+    """Sessions in order of their start, each its list of rows (unsorted across sessions)."""
+    weights = list(accumulate(zipf_weights(options.documents, options.zipf_exponent)))
+    low, high = options.document_tokens
+    # Drawn up front so that a document's length does not depend on when it is first picked.
+    lengths = [rng.randint(low, high) for _ in range(options.documents)]
+    session_rate = options.rate / options.queries_per_session
+    start = 0.0
+    for number in range(math.ceil(options.requests / options.queries_per_session)):
+        start += rng.expovariate(session_rate)
+        document = rng.choices(range(options.documents), cum_weights=weights)[0]
+        at, rows = start, []
+        for _ in range(options.queries_per_session):
+            rows.append(
+                {
+                    "timestamp_s": round(at, 3),
+                    "session_id": f"s-{number:05d}",
+                    "document_id": f"doc-{document:04d}",
+                    "document_tokens": lengths[document],
+                    "query_tokens": options.query_tokens,
+                    "answer_tokens": options.answer_tokens,
+                    "wim": rng.random() < options.wim_fraction,
+                }
+            )
+            at += rng.expovariate(1 / options.think_s) if options.think_s else 0.0
+        yield rows
+
+
+def generate(options: GeneratorOptions) -> list[dict[str, Any]]:
+    """The trace's rows in timestamp order: `options.requests` of them."""
+    options.check()
+    rng = random.Random(options.seed)
+    rows = [row for session in _sessions(options, rng) for row in session]
+    rows.sort(key=lambda row: row["timestamp_s"])  # stable: a session's ties keep its order
+    return rows[: options.requests]
+
+
+def write_trace(rows: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")

@@ -1,0 +1,182 @@
+"""How one request runs on a simulated engine: its shape for placement (`Work`) and its
+prefills and decodes, stage by stage.
+
+A plain request (a Mooncake request, a document trace's `wim: false` row) prefills its prompt
+past the cached prefix, then decodes its answer. A WiM query on a document session reads the
+document first if placement opened a copy for it, writes one margin per segment (one prefill of
+every margin's prompt over the document's KV, then the margins decode side by side in the
+batch), then prefills the query with the margins and decodes the answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from wim_service.placement.profile import EngineProfile
+from wim_service.placement.state import Work
+from wim_service.sim.engine import Engine
+from wim_service.sim.settings import SimSettings
+from wim_service.sim.traces import HASH_BLOCK_TOKENS, Request
+
+
+def work_for(request: Request, profile: EngineProfile, settings: SimSettings) -> Work:
+    """The request as placement sees it, its KV reservation in the profile's blocks."""
+    block = profile.block_tokens
+    if not request.wim:
+        return Work(
+            prompt_tokens=request.prompt_tokens,
+            answer_tokens=request.answer_tokens,
+            kv_blocks=math.ceil((request.prompt_tokens + request.answer_tokens) / block),
+            prefix=request.prefix,
+            prefix_block_tokens=HASH_BLOCK_TOKENS,
+        )
+    margins = math.ceil(request.document_tokens / settings.segment_tokens)
+    # Its margins (prompt and output) at once, then the query, the margins and the answer.
+    own = margins * (profile.margin_prompt_tokens + 2 * settings.margin_tokens)
+    own += request.query_tokens + request.answer_tokens
+    return Work(
+        prompt_tokens=request.prompt_tokens,
+        answer_tokens=request.answer_tokens,
+        kv_blocks=math.ceil(own / block),
+        document=request.document,
+        document_tokens=request.document_tokens,
+        document_blocks=math.ceil(request.document_tokens / block),
+        margins=margins,
+        margin_tokens=settings.margin_tokens,
+    )
+
+
+@dataclass(eq=False)
+class Job:
+    """One request placed on an engine, and what the report reads of it."""
+
+    request: Request
+    work: Work
+    settings: SimSettings
+    on_done: Callable[[Job, Engine, float], None]
+    copy: bool = False  # placement opened a copy of the document for it
+    placed_s: float = 0.0
+    first_token_s: float | None = None
+    end_s: float | None = None
+    cached_tokens: int = 0
+    margins_left: int = 0
+
+    def start(self, engine: Engine, now: float) -> None:
+        """Book the job on `engine` and queue its first prefill."""
+        profile, work = engine.profile, self.work
+        self.placed_s = now
+        if not self.request.wim:
+            estimate = plain_seconds(profile, work, engine.cache.match(work.prefix))
+            engine.book(work.kv_blocks, estimate, document=None)
+            engine.submit(PlainPrefill(self, estimate), now)
+            return
+        read = profile.prefill.seconds(work.document_tokens) if self.copy else 0.0
+        margins = self.margins_prefill_seconds(profile)
+        estimate = read + margins + self.query_prefill_seconds(profile)
+        copy_blocks = work.document_blocks if self.copy else 0
+        engine.book(work.kv_blocks, estimate, document=work.document, copy_blocks=copy_blocks)
+        self.cached_tokens = 0 if self.copy else work.document_tokens
+        if self.copy:
+            engine.submit(ReadPrefill(self, read), now)
+        engine.submit(MarginsPrefill(self, margins), now)
+
+    def margins_prefill_seconds(self, profile: EngineProfile) -> float:
+        new = self.work.margins * profile.margin_prompt_tokens
+        return profile.prefill.seconds(new, cached=self.work.document_tokens)
+
+    def query_prefill_seconds(self, profile: EngineProfile) -> float:
+        new = self.request.query_tokens + self.work.margins * self.work.margin_tokens
+        return profile.prefill.seconds(new, cached=self.work.document_tokens)
+
+    def first_token(self, engine: Engine, now: float, context: int) -> None:
+        """The prefill that ends now gave the answer's first token; decode the rest."""
+        self.first_token_s = now
+        if self.request.answer_tokens > 1:
+            engine.decode(self, 1, self.request.answer_tokens - 1, context)
+        else:
+            self.finish(engine, now)
+
+    def decoded(self, engine: Engine, now: float) -> None:
+        if self.margins_left:
+            self.margins_left -= 1
+            if not self.margins_left:
+                engine.submit(QueryPrefill(self, self.query_prefill_seconds(engine.profile)), now)
+            return
+        self.finish(engine, now)
+
+    def finish(self, engine: Engine, now: float) -> None:
+        self.end_s = now
+        engine.release(self.work.kv_blocks, now, document=self.work.document)
+        self.on_done(self, engine, now)
+
+
+def plain_seconds(profile: EngineProfile, work: Work, cached_blocks: int) -> float:
+    cached = min(work.cached_tokens(cached_blocks), work.prompt_tokens - 1)
+    return profile.prefill.seconds(work.prompt_tokens - cached, cached=cached)
+
+
+@dataclass(eq=False)
+class PlainPrefill:
+    job: Job
+    estimate_s: float
+
+    def begin(self, engine: Engine) -> float:
+        work = self.job.work
+        cached_blocks = engine.cache.match(work.prefix)
+        # At least the last prompt token is computed, for its logits: vLLM's rule too.
+        self.job.cached_tokens = min(work.cached_tokens(cached_blocks), work.prompt_tokens - 1)
+        return plain_seconds(engine.profile, work, cached_blocks)
+
+    def finish(self, engine: Engine, now: float) -> None:
+        engine.cache.insert(self.job.work.prefix)
+        self.job.first_token(engine, now, self.job.work.prompt_tokens + 1)
+
+
+@dataclass(eq=False)
+class ReadPrefill:
+    """A copy of the document is read: its KV stays held for the session's later queries
+    (until the copy is retired)."""
+
+    job: Job
+    estimate_s: float
+
+    def begin(self, engine: Engine) -> float:
+        return engine.profile.prefill.seconds(self.job.work.document_tokens)
+
+    def finish(self, engine: Engine, now: float) -> None:
+        pass  # the copy's KV was reserved at booking; its margins come next, already queued
+
+
+@dataclass(eq=False)
+class MarginsPrefill:
+    job: Job
+    estimate_s: float
+
+    def begin(self, engine: Engine) -> float:
+        return self.job.margins_prefill_seconds(engine.profile)
+
+    def finish(self, engine: Engine, now: float) -> None:
+        job, profile = self.job, engine.profile
+        steps = job.work.margin_tokens - 1  # the prefill gave each margin its first token
+        if steps <= 0:
+            engine.submit(QueryPrefill(job, job.query_prefill_seconds(profile)), now)
+            return
+        job.margins_left = job.work.margins
+        context = job.work.document_tokens + profile.margin_prompt_tokens + 1
+        engine.decode(job, job.work.margins, steps, context)
+
+
+@dataclass(eq=False)
+class QueryPrefill:
+    job: Job
+    estimate_s: float
+
+    def begin(self, engine: Engine) -> float:
+        return self.job.query_prefill_seconds(engine.profile)
+
+    def finish(self, engine: Engine, now: float) -> None:
+        work = self.job.work
+        context = work.document_tokens + self.job.request.query_tokens
+        self.job.first_token(engine, now, context + work.margins * work.margin_tokens + 1)

@@ -1,0 +1,164 @@
+"""The simulator's core: a trace replayed over N simulated engines through a placement policy.
+
+Events (arrivals, the end of an engine's prefill or decode run, a copy's idle check) are kept in
+one heap, in time order. At each arrival every engine describes itself as a `ReplicaState`, the
+policy (the code the live router runs) picks a replica, and the job is booked there. A job that
+finds no room waits in one queue, first come first served, and is placed again when an engine
+frees KV or a session slot; its wait is part of its time to first token.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from wim_service.placement.policy import PlacementPolicy, make_policy
+from wim_service.placement.profile import EngineProfile
+from wim_service.placement.state import NoRoom
+from wim_service.sim.engine import Engine
+from wim_service.sim.jobs import Job, work_for
+from wim_service.sim.settings import SimSettings
+from wim_service.sim.traces import Request, Trace
+
+ARRIVAL, ENGINE, RETIRE = 0, 1, 2
+# A copy retires once idle for copy_idle_s; float sums may land a hair short of it.
+IDLE_SLACK_S = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One completed request."""
+
+    index: int
+    arrival_s: float
+    first_token_s: float
+    end_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    replica: int
+
+
+@dataclass
+class RunResult:
+    policy: str
+    replicas: int
+    requests: int
+    outcomes: list[Outcome] = field(default_factory=list)
+    too_large: int = 0  # requests no empty replica could hold: never placed
+    queued_for_room: int = 0
+    unplaced: int = 0  # still waiting when the trace ran out of events
+    copies_opened: int = 0
+    copies_retired: int = 0
+    events: int = 0
+
+
+class Replay:
+    """One policy over one fleet; `run()` once."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        policy: str,
+        replicas: int,
+        profile: EngineProfile,
+        settings: SimSettings,
+    ) -> None:
+        self.trace, self.profile, self.settings = trace, profile, settings
+        self.policy: PlacementPolicy = make_policy(policy, profile, max_copies=settings.max_copies)
+        self.engines = [
+            Engine(i, profile, settings.slots, self._schedule, settings.backlog_decode)
+            for i in range(replicas)
+        ]
+        self.by_name = {f"r{i:02d}": engine for i, engine in enumerate(self.engines)}
+        self.result = RunResult(policy, replicas, len(trace.requests))
+        self._heap: list[tuple[float, int, int, Any, Any]] = []
+        self._order = itertools.count()  # ties in time: first scheduled, first handled
+        self._waiting: deque[Job] = deque()
+        self._room_freed = False
+
+    def _push(self, time: float, kind: int, subject: Any, detail: Any) -> None:
+        heapq.heappush(self._heap, (time, next(self._order), kind, subject, detail))
+
+    def _schedule(self, engine: Engine, time: float) -> None:
+        self._push(time, ENGINE, engine, engine.version)
+
+    def run(self) -> RunResult:
+        for request in self.trace.requests:
+            self._push(request.arrival_s, ARRIVAL, request, None)
+        while self._heap:
+            now, _, kind, subject, detail = heapq.heappop(self._heap)
+            self.result.events += 1
+            if kind == ENGINE:
+                if detail == subject.version:  # else a decode run cut short since
+                    subject.wake(now)
+            elif kind == ARRIVAL:
+                self._arrive(subject, now)
+            elif subject.retire_if_idle(detail, now, self.settings.copy_idle_s - IDLE_SLACK_S):
+                self.result.copies_retired += 1
+                self._room_freed = True
+            if self._room_freed:
+                self._drain(now)
+        self.result.unplaced = len(self._waiting)
+        return self.result
+
+    def _arrive(self, request: Request, now: float) -> None:
+        job = Job(
+            request, work_for(request, self.profile, self.settings), self.settings, self._done
+        )
+        capacity = self.engines[0].capacity_blocks
+        if job.work.kv_blocks + job.work.document_blocks > capacity:
+            self.result.too_large += 1
+            return
+        # First come, first served: nothing overtakes a job waiting for room, so a large job
+        # is not starved by smaller ones.
+        if self._waiting or not self._place(job, now):
+            self._waiting.append(job)
+            self.result.queued_for_room += 1
+
+    def _place(self, job: Job, now: float) -> bool:
+        try:
+            placement = self.policy.place(job.work, [e.state(now) for e in self.engines])
+        except NoRoom:
+            return False
+        job.copy = placement.open_copy
+        self.result.copies_opened += placement.open_copy
+        job.start(self.by_name[placement.replica], now)
+        return True
+
+    def _drain(self, now: float) -> None:
+        self._room_freed = False
+        while self._waiting and self._place(self._waiting[0], now):
+            self._waiting.popleft()
+
+    def _done(self, job: Job, engine: Engine, now: float) -> None:
+        assert job.first_token_s is not None
+        request = job.request
+        self.result.outcomes.append(
+            Outcome(
+                index=request.index,
+                arrival_s=request.arrival_s,
+                first_token_s=job.first_token_s,
+                end_s=now,
+                prompt_tokens=request.prompt_tokens,
+                cached_tokens=job.cached_tokens,
+                replica=engine.index,
+            )
+        )
+        self._room_freed = True
+        document = job.work.document
+        if document is not None and not engine.copies[document].active:
+            self._push(now + self.settings.copy_idle_s, RETIRE, engine, document)
+
+
+def simulate(
+    trace: Trace,
+    policy: str,
+    replicas: int,
+    profile: EngineProfile,
+    settings: SimSettings | None = None,
+) -> RunResult:
+    """Replay `trace` over `replicas` engines placed by `policy`."""
+    return Replay(trace, policy, replicas, profile, settings or SimSettings()).run()

@@ -1,0 +1,204 @@
+"""Request traces: one record for every kind of trace, and the readers that fill it.
+
+Two kinds are read, told apart by their fields:
+
+* Mooncake's public traces (kvcache-ai/Mooncake, FAST25-release/traces/*.jsonl): per line a
+  `timestamp` in milliseconds, `input_length`, `output_length` and `hash_ids`, the remapped
+  hashes of the prompt's 512-token blocks (a prompt's leading hashes shared with an earlier
+  prompt are KV a prefix cache can reuse).
+* WiM document traces (`wim sim --generate` writes them): per line `timestamp_s`,
+  `session_id`, `document_id`, `document_tokens`, `query_tokens`, `answer_tokens` and `wim`.
+  Rows of one `document_id` query one document session; `wim: true` rows are WiM queries on
+  it, `wim: false` rows plain long-context requests (the document, then the query).
+
+A `.gz` file is read transparently. A malformed line is a `TraceError` naming its line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Any, Literal
+
+# Mooncake hashes 512-token blocks; a document trace's plain requests get hashes of the same
+# size, so that prefix reuse means the same thing for both kinds of trace.
+HASH_BLOCK_TOKENS = 512
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+DOCUMENT_FIELDS = (
+    "timestamp_s",
+    "session_id",
+    "document_id",
+    "document_tokens",
+    "query_tokens",
+    "answer_tokens",
+    "wim",
+)
+TraceKind = Literal["mooncake", "document"]
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed: missing, empty, of no known kind, or malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a trace, whatever its kind.
+
+    A WiM query (`wim`) runs on a copy of its `document` (`document_tokens` of KV under the
+    session's own salt) and prefills only its `query_tokens`; any other request prefills its
+    `prompt_tokens`, of which the leading `prefix` blocks (hashes of 512-token blocks) may be
+    in a replica's prefix cache.
+    """
+
+    index: int  # position in the trace, in timestamp order
+    arrival_s: float
+    prompt_tokens: int  # everything the request prefills when nothing is cached
+    answer_tokens: int
+    prefix: tuple[int, ...] = ()
+    document: str | None = None  # the document session of a WiM query
+    document_tokens: int = 0
+    query_tokens: int = 0
+    wim: bool = False
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class Trace:
+    kind: TraceKind
+    requests: tuple[Request, ...]
+
+    def scaled(self, time_scale: float) -> Trace:
+        """The same requests with every arrival time multiplied by `time_scale` (above 1 a
+        lighter load: a trace recorded on a big fleet stretched to suit a small one)."""
+        return Trace(
+            self.kind,
+            tuple(replace(r, arrival_s=r.arrival_s * time_scale) for r in self.requests),
+        )
+
+
+def _open(path: Path) -> IO[str]:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
+def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line."""
+    try:
+        with _open(path) as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceError(f"{path}:{number}: not JSON ({exc.msg})") from None
+                if not isinstance(row, dict):
+                    raise TraceError(f"{path}:{number}: not a JSON object")
+                yield number, row
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise TraceError(f"cannot read trace {path}: {exc}") from None
+
+
+def _count(row: dict[str, Any], field: str, where: str, *, least: int = 0) -> int:
+    value = row.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise TraceError(f"{where}: {field} must be an integer >= {least}, not {value!r}")
+    return value
+
+
+def _seconds(row: dict[str, Any], field: str, where: str) -> float:
+    value = row.get(field)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise TraceError(f"{where}: {field} must be a number >= 0, not {value!r}")
+    return float(value)
+
+
+def detect_kind(row: dict[str, Any]) -> TraceKind:
+    if all(field in row for field in MOONCAKE_FIELDS):
+        return "mooncake"
+    if all(field in row for field in DOCUMENT_FIELDS):
+        return "document"
+    raise TraceError(
+        "unknown trace kind: a line needs the fields of a Mooncake trace "
+        f"({', '.join(MOONCAKE_FIELDS)}) or of a WiM document trace ({', '.join(DOCUMENT_FIELDS)})"
+    )
+
+
+def mooncake_request(row: dict[str, Any], where: str) -> Request:
+    hashes = row.get("hash_ids")
+    if not isinstance(hashes, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) for h in hashes
+    ):
+        raise TraceError(f"{where}: hash_ids must be a list of integers")
+    return Request(
+        index=0,
+        arrival_s=_seconds(row, "timestamp", where) / 1000.0,
+        prompt_tokens=_count(row, "input_length", where, least=1),
+        answer_tokens=_count(row, "output_length", where, least=1),
+        prefix=tuple(hashes),
+    )
+
+
+class DocumentHashes:
+    """Prefix hashes for the documents of a document trace: a plain request's prompt starts
+    with its document, so its shared prefix is the document's whole 512-token blocks (the
+    block holding the document's end and the query's start differs from query to query)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def prefix(self, document: str, tokens: int) -> tuple[int, ...]:
+        # Numbered by first appearance, not Python's hash(): str hashes change per process.
+        base = self._ids.setdefault(document, len(self._ids)) << 32
+        return tuple(base + block for block in range(tokens // HASH_BLOCK_TOKENS))
+
+
+def document_request(row: dict[str, Any], where: str, hashes: DocumentHashes) -> Request:
+    document, session, wim = row.get("document_id"), row.get("session_id"), row.get("wim")
+    if not isinstance(document, str) or not document:
+        raise TraceError(f"{where}: document_id must be a non-empty string")
+    if not isinstance(wim, bool):
+        raise TraceError(f"{where}: wim must be true or false, not {wim!r}")
+    document_tokens = _count(row, "document_tokens", where, least=1)
+    query_tokens = _count(row, "query_tokens", where, least=1)
+    return Request(
+        index=0,
+        arrival_s=_seconds(row, "timestamp_s", where),
+        prompt_tokens=document_tokens + query_tokens,
+        answer_tokens=_count(row, "answer_tokens", where, least=1),
+        prefix=() if wim else hashes.prefix(document, document_tokens),
+        document=document if wim else None,
+        document_tokens=document_tokens,
+        query_tokens=query_tokens,
+        wim=wim,
+        session=str(session),
+    )
+
+
+def read_trace(path: Path) -> Trace:
+    """Every request of the trace in `path`, in timestamp order (ties in file order)."""
+    if not path.is_file():
+        raise TraceError(f"no trace file {path}")
+    kind: TraceKind | None = None
+    hashes = DocumentHashes()
+    requests: list[Request] = []
+    for number, row in _rows(path):
+        where = f"{path}:{number}"
+        if kind is None:
+            try:
+                kind = detect_kind(row)
+            except TraceError as exc:
+                raise TraceError(f"{where}: {exc}") from None
+        if kind == "mooncake":
+            requests.append(mooncake_request(row, where))
+        else:
+            requests.append(document_request(row, where, hashes))
+    if kind is None:
+        raise TraceError(f"trace {path} has no requests")
+    # A stable sort: requests at one timestamp keep the trace's order.
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    return Trace(kind, tuple(replace(r, index=i) for i, r in enumerate(ordered)))
