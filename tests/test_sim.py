@@ -361,7 +361,9 @@ def test_the_command_prints_a_row_per_policy_and_writes_the_json(
     out = tmp_path / "rows.json"
     argv = ["sim", "--trace", str(trace), "--replicas", "1,3", "--policies", "sticky,wim"]
     argv += ["--profile", str(profile)]
-    assert main([*argv, "--json-out", str(out), "--time-scale", "2"]) == 0
+    plot = tmp_path / "p95.png"
+    assert main([*argv, "--json-out", str(out), "--time-scale", "2", "--plot", str(plot)]) == 0
+    assert plot.read_bytes().startswith(b"\x89PNG")
     lines = capsys.readouterr().out.splitlines()
     body = [line for line in lines if line.startswith("|") and "---" not in line][1:]
     assert [line.split("|")[1].strip() for line in body] == ["sticky", "wim"] * 2

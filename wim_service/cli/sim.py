@@ -22,7 +22,7 @@ from wim_service.placement.policy import POLICIES
 from wim_service.placement.profile import EngineProfile
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
 from wim_service.sim.replay import simulate
-from wim_service.sim.report import summarise, table
+from wim_service.sim.report import plot_p95, summarise, table
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import read_trace
 
@@ -61,6 +61,9 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--profile", type=Path, help="engine profile (default: the shipped one)")
     group.add_argument("--json-out", type=Path, help="also write the rows as a JSON list here")
     group.add_argument(
+        "--plot", type=Path, metavar="PNG", help="also plot p95 TTFT against --replicas here"
+    )
+    group.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -72,11 +75,34 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="KV tokens per replica instead of the profile's (what a bigger KV cache would do)",
     )
-    group.add_argument("--slots", type=int, default=SIM_DEFAULTS.slots, help="session slots")
-    group.add_argument("--copy-idle-s", type=float, default=SIM_DEFAULTS.copy_idle_s)
-    group.add_argument("--segment-tokens", type=int, default=SIM_DEFAULTS.segment_tokens)
-    group.add_argument("--margin-tokens", type=int, default=SIM_DEFAULTS.margin_tokens)
-    group.add_argument("--max-copies", type=int, default=SIM_DEFAULTS.max_copies)
+    d = SIM_DEFAULTS
+    group.add_argument(
+        "--slots", type=int, default=d.slots, help="session slots per replica (%(default)s)"
+    )
+    group.add_argument(
+        "--copy-idle-s",
+        type=float,
+        default=d.copy_idle_s,
+        help="a document copy unused this long is retired (%(default)s)",
+    )
+    group.add_argument(
+        "--segment-tokens",
+        type=int,
+        default=d.segment_tokens,
+        help="document tokens per WiM segment, one margin each (%(default)s)",
+    )
+    group.add_argument(
+        "--margin-tokens",
+        type=int,
+        default=d.margin_tokens,
+        help="tokens decoded per margin (%(default)s)",
+    )
+    group.add_argument(
+        "--max-copies",
+        type=int,
+        default=d.max_copies,
+        help="copies of one document the wim policy may open (%(default)s)",
+    )
     group.add_argument(
         "--backlog",
         choices=["prefill+decode", "prefill"],
@@ -89,19 +115,36 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("document trace (--generate)")
     d = GENERATOR_DEFAULTS
-    group.add_argument("--requests", type=int, default=d.requests)
+    group.add_argument("--requests", type=int, default=d.requests, help="rows (%(default)s)")
     group.add_argument("--rate", type=float, default=d.rate, help="queries per second (Poisson)")
-    group.add_argument("--documents", type=int, default=d.documents)
-    group.add_argument("--zipf-exponent", type=float, default=d.zipf_exponent)
-    group.add_argument("--queries-per-session", type=int, default=d.queries_per_session)
+    group.add_argument(
+        "--documents", type=int, default=d.documents, help="distinct documents (%(default)s)"
+    )
+    group.add_argument(
+        "--zipf-exponent",
+        type=float,
+        default=d.zipf_exponent,
+        help="document popularity: the k-th document is asked 1/k^s as often (%(default)s)",
+    )
+    group.add_argument(
+        "--queries-per-session",
+        type=int,
+        default=d.queries_per_session,
+        help="queries one user asks in a row (%(default)s)",
+    )
     group.add_argument("--think-s", type=float, default=d.think_s, help="mean s between queries")
     group.add_argument(
         "--document-tokens", default="{}-{}".format(*d.document_tokens), help="LOW-HIGH"
     )
-    group.add_argument("--query-tokens", type=int, default=d.query_tokens)
-    group.add_argument("--answer-tokens", type=int, default=d.answer_tokens)
-    group.add_argument("--wim-fraction", type=float, default=d.wim_fraction)
-    group.add_argument("--seed", type=int, default=d.seed)
+    group.add_argument("--query-tokens", type=int, default=d.query_tokens, help="(%(default)s)")
+    group.add_argument("--answer-tokens", type=int, default=d.answer_tokens, help="(%(default)s)")
+    group.add_argument(
+        "--wim-fraction",
+        type=float,
+        default=d.wim_fraction,
+        help="share of WiM queries; the rest are plain long-context requests (%(default)s)",
+    )
+    group.add_argument("--seed", type=int, default=d.seed, help="(%(default)s)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -177,6 +220,8 @@ def replay(args: argparse.Namespace) -> int:
     print(table(rows))
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    if args.plot is not None:
+        plot_p95(rows, args.plot, title=f"{args.trace.name}, time scale {args.time_scale:g}")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from wim_service.sim.replay import RunResult
@@ -105,3 +106,26 @@ def _cell(value: Any, key: str) -> str:
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
+
+
+def plot_p95(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
+    """p95 TTFT against fleet size, one line per policy (log-log: fleets double)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and in CI
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in dict.fromkeys(row["policy"] for row in rows):
+        mine = sorted((r["replicas"], r["ttft_p95_s"]) for r in rows if r["policy"] == policy)
+        ax.plot([n for n, _ in mine], [p for _, p in mine], marker="o", label=policy)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("engine replicas")
+    ax.set_ylabel("p95 time to first token, s")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
