@@ -139,7 +139,7 @@ class Record:
 async def events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:
     """(event, data) of a server-sent stream as it arrives; `event` is "message" when the
     frame names none (OpenAI's chunks)."""
-    name, data = "message", []
+    name, data = "message", list[str]()
     async for line in response.aiter_lines():
         if not line:
             if data:

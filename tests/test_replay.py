@@ -120,9 +120,7 @@ def test_the_generated_trace_is_deterministic_and_reads_back(
     assert len(rows) == 8 and len({r.document_id for r in rows}) == 2
     assert all(0 <= r.timestamp_s <= 120 for r in rows)
     # Each document is first asked with WiM: its read opens the session.
-    firsts = {}
-    for r in rows:
-        firsts.setdefault(r.document_id, r)
+    firsts = {r.document_id: r for r in reversed(rows)}  # each document's earliest row
     assert all(r.wim for r in firsts.values())
     doctrace.write_trace(tmp_path / "t.jsonl", rows)
     assert doctrace.read_trace(tmp_path / "t.jsonl") == rows
@@ -211,6 +209,7 @@ class Stub(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     pause_s = 0.0
     calls: list[str]
+    url = ""  # the server's base URL, set by the fixture
 
     def log_message(self, *args: object) -> None:
         pass
@@ -274,7 +273,8 @@ class Stub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stub() -> Iterator[type[Stub]]:
-    handler = type("Handler", (Stub,), {"calls": []})
+    # A subclass per server: its own calls and pause.
+    handler: type[Stub] = type("Handler", (Stub,), {"calls": []})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
