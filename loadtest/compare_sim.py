@@ -15,10 +15,12 @@ log, `live-<policy>.json` (replay.py's report), `sim-<policy>.json`, `comparison
 `uptime` at the start and end of each live replay).
 
 Budget on the 2-core machine: the default trace (no `--trace`) has 3 minutes of arrivals: 3
-documents of 1,500-3,000 tokens, 5 queries each (about a quarter plain), 24-token queries,
-16-token answers; each policy takes the engines' start-up (1-2 min), at most 3.5 min of
-replay and the shutdown: about 15 minutes for the 3 policies. Run it on an otherwise idle
-machine. Ctrl-C or SIGTERM stops the replay (its sessions closed) and the service.
+documents of 1,500-3,000 tokens, 5 queries each (after each document's first, about a quarter
+plain), 24-token queries, 16-token answers. Each policy takes the engines' start-up (1-2 min;
+120 s at load average 4), the documents' preparation (10-20 s), at most `--replay-minutes`
+(3.5) of replay and the shutdown (~15 s): 15-20 minutes for the 3 policies. Run it on an
+otherwise idle machine. Ctrl-C or SIGTERM stops the replay (its sessions closed) and the
+service.
 """
 
 from __future__ import annotations
@@ -244,7 +246,7 @@ def comparison_table(rows: list[dict[str, Any]], tolerance: float) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for every report")
     parser.add_argument("--trace", type=Path, help="JSONL trace (default: a 3-minute one)")

@@ -1,4 +1,4 @@
-"""Replay a WiM document trace (loadtest/trace.py's format) against a running service, open
+"""Replay a WiM document trace (loadtest/doctrace.py's format) against a running service, open
 loop, at the trace's arrival times, and summarize it as `wim sim` does.
 
     .venv/bin/python loadtest/replay.py --url http://127.0.0.1:8000 --trace trace.jsonl \\
@@ -7,18 +7,21 @@ loop, at the trace's arrival times, and summarize it as `wim sim` does.
 Each `document_id` is one generated document (`wim_service/eval/tasks.py`'s needle
 documents: English filler prose with access codes for three places planted in it) of about
 `document_tokens` tokens of the service's own tokenizer; its queries ask for those codes in
-turn, padded to about `query_tokens`. A `wim: true` row is a streamed `POST /wim` on the
-document's session; the first such row opens the session (`POST /documents`) and that read
-counts in its TTFT (a plain row needs no session). A `wim: false` row is a streamed
-`POST /v1/chat/completions` with one user turn, the document and then the query, without
-`<document>` delimiters: the router finds no document in it and runs it plain
-(docs/openai.md). Answers are capped at `answer_tokens` (`answer_max_tokens`, `max_tokens`).
+turn, the question repeated to about `query_tokens`. A `wim: true` row is a streamed
+`POST /wim` on the document's session; the first such row opens the session
+(`POST /documents`) and that read counts in its TTFT (a plain row needs no session). A
+`wim: false` row is a streamed `POST /v1/chat/completions` with one user turn, the document
+and then the query, without `<document>` delimiters: the router finds no document in it and
+runs it plain (docs/openai.md). Answers are capped at `answer_tokens` (`answer_max_tokens`,
+`max_tokens`).
 
 TTFT is from a row's arrival to its first answer text (the first `answer` event with text;
-the first `content` delta), e2e to the end of its stream. Requests are sent at their arrival
-whatever is in flight; after `--max-minutes` the rest are not sent and those in flight are
-cancelled (neither counts as completed). Every document session opened is closed at the end,
-on Ctrl-C and SIGTERM too. Loopback only.
+the first `content` delta), e2e to the end of its stream. With WiM's default `answer_early`
+the answer's text is held back until its notes are settled and then comes nearly at once, so
+a WiM row's TTFT is close to its e2e. Requests are sent at their arrival whatever is in
+flight; after `--max-minutes` the rest are not sent and those in flight are cancelled
+(neither counts as completed). Every document session opened is closed at the end, on Ctrl-C
+and SIGTERM too. Loopback only.
 """
 
 from __future__ import annotations
@@ -416,7 +419,7 @@ async def replay(args: argparse.Namespace, rows: list[TraceRow], library: Librar
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--url", required=True, help="the service (loopback)")
     parser.add_argument("--key", default=os.environ.get("WIM_LOADTEST_KEY"), help="API key")
