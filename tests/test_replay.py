@@ -324,25 +324,26 @@ def test_past_its_time_a_replay_cancels_what_is_in_flight(
     assert any(c.startswith("DELETE /documents/") for c in stub.calls)
 
 
-def test_sigterm_stops_a_replay_and_closes_its_sessions(stub: type[Stub], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_a_replay_and_closes_its_sessions(
+    stub: type[Stub], tmp_path: Path, signum: signal.Signals, status: int
+) -> None:
     stub.pause_s = 5
     trace = write_rows(tmp_path / "t.jsonl", STUB_TRACE)
-    command = [
-        sys.executable,
-        str(LOADTEST / "replay.py"),
-        "--url",
-        stub.url,
-        "--trace",
-        str(trace),
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [sys.executable, str(LOADTEST / "replay.py"), "--url", stub.url]
+    process = subprocess.Popen(
+        [*command, "--trace", str(trace)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for(lambda: "POST /wim" in stub.calls, "the first WiM query", timeout=60)
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)  # SIGINT: as a terminal's Ctrl-C
         out, _ = process.communicate(timeout=30)
     finally:
         process.kill()
-    assert process.returncode == 143, out
+    assert process.returncode == status, out
     assert "interrupted" in out
     assert any(c.startswith("DELETE /documents/") for c in stub.calls)
 
