@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from statistics import fmean
+from typing import Any
 
 import httpx
 import yaml
@@ -45,11 +46,14 @@ _SUMMED = {
 # -- the service ---------------------------------------------------------------------------
 
 
-def write_config(path: Path, port: int, replicas: int) -> None:
+def write_config(
+    path: Path, port: int, replicas: int, router: Mapping[str, Any] | None = None
+) -> None:
     """deploy/serve_config.yaml on 127.0.0.1:`port` with `replicas` engines and no autoscaling
-    (so that runs with one and two replicas compare)."""
+    (so that runs with one and two replicas compare), `router` over its `args.router`."""
     config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
+    config["applications"][0]["args"]["router"].update(router or {})
     for deployment in config["applications"][0]["deployments"]:
         if deployment["name"] == "EngineReplica":
             deployment.pop("autoscaling_config", None)

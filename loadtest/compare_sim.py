@@ -1,0 +1,323 @@
+"""Check `wim sim` against the real service: one trace replayed live and simulated, per
+placement policy, and their TTFT p50/p95 side by side.
+
+    .venv/bin/python loadtest/compare_sim.py --out /tmp/wim-compare
+    .venv/bin/python loadtest/compare_sim.py --trace trace.jsonl --policies sticky,wim --out DIR
+
+For each policy: start the service on 127.0.0.1:`--port` from deploy/serve_config.yaml with
+2 engine replicas (no autoscaling) and `args.router.placement: <policy>`, wait until both
+replicas are ready, replay the trace (loadtest/replay.py, at most `--replay-minutes`), stop
+the service with every process it started; then simulate the trace
+(`wim sim --trace FILE --replicas 2 --policies <policy> --json-out ...`), and print per
+policy the live and simulated TTFT p50 and p95, their relative difference and whether it is
+within `--tolerance`. Everything goes to `--out`: the trace, each serve config and service
+log, `live-<policy>.json` (replay.py's report), `sim-<policy>.json`, `comparison.json` (with
+`uptime` at the start and end of each live replay).
+
+Budget on the 2-core machine: the default trace (no `--trace`) has 3 minutes of arrivals: 3
+documents of 1,500-3,000 tokens, 5 queries each (after each document's first, about a quarter
+plain), 24-token queries, 16-token answers. Each policy takes the engines' start-up (1-2 min;
+120 s at load average 4), the documents' preparation (10-20 s), at most `--replay-minutes`
+(3.5) of replay and the shutdown (~15 s): 15-20 minutes for the 3 policies. Run it on an
+otherwise idle machine. Ctrl-C or SIGTERM stops the replay (its sessions closed) and the
+service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+import psutil
+from doctrace import generate_trace, read_trace, write_trace
+from local_service import ROOT, start_service, stop_service, wait_ready, write_config
+from measure import output, port_taken
+from summary import percentile
+
+POLICIES = ("round_robin", "sticky", "wim")
+REPLICAS = 2
+REPLAY = Path(__file__).resolve().with_name("replay.py")
+# `wim sim` without relying on the console script being installed from this tree.
+WIM = "import sys; from wim_service.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+class Stopped(Exception):
+    """SIGTERM: unwind as Ctrl-C does, through every `finally` that stops something."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise Stopped
+
+
+# -- what this tree supports -----------------------------------------------------------------
+
+
+def router_takes_placement() -> bool:
+    """Whether this tree's router config has the `placement` setting (being added in
+    parallel; until then the router places as `sticky` does and refuses the key)."""
+    config = importlib.import_module("wim_service.serving.config")
+    return "placement" in config.RouterConfig.model_fields
+
+
+def sim_available() -> bool:
+    """Whether this tree's `wim` command has the `sim` subcommand."""
+    cli = importlib.import_module("wim_service.cli")
+    parsers = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return any("sim" in action.choices for action in parsers)
+
+
+# -- one live run --------------------------------------------------------------------------
+
+
+def service_tree(service: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    try:
+        return psutil.Process(service.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stop_everything(service: subprocess.Popen[bytes], tree: list[psutil.Process]) -> list[int]:
+    """Stop the service (`wim serve` ends Serve and its Ray), then kill what of `tree` (its
+    processes seen while it ran: raylet, workers, EngineCores) outlived it. The pids
+    killed."""
+    stop_service(service)
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    for process in alive:
+        process.kill()
+    return [process.pid for process in alive]
+
+
+def run_replay(args: argparse.Namespace, policy: str, url: str, report: Path) -> int:
+    command = [
+        sys.executable,
+        str(REPLAY),
+        *("--url", url, "--trace", str(args.trace), "--json-out", str(report)),
+        *("--policy-label", policy, "--max-minutes", f"{args.replay_minutes:g}"),
+        *("--time-scale", f"{args.time_scale:g}"),
+    ]
+    replay = subprocess.Popen(command, cwd=ROOT)
+    try:
+        return replay.wait()
+    except KeyboardInterrupt:
+        # A terminal's Ctrl-C reached the replay too (same process group): it is closing its
+        # sessions; a signal from here as well would cut that short.
+        _wait_or_kill(replay)
+        raise
+    except Stopped:
+        replay.send_signal(signal.SIGTERM)  # it closes its sessions, then exits
+        _wait_or_kill(replay)
+        raise
+
+
+def _wait_or_kill(process: subprocess.Popen[bytes]) -> None:
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def live(args: argparse.Namespace, policy: str) -> dict[str, Any]:
+    """Start the service with `policy`, replay the trace on it, stop it."""
+    url = f"http://127.0.0.1:{args.port}"
+    config = args.out / f"serve_config-{policy}.yaml"
+    router = {"placement": policy} if args.placement_key else {}
+    write_config(config, args.port, REPLICAS, router)
+    log = args.out / f"service-{policy}.log"
+    print(f"[{policy}] starting the service on {url} (log: {log})", flush=True)
+    loads = {"before the service started": output("uptime")}
+    began = time.monotonic()
+    service = start_service(config, log)
+    tree: list[psutil.Process] = []
+    report = args.out / f"live-{policy}.json"
+    report.unlink(missing_ok=True)
+    run: dict[str, Any] = {"status": None, "startup_s": None, "uptime": loads}
+    try:
+        with httpx.Client(base_url=url, timeout=30) as probe:
+            wait_ready(probe, REPLICAS, args.startup_timeout)
+        run["startup_s"] = time.monotonic() - began
+        tree = service_tree(service)
+        loads["replay start"] = output("uptime")
+        run["status"] = run_replay(args, policy, url, report)
+        loads["replay end"] = output("uptime")
+    except SystemExit as exc:  # not ready in time: no live figures for this policy
+        print(f"[{policy}] {exc}", flush=True)
+    finally:
+        tree = tree + service_tree(service)
+        print(f"[{policy}] stopping the service", flush=True)
+        run["killed_after_stop"] = stop_everything(service, tree)
+    result = json.loads(report.read_text()) if report.exists() else {}
+    result.pop("records", None)  # they stay in live-<policy>.json
+    return run | result
+
+
+# -- the simulator -------------------------------------------------------------------------
+
+
+def simulated(args: argparse.Namespace, policy: str) -> dict[str, Any] | None:
+    report = args.out / f"sim-{policy}.json"
+    command = [sys.executable, "-c", WIM, "sim", "--trace", str(args.trace)]
+    command += ["--replicas", str(REPLICAS), "--policies", policy, "--json-out", str(report)]
+    print(f"[{policy}] simulating: wim {' '.join(command[3:])}", flush=True)
+    if subprocess.run(command, cwd=ROOT, check=False).returncode != 0 or not report.exists():
+        print(f"[{policy}] wim sim failed: no comparison for this policy", flush=True)
+        return None
+    return sim_summary(json.loads(report.read_text()), policy)
+
+
+def sim_summary(data: Any, policy: str) -> dict[str, Any] | None:
+    """The simulator's summary of `policy` from its JSON: one summary, a list of them, or
+    an object holding such a list. Its p50 comes from its per-request TTFTs when the summary
+    has none (the simulator prints mean, p95 and p99)."""
+    found = [data] if isinstance(data, dict) and "policy" in data else data
+    if isinstance(found, dict):
+        found = next((v for v in found.values() if isinstance(v, list)), [])
+    matching = [s for s in found if isinstance(s, dict) and s.get("policy") == policy]
+    if not matching:
+        return None
+    summary = dict(matching[0])
+    if summary.get("ttft_p50_s") is None:
+        ttft = [r["ttft_s"] for r in summary.get("records", []) if r.get("ttft_s") is not None]
+        summary["ttft_p50_s"] = percentile(ttft, 50)
+    summary.pop("records", None)
+    return summary
+
+
+# -- the comparison ------------------------------------------------------------------------
+
+
+def relative(sim: float | None, live: float | None) -> float | None:
+    return None if sim is None or not live else (sim - live) / live
+
+
+def compare(policy: str, live_run: dict[str, Any] | None, sim: dict[str, Any] | None) -> dict:
+    row: dict[str, Any] = {"policy": policy}
+    for q in ("p50", "p95"):
+        key = f"ttft_{q}_s"
+        row[f"live_{q}_s"] = (live_run or {}).get(key)
+        row[f"sim_{q}_s"] = (sim or {}).get(key)
+        row[f"rel_diff_{q}"] = relative(row[f"sim_{q}_s"], row[f"live_{q}_s"])
+    return row
+
+
+def within(row: dict[str, Any], tolerance: float) -> str:
+    diffs = [row["rel_diff_p50"], row["rel_diff_p95"]]
+    if None in diffs:
+        return "-"
+    return "yes" if all(abs(d) <= tolerance for d in diffs) else "no"
+
+
+def comparison_table(rows: list[dict[str, Any]], tolerance: float) -> str:
+    def cell(value: Any, percent: bool = False) -> str:
+        if value is None:
+            return "-"
+        return f"{value:+.0%}" if percent else f"{value:.2f}"
+
+    header = ["policy", "live p50", "live p95", "sim p50", "sim p95", "diff p50", "diff p95"]
+    header.append(f"within {tolerance:.0%}?")
+    lines = [header]
+    for row in rows:
+        lines.append(
+            [
+                row["policy"],
+                *(cell(row[k]) for k in ("live_p50_s", "live_p95_s", "sim_p50_s", "sim_p95_s")),
+                cell(row["rel_diff_p50"], True),
+                cell(row["rel_diff_p95"], True),
+                within(row, tolerance),
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines
+    )
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for every report")
+    parser.add_argument("--trace", type=Path, help="JSONL trace (default: a 3-minute one)")
+    parser.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated (default: all three)"
+    )
+    parser.add_argument("--port", type=int, default=8772, help="port of the service started")
+    parser.add_argument("--replay-minutes", type=float, default=3.5, help="per policy")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="see replay.py")
+    parser.add_argument("--startup-timeout", type=float, default=900)
+    parser.add_argument("--tolerance", type=float, default=0.25, help="relative (default 25%%)")
+    parser.add_argument("--skip-live", action="store_true", help="simulate only")
+    args = parser.parse_args(argv)
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if unknown := [p for p in args.policies if p not in POLICIES]:
+        parser.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    if not args.skip_live and port_taken(args.port):
+        parser.error(f"something already listens on 127.0.0.1:{args.port}; pick --port")
+    args.out = args.out.resolve()
+    return args
+
+
+def prepare_trace(args: argparse.Namespace) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.trace is None:
+        args.trace = args.out / "trace.jsonl"
+        write_trace(args.trace, generate_trace())
+        print(f"wrote the default trace to {args.trace}", flush=True)
+    args.trace = args.trace.resolve()
+    rows = read_trace(args.trace)  # a bad trace stops here, before any service starts
+    print(f"trace: {len(rows)} rows over {rows[-1].timestamp_s:.0f} s", flush=True)
+
+
+def run_policy(args: argparse.Namespace, policy: str, sim_ok: bool) -> dict[str, Any]:
+    live_run = None
+    if args.skip_live:
+        pass
+    elif args.placement_key or policy == "sticky":
+        live_run = live(args, policy)
+    else:
+        print(
+            f"[{policy}] skipped live: this tree's router has no `placement` setting yet "
+            "(it places as `sticky`); rerun once it is merged",
+            flush=True,
+        )
+    sim = simulated(args, policy) if sim_ok else None
+    return {"policy": policy, "live": live_run, "sim": sim, **compare(policy, live_run, sim)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    prepare_trace(args)
+    args.placement_key = router_takes_placement()
+    sim_ok = sim_available()
+    if not sim_ok:
+        print("wim sim is not in this tree yet: the simulated columns stay empty", flush=True)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    results = []
+    try:
+        for policy in args.policies:
+            results.append(run_policy(args, policy, sim_ok))
+    except (KeyboardInterrupt, Stopped) as exc:
+        print("stopped: the service and the replay have been stopped", flush=True)
+        return 143 if isinstance(exc, Stopped) else 130
+    finally:
+        report = {"trace": str(args.trace), "tolerance": args.tolerance, "policies": results}
+        (args.out / "comparison.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(comparison_table(results, args.tolerance))
+    print(f"reports in {args.out}")
+    return 0 if all(within(r, args.tolerance) == "yes" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,464 @@
+"""loadtest/replay.py: the trace format, the summary's arithmetic (fast, no service) and one
+small replay on the real stack (`tests/live_stack.py`): every row answered, TTFT before the
+end, the document's KV reused by its second WiM query, every session closed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.live_stack import (
+    API_KEYS,
+    BASE,
+    MAIN,
+    LiveStack,
+    metric,
+    open_client,
+    ready_replicas,
+    settled,
+    wait_for,
+)
+
+LOADTEST = Path(__file__).resolve().parent.parent / "loadtest"
+LIVE_APP = MAIN
+
+
+def _load(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
+    """A loadtest module (they import their neighbours by their plain names)."""
+    monkeypatch.syspath_prepend(str(LOADTEST))
+    return importlib.import_module(name)
+
+
+@pytest.fixture
+def doctrace(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return _load(monkeypatch, "doctrace")
+
+
+@pytest.fixture
+def summary(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return _load(monkeypatch, "summary")
+
+
+@pytest.fixture
+def replay(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return _load(monkeypatch, "replay")
+
+
+def row(at: float, document: str, wim: bool, tokens: int = 1100) -> dict:
+    return {
+        "timestamp_s": at,
+        "session_id": f"user-{document}",
+        "document_id": document,
+        "document_tokens": tokens,
+        "query_tokens": 24,
+        "answer_tokens": 12,
+        "wim": wim,
+    }
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# -- the trace -----------------------------------------------------------------------------
+
+
+def test_a_trace_is_read_in_arrival_order(doctrace: ModuleType, tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "t.jsonl", [row(5, "a", True), row(1.5, "b", False)])
+    path.write_text(path.read_text() + "\n")  # a blank line is no row
+    rows = doctrace.read_trace(path)
+    assert [(r.timestamp_s, r.document_id, r.wim) for r in rows] == [
+        (1.5, "b", False),
+        (5, "a", True),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("{not json", "Expecting property name"),
+        ("[1, 2]", "expected a JSON object"),
+        (json.dumps({k: v for k, v in row(0, "a", True).items() if k != "wim"}), "missing wim"),
+        (json.dumps(row(0, "a", True) | {"document_tokens": "900"}), "document_tokens must be"),
+        (json.dumps(row(0, "a", True) | {"answer_tokens": True}), "answer_tokens must be"),
+        (json.dumps(row(0, "a", True) | {"wim": 1}), "wim must be true or false"),
+        (json.dumps(row(-1, "a", True)), "timestamp_s must be >= 0"),
+    ],
+)
+def test_a_malformed_line_is_refused_by_its_number(
+    doctrace: ModuleType, tmp_path: Path, line: str, why: str
+) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row(0, "a", True)) + "\n\n" + line + "\n")
+    with pytest.raises(doctrace.TraceError, match=rf"t\.jsonl:3: not a trace row: .*{why}"):
+        doctrace.read_trace(path)
+
+
+def test_an_empty_trace_is_refused(doctrace: ModuleType, tmp_path: Path) -> None:
+    (tmp_path / "t.jsonl").write_text("\n")
+    with pytest.raises(doctrace.TraceError, match="no trace row"):
+        doctrace.read_trace(tmp_path / "t.jsonl")
+
+
+def test_the_generated_trace_is_deterministic_and_reads_back(
+    doctrace: ModuleType, tmp_path: Path
+) -> None:
+    rows = doctrace.generate_trace(seconds=120, documents=2, queries_per_document=4, seed=3)
+    assert rows == doctrace.generate_trace(seconds=120, documents=2, queries_per_document=4, seed=3)
+    assert len(rows) == 8 and len({r.document_id for r in rows}) == 2
+    assert all(0 <= r.timestamp_s <= 120 for r in rows)
+    # Each document is first asked with WiM: its read opens the session.
+    firsts = {r.document_id: r for r in reversed(rows)}  # each document's earliest row
+    assert all(r.wim for r in firsts.values())
+    doctrace.write_trace(tmp_path / "t.jsonl", rows)
+    assert doctrace.read_trace(tmp_path / "t.jsonl") == rows
+
+
+def test_replay_refuses_a_bad_trace_or_address_before_sending(
+    replay: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(row(0, "a", True)) + "\n{\n")
+    with pytest.raises(SystemExit):
+        replay.parse_args(["--url", "http://127.0.0.1:9", "--trace", str(bad)])
+    assert "bad.jsonl:2: not a trace row" in capsys.readouterr().err
+    good = write_rows(tmp_path / "good.jsonl", [row(0, "a", True)])
+    with pytest.raises(SystemExit):
+        replay.parse_args(["--url", "http://10.0.0.5:8000", "--trace", str(good)])
+    assert "not a loopback address" in capsys.readouterr().err
+
+
+# -- the summary ---------------------------------------------------------------------------
+
+
+def test_percentiles_interpolate_between_ranks(summary: ModuleType) -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert summary.percentile(values, 50) == pytest.approx(2.5)
+    assert summary.percentile(values, 95) == pytest.approx(3.85)
+    assert summary.percentile(values, 0) == 1.0 and summary.percentile(values, 100) == 4.0
+    assert summary.percentile([7.0], 99) == 7.0
+    assert summary.percentile([], 50) is None
+    with pytest.raises(ValueError, match="not in"):
+        summary.percentile(values, 101)
+
+
+def test_the_summary_counts_completed_requests_only(summary: ModuleType) -> None:
+    records = [
+        {"status": "ok", "ttft_s": 1.0, "e2e_s": 2.0, "prompt_tokens": 100, "cached_tokens": 80},
+        {"status": "ok", "ttft_s": 3.0, "e2e_s": 6.0, "prompt_tokens": 300, "cached_tokens": 0},
+        {"status": "failed", "ttft_s": None, "e2e_s": 0.5, "prompt_tokens": None},
+        {"status": "cancelled", "ttft_s": 9.0, "e2e_s": 9.0},
+        {"status": "not_sent", "ttft_s": None, "e2e_s": None},
+    ]
+    result = summary.summarize(records, policy="sticky", replicas=2, span_s=10.0)
+    assert result == {
+        "policy": "sticky",
+        "replicas": 2,
+        "completed": 2,
+        "ttft_mean_s": 2.0,
+        "ttft_p95_s": pytest.approx(2.9),
+        "ttft_p99_s": pytest.approx(2.98),
+        "e2e_mean_s": 4.0,
+        "requests_per_s": 0.2,
+        "prefix_reuse": 0.2,
+        "ttft_p50_s": 2.0,
+        "failed": 2,
+        "not_sent": 1,
+    }
+    assert list(result)[: len(summary.SIM_KEYS)] == list(summary.SIM_KEYS)
+
+
+def test_an_empty_summary_has_no_figures(summary: ModuleType) -> None:
+    result = summary.summarize([], policy="wim", replicas=2, span_s=0.0)
+    assert result["completed"] == 0
+    assert result["ttft_p95_s"] is None and result["prefix_reuse"] is None
+    assert result["requests_per_s"] is None
+
+
+def test_the_table_has_the_simulator_columns(summary: ModuleType) -> None:
+    rows = [
+        summary.summarize([], policy="wim", replicas=2, span_s=1.0),
+        {"policy": "sticky", "replicas": 2, "completed": 3, "ttft_mean_s": 1.23456},
+    ]
+    header, first, second = summary.format_table(rows).splitlines()
+    assert header.split() == list(summary.SIM_KEYS)
+    assert first.split()[:3] == ["wim", "2", "0"] and first.split()[3] == "-"
+    assert second.split()[3] == "1.235"
+    assert len({len(line) for line in (header, first, second)}) == 1  # aligned
+
+
+# -- replay.py against a stub of the API (no engine) ---------------------------------------
+
+
+class Stub(BaseHTTPRequestHandler):
+    """What replay.py calls, answering at once; `/wim` and the chat stream hold their
+    answer `pause_s` (a class attribute per server). Records every request in `calls`."""
+
+    protocol_version = "HTTP/1.1"
+    pause_s = 0.0
+    calls: list[str]
+    url = ""  # the server's base URL, set by the fixture
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _json(self, status: int, body: dict | None = None) -> None:
+        data = json.dumps(body).encode() if body is not None else b""
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _stream(self, frames: list[str]) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        for frame in frames:
+            data = frame.encode()
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+            time.sleep(self.pause_s)
+        self.wfile.write(b"0\r\n\r\n")
+
+    def do_GET(self) -> None:
+        self.calls.append(f"GET {self.path}")
+        if self.path == "/v1/models":
+            self._json(200, {"data": [{"id": "stub-model"}]})
+        else:
+            self._json(200, {"ready": True, "replicas": ["r1", "r2"]})
+
+    def do_DELETE(self) -> None:
+        self.calls.append(f"DELETE {self.path}")
+        self._json(204)
+
+    def do_POST(self) -> None:
+        self.calls.append(f"POST {self.path}")
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if self.path == "/documents":
+            return self._json(201, {"document_id": f"doc-{len(self.calls)}", "context_tokens": 900})
+        usage = {"prompt_tokens_submitted": 60, "prompt_tokens_cached": 40, "margin_tokens": 8}
+        if self.path == "/wim":
+            assert body["options"]["answer_max_tokens"] == 12
+            done = {"answer": "1234", "usage": usage, "replica": "r1"}
+            return self._stream(
+                [
+                    'event: answer\ndata: {"text": "1234"}\n\n',
+                    f"event: done\ndata: {json.dumps(done)}\n\n",
+                ]
+            )
+        assert body["max_tokens"] == 12 and "<document>" not in body["messages"][0]["content"]
+        chunk = {"choices": [{"delta": {"content": "1234"}}]}
+        last = {
+            "choices": [],
+            "usage": {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 0}},
+        }
+        self._stream(
+            [f"data: {json.dumps(chunk)}\n\n", f"data: {json.dumps(last)}\n\n", "data: [DONE]\n\n"]
+        )
+
+
+@pytest.fixture
+def stub() -> Iterator[type[Stub]]:
+    # A subclass per server: its own calls and pause.
+    handler: type[Stub] = type("Handler", (Stub,), {"calls": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    handler.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield handler
+    server.shutdown()
+    server.server_close()
+
+
+# Small documents: the stub reads nothing, the tokenizer makes them in well under a second.
+STUB_TRACE = [row(0, "a", True, 200), row(0.2, "b", False, 200), row(0.4, "a", True, 200)]
+
+
+def test_a_replay_measures_each_row_and_closes_its_sessions(
+    replay: ModuleType, stub: type[Stub], tmp_path: Path
+) -> None:
+    trace = write_rows(tmp_path / "t.jsonl", STUB_TRACE)
+    out = tmp_path / "r.json"
+    args = ["--url", stub.url, "--trace", str(trace), "--json-out", str(out)]
+    assert replay.main([*args, "--policy-label", "sticky"]) == 0
+    report = json.loads(out.read_text())
+    assert (report["policy"], report["replicas"], report["completed"]) == ("sticky", 2, 3)
+    assert [r["status"] for r in report["records"]] == ["ok"] * 3
+    assert all(0 < r["ttft_s"] <= r["e2e_s"] for r in report["records"])
+    opened = [r["opened_document"] for r in report["records"]]
+    assert opened == [True, False, False]  # the plain row opens nothing; the 2nd WiM row reuses
+    assert report["prefix_reuse"] == pytest.approx(80 / (60 + 1000 + 60))
+    assert stub.calls.count("POST /documents") == 1
+    assert [c for c in stub.calls if c.startswith("DELETE")] == ["DELETE /documents/doc-3"]
+
+
+def test_past_its_time_a_replay_cancels_what_is_in_flight(
+    replay: ModuleType, stub: type[Stub], tmp_path: Path
+) -> None:
+    stub.pause_s = 5  # each answer holds its stream well past the replay's 1.2 s
+    rows = [*STUB_TRACE, row(30, "c", True, 200)]
+    trace = write_rows(tmp_path / "t.jsonl", rows)
+    out = tmp_path / "r.json"
+    began = time.monotonic()
+    status = replay.main(
+        ["--url", stub.url, "--trace", str(trace), "--json-out", str(out), "--max-minutes", "0.02"]
+    )
+    assert status == 1 and time.monotonic() - began < 15
+    report = json.loads(out.read_text())
+    assert [r["status"] for r in report["records"]] == ["cancelled"] * 3 + ["not_sent"]
+    assert (report["completed"], report["failed"], report["not_sent"]) == (0, 3, 1)
+    assert any(c.startswith("DELETE /documents/") for c in stub.calls)
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_a_replay_and_closes_its_sessions(
+    stub: type[Stub], tmp_path: Path, signum: signal.Signals, status: int
+) -> None:
+    stub.pause_s = 5
+    trace = write_rows(tmp_path / "t.jsonl", STUB_TRACE)
+    command = [sys.executable, str(LOADTEST / "replay.py"), "--url", stub.url]
+    process = subprocess.Popen(
+        [*command, "--trace", str(trace)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(lambda: "POST /wim" in stub.calls, "the first WiM query", timeout=60)
+        process.send_signal(signum)  # SIGINT: as a terminal's Ctrl-C
+        out, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == status, out
+    assert "interrupted" in out
+    assert any(c.startswith("DELETE /documents/") for c in stub.calls)
+
+
+# -- compare_sim.py (no service) -----------------------------------------------------------
+
+
+@pytest.fixture
+def compare_sim(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return _load(monkeypatch, "compare_sim")
+
+
+def test_the_serve_config_has_two_fixed_replicas_and_the_policy(
+    compare_sim: ModuleType, tmp_path: Path
+) -> None:
+    import yaml
+
+    path = tmp_path / "serve_config.yaml"
+    compare_sim.write_config(path, 8772, 2, {"placement": "wim"})
+    app = yaml.safe_load(path.read_text())["applications"][0]
+    assert app["args"]["router"]["placement"] == "wim"
+    assert app["args"]["router"]["session_ttl_s"] == 600  # the rest of deploy/'s router args
+    engine = next(d for d in app["deployments"] if d["name"] == "EngineReplica")
+    assert engine["num_replicas"] == 2 and "autoscaling_config" not in engine
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"policy": "wim", "ttft_p50_s": 2.0, "ttft_p95_s": 4.0},
+        [{"policy": "sticky", "ttft_p50_s": 9.0}, {"policy": "wim", "ttft_p50_s": 2.0}],
+        {"results": [{"policy": "wim", "ttft_p50_s": 2.0}]},
+        # No p50 in the simulator's summary: from its per-request TTFTs.
+        {"policy": "wim", "records": [{"ttft_s": 1.0}, {"ttft_s": 3.0}, {"ttft_s": None}]},
+    ],
+)
+def test_the_simulator_summary_is_found_in_its_json(compare_sim: ModuleType, data: object) -> None:
+    found = compare_sim.sim_summary(data, "wim")
+    assert found["policy"] == "wim" and found["ttft_p50_s"] == 2.0 and "records" not in found
+    assert compare_sim.sim_summary(data, "round_robin") is None
+
+
+def test_the_comparison_flags_differences_past_the_tolerance(compare_sim: ModuleType) -> None:
+    live = {"ttft_p50_s": 10.0, "ttft_p95_s": 20.0}
+    close = compare_sim.compare("wim", live, {"ttft_p50_s": 12.0, "ttft_p95_s": 16.0})
+    far = compare_sim.compare("sticky", live, {"ttft_p50_s": 13.0, "ttft_p95_s": 20.0})
+    missing = compare_sim.compare("round_robin", live, None)
+    assert close["rel_diff_p50"] == pytest.approx(0.2) and close["rel_diff_p95"] == -0.2
+    assert compare_sim.within(close, 0.25) == "yes"
+    assert compare_sim.within(far, 0.25) == "no"
+    assert compare_sim.within(missing, 0.25) == "-"
+    lines = compare_sim.comparison_table([close, far, missing], 0.25).splitlines()
+    assert lines[0].split()[-2:] == ["within", "25%?"]
+    assert lines[1].split() == ["wim", "10.00", "20.00", "12.00", "16.00", "+20%", "-20%", "yes"]
+    assert lines[3].split()[3:] == ["-"] * 5
+
+
+def test_compare_sim_refuses_an_unknown_policy(
+    compare_sim: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        compare_sim.parse_args(["--out", str(tmp_path), "--policies", "sticky,fastest"])
+    assert "unknown policies ['fastest']" in capsys.readouterr().err
+
+
+# -- the real stack ------------------------------------------------------------------------
+
+# Two documents, both paths, 30 s of arrivals. The plain rows' prompts (document and query in
+# one user turn, ~1,150 tokens) are past `plain_prompt_tokens`: plain only because they hold
+# no `<document>` block.
+LIVE_TRACE = [
+    row(0, "alpha-report", True),
+    row(3, "beta-report", False),
+    row(10, "alpha-report", True),
+    row(14, "beta-report", True),
+    row(22, "alpha-report", False),
+    row(30, "beta-report", True),
+]
+
+
+@pytest.mark.serving
+@pytest.mark.timeout(1200)
+def test_a_replay_answers_every_row_and_closes_its_sessions(
+    live_stack: LiveStack, replay: ModuleType, tmp_path: Path
+) -> None:
+    live_stack.deploy(MAIN, engines=1)
+    with open_client() as service:
+        wait_for(lambda: ready_replicas(service), "a ready engine replica")
+        wait_for(lambda: settled(service), "no session or reservation left over", timeout=120)
+    trace = write_rows(tmp_path / "trace.jsonl", LIVE_TRACE)
+    out = tmp_path / "replay.json"
+    status = replay.main(
+        [
+            *("--url", BASE, "--key", API_KEYS["alpha"], "--trace", str(trace)),
+            *("--json-out", str(out), "--max-minutes", "10", "--segment-tokens", "256"),
+        ]
+    )
+    report = json.loads(out.read_text())
+    records = report["records"]
+    problems = [(r["row"], r["status"], r["error"]) for r in records if r["status"] != "ok"]
+    assert problems == [] and status == 0
+    assert report["completed"] == len(LIVE_TRACE) and report["failed"] == report["not_sent"] == 0
+    for record in records:
+        assert record["http_status"] == 200
+        assert 0 < record["ttft_s"] < record["e2e_s"], record
+        assert record["prompt_tokens"] > 0 and record["answer"]
+        # WiM rows wrote margins; the plain rows took the plain path (no margin).
+        assert (record["margin_tokens"] > 0) == record["wim"], record
+    for document in ("alpha-report", "beta-report"):
+        wim_rows = [r for r in records if r["document_id"] == document and r["wim"]]
+        first, second = wim_rows[:2]
+        assert first["opened_document"] and first["document_tokens_read"] > 1000
+        assert not second["opened_document"]
+        assert second["cached_tokens"] > 0, second  # the pinned document's KV, reused
+    assert report["settings"]["sessions_left_open"] == []
+    with open_client() as service:
+        wait_for(lambda: settled(service), "every session closed", timeout=60)
+        assert metric(service, "wim_sessions_active") == 0
