@@ -1,0 +1,137 @@
+"""Calibration: the fits recover known costs, and a quick calibration of a real engine measures
+costs its own profile predicts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import TEST_ENGINE
+from wim_service.engine.calibration import (
+    DECODE,
+    PREFILL,
+    fit_decode,
+    fit_errors,
+    fit_prefill,
+    margin_prompt_tokens,
+    nonnegative_lstsq,
+    predicted,
+)
+from wim_service.placement.profile import DecodeCost, EngineProfile, PrefillCost
+from wim_service.wim.capacity import JobShape
+from wim_service.wim.options import WiMOptions
+from wim_service.wim.prompts import PromptBuilder
+
+PREFILL_COST = PrefillCost(fixed_s=0.03, per_token_s=0.0024, per_token_context_s=2e-7)
+DECODE_COST = DecodeCost(fixed_s=0.045, per_sequence_s=0.0012, per_context_token_s=3e-6)
+
+
+def prefill_samples(noise: float = 0.0) -> list[dict[str, float]]:
+    rng = np.random.default_rng(1)
+    return [
+        {
+            "kind": PREFILL,
+            "new": new,
+            "cached": cached,
+            "seconds": PREFILL_COST.seconds(new, cached) * (1 + noise * rng.standard_normal()),
+        }
+        for new in (256, 1024, 2048, 4096, 6000)
+        for cached in (0, 3072)
+    ]
+
+
+def decode_samples(noise: float = 0.0) -> list[dict[str, float]]:
+    rng = np.random.default_rng(2)
+    return [
+        {
+            "kind": DECODE,
+            "batch": batch,
+            "context": batch * context,
+            "seconds": DECODE_COST.step_seconds(batch, batch * context)
+            * (1 + noise * rng.standard_normal()),
+        }
+        for batch in (1, 4, 16, 32)
+        for context in (200, 3000)
+    ]
+
+
+def test_fits_recover_the_costs_that_made_exact_samples() -> None:
+    prefill, decode = fit_prefill(prefill_samples()), fit_decode(decode_samples())
+    for fitted, true in ((prefill, PREFILL_COST), (decode, DECODE_COST)):
+        assert fitted.model_dump() == pytest.approx(true.model_dump(), rel=1e-6)
+
+
+def test_fits_of_noisy_samples_stay_near_the_costs() -> None:
+    prefill, decode = fit_prefill(prefill_samples(0.03)), fit_decode(decode_samples(0.03))
+    assert prefill.per_token_s == pytest.approx(PREFILL_COST.per_token_s, rel=0.1)
+    assert decode.fixed_s == pytest.approx(DECODE_COST.fixed_s, rel=0.1)
+    assert decode.per_context_token_s == pytest.approx(DECODE_COST.per_context_token_s, rel=0.1)
+
+
+def test_a_coefficient_that_fits_negative_is_zero_and_the_rest_refitted() -> None:
+    """Prefill that looks cheaper per token at long contexts (noise, a quicker kernel) must
+    not make the profile predict that more context saves time."""
+    columns = np.array([[1.0, n, n * n / 2] for n in (256.0, 1024.0, 2048.0, 4096.0)])
+    target = 0.01 + 0.002 * columns[:, 1] - 1e-8 * columns[:, 2]
+    assert np.linalg.lstsq(columns, target, rcond=None)[0][2] < 0
+    coef = nonnegative_lstsq(columns, target)
+    assert coef[2] == 0 and coef[0] >= 0 and coef[1] > 0
+    refit = np.linalg.lstsq(columns[:, :2], target, rcond=None)[0]
+    assert coef[:2] == pytest.approx(refit)
+
+
+def test_the_profile_reports_its_fit_over_its_samples() -> None:
+    samples = prefill_samples() + decode_samples()
+    profile = EngineProfile.load().model_copy(
+        update={"prefill": PREFILL_COST, "decode": DECODE_COST, "samples": samples}
+    )
+    assert fit_errors(profile) == pytest.approx({"prefill": 0.0, "decode": 0.0}, abs=1e-12)
+    assert predicted(profile, samples[0]) == pytest.approx(samples[0]["seconds"])
+
+
+def test_margin_prompt_tokens_are_the_job_shapes(tokenizer) -> None:
+    builder = PromptBuilder(tokenizer, WiMOptions().prompts)
+    tokens = margin_prompt_tokens(builder)
+    shape = JobShape.of(
+        builder, context_tokens=0, document_tokens=0, segments=1, options=WiMOptions(), query="?"
+    )
+    # A 10-word query adds its words to the bare instruction.
+    assert shape.margin_prompt_tokens + 8 < tokens < shape.margin_prompt_tokens + 40
+
+
+def kv_tokens(model_dir: Path, gib: float, block: int) -> int:
+    """The KV pool's tokens from the model's shape: float32 keys and values of every layer,
+    whole blocks, less vLLM's null block."""
+    shape = json.loads((model_dir / "config.json").read_text())
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 4
+    return (int(gib * 2**30) // (per_token * block) - 1) * block
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(300)
+async def test_quick_calibration_of_a_real_engine(shared_engine, model_dir) -> None:
+    """`calibrate(TEST_ENGINE, quick=True)` in the tests' event loop (`calibrate` only adds
+    `asyncio.run`). It starts its own engine: the shared one is closed first (one engine at
+    a time on a small machine; the next engine test starts it again)."""
+    from wim_service.engine.calibration import calibrate_async
+
+    shared_engine.close()
+    profile = await calibrate_async(TEST_ENGINE, quick=True)
+    assert profile.prefill.per_token_s > 0 and profile.decode.fixed_s > 0
+    assert profile.decode.per_context_token_s > 0 or profile.decode.per_sequence_s > 0
+    kinds = {s["kind"] for s in profile.samples}
+    assert kinds == {PREFILL, DECODE}
+    # The cached samples were served from the cache (block-aligned prefixes).
+    assert {s["cached"] for s in profile.samples if s["kind"] == PREFILL} == {0, 1024}
+    for sample in profile.samples:
+        assert 0.5 < predicted(profile, sample) / sample["seconds"] < 2, sample
+    assert max(fit_errors(profile).values()) < 0.3
+    assert profile.kv_capacity_tokens == kv_tokens(model_dir, TEST_ENGINE.kv_cache_gib, 32)
+    assert profile.block_tokens == TEST_ENGINE.block_size
+    assert profile.max_batch == TEST_ENGINE.max_num_seqs
+    assert profile.dtype == "float32" and 0 < profile.margin_prompt_tokens < 200
+    assert EngineProfile.model_validate_json(profile.model_dump_json()) == profile
