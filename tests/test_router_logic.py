@@ -304,13 +304,24 @@ def test_full_replicas_answer_429_and_no_replica_503() -> None:
     assert none.status_code == 503 and none.headers["Retry-After"]
 
 
-def test_sessions_go_to_the_replica_with_most_room() -> None:
+def test_sessions_go_to_the_replica_with_most_room_under_sticky() -> None:
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b", capacity=10_000)
+    client, _ = make_service(a, b, placement="sticky")
+    replicas = [
+        client.post("/documents", json={"context": DOCUMENT}).json()["replica"] for _ in range(2)
+    ]
+    assert replicas == ["a", "a"]
+
+
+def test_sessions_go_where_they_start_soonest_under_wim() -> None:
+    """The default `wim` placement weighs the work booked on each replica, not its free KV:
+    the second document goes to the idle replica, however little KV it has left."""
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b", capacity=10_000)
     client, _ = make_service(a, b)
     replicas = [
         client.post("/documents", json={"context": DOCUMENT}).json()["replica"] for _ in range(2)
     ]
-    assert replicas == ["a", "a"]
+    assert replicas == ["a", "b"]
 
 
 def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() -> None:

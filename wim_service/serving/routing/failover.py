@@ -21,6 +21,7 @@ from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
+from wim_service.serving.replica.work import one_shot_work, plain_work, session_work
 from wim_service.serving.routing.bindings import BindResult
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
@@ -125,9 +126,11 @@ class Dispatcher:
         self, session: StoredSession, text: str, exclude: set[str]
     ) -> tuple[str, DocumentOpened]:
         """Read the document on a replica with room; retried elsewhere if one dies."""
-        needed = await self.sizer.needed_blocks(text, session.options, None)
+        shape = await self.sizer.shape(text, session.options, None)
+        blocks = self.sizer.blocks(shape, one_shot=False)
+        work = session_work(session.session_id, shape.context_tokens, blocks, session.options)
         while True:
-            replica = await self.fleet.place(None, needed, exclude)
+            replica = (await self.fleet.place(None, work, exclude)).replica
             try:
                 result = await self.client.replica(replica).open_document(
                     session.session_id, text, session.options
@@ -235,7 +238,8 @@ class Dispatcher:
         one-shot job under `session_id` and unbound when it ends. Not failed over: a short prompt
         is cheap for its client to send again, and part of its answer may be out already."""
         needed = plain_blocks(len(prompt_ids), params, self.sizer.limits.block_size)
-        replica = await self.fleet.place(session_id, needed, set())
+        work = plain_work(len(prompt_ids), params.max_tokens, needed)
+        replica = (await self.fleet.place(session_id, work)).replica
         self.metrics.binding.labels(BindResult.NEW).inc()
         try:
             async for event in self.client.replica(replica).complete(prompt_ids, params):
@@ -293,8 +297,11 @@ class Dispatcher:
             events = self.client.replica(replica).query_document(job.session_id, query, options)
             return replica, events
         if job.replica is None:
-            needed = await self.sizer.needed_blocks(context or "", options, query)
-            job.replica = await self.fleet.place(job.session_id, needed, job.exclude)
+            shape = await self.sizer.shape(context or "", options, query)
+            blocks = self.sizer.blocks(shape, one_shot=True)
+            work = one_shot_work(shape.context_tokens, shape.segments, blocks, options, query)
+            placed = await self.fleet.place(job.session_id, work, job.exclude)
+            job.replica = placed.replica
             self.metrics.binding.labels(BindResult.REPIN if job.failovers else BindResult.NEW).inc()
         return job.replica, self.client.replica(job.replica).run(context or "", query, options)
 
