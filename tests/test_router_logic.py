@@ -94,6 +94,7 @@ class FakeReplica:
         self.calls: list[str] = []
         self.die_after: int | None = None  # events streamed before this replica "dies"
         self.dead = False
+        self.backlog_s = 0.0  # the expected seconds of work it reports queued
 
     async def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -102,6 +103,7 @@ class FakeReplica:
             reserved_blocks=self.reserved,
             sessions=len(self.documents),
             documents=len(self.documents),
+            backlog_s=self.backlog_s,
         )
 
     async def open_document(

@@ -25,6 +25,7 @@ from wim_service.serving.replica.work import one_shot_work, plain_work, session_
 from wim_service.serving.routing.bindings import BindResult
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
+from wim_service.serving.routing.prefixes import prompt_blocks
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
@@ -237,8 +238,14 @@ class Dispatcher:
         """Events of one plain engine request (`serving/replica/plain.py`), placed like a
         one-shot job under `session_id` and unbound when it ends. Not failed over: a short prompt
         is cheap for its client to send again, and part of its answer may be out already."""
-        needed = plain_blocks(len(prompt_ids), params, self.sizer.limits.block_size)
-        work = plain_work(len(prompt_ids), params.max_tokens, needed)
+        block = self.sizer.limits.block_size
+        needed = plain_blocks(len(prompt_ids), params, block)
+        # Its prefix as the engine caches it: the policy sends a repeated long prefix back to
+        # the replica holding it unless that replica is busier than recomputing it elsewhere.
+        prefix = prompt_blocks(prompt_ids, block, params.cache_salt)
+        work = plain_work(
+            len(prompt_ids), params.max_tokens, needed, prefix=prefix, block_tokens=block
+        )
         replica = (await self.fleet.place(session_id, work)).replica
         self.metrics.binding.labels(BindResult.NEW).inc()
         try:
