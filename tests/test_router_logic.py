@@ -316,14 +316,15 @@ def test_sessions_go_to_the_replica_with_most_room_under_sticky() -> None:
 
 
 def test_sessions_go_where_they_start_soonest_under_wim() -> None:
-    """The default `wim` placement weighs the work booked on each replica, not its free KV:
-    the second document goes to the idle replica, however little KV it has left."""
+    """The default `wim` placement weighs the work queued on each replica, not its free KV:
+    new documents go to the idle replica, however little KV it has left."""
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b", capacity=10_000)
+    a.backlog_s = 30.0
     client, _ = make_service(a, b)
     replicas = [
         client.post("/documents", json={"context": DOCUMENT}).json()["replica"] for _ in range(2)
     ]
-    assert replicas == ["a", "b"]
+    assert replicas == ["b", "b"]
 
 
 def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() -> None:

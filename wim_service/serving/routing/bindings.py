@@ -28,6 +28,19 @@ class BindResult(StrEnum):
     REJECTED = "rejected"  # nowhere to place it now
 
 
+@dataclass(frozen=True)
+class Booking:
+    """A placement and what it booked on its replica's load until the next report."""
+
+    placement: Placement
+    load: ReplicaLoad
+    seconds: float
+
+    @property
+    def replica(self) -> str:
+        return self.placement.replica
+
+
 @dataclass
 class BindingTable:
     """Session id -> replica id, plus the latest load of every live replica."""
@@ -95,7 +108,7 @@ class BindingTable:
         *,
         exclude: Collection[str] = (),
         holders: Collection[str] = (),
-    ) -> Placement:
+    ) -> Booking:
         """Where `work` runs (raises `NoRoom`), booked there; `session` (a one-shot job's or a
         plain request's) is bound to it. Document sessions are bound in the session store
         (compare-and-set), shared by every router."""
@@ -103,7 +116,8 @@ class BindingTable:
         placement = self.policy.place(work, states)
         state = next(s for s in states if s.replica == placement.replica)
         load = self.loads[placement.replica]
-        load.backlog_s += job_s(self.profile, work, state, copy=placement.open_copy)
+        seconds = job_s(self.profile, work, state, copy=placement.open_copy)
+        load.backlog_s += seconds
         load.running += 1
         if work.document is None or placement.open_copy:
             # New KV and a session slot: a query on a copy it holds takes neither (the
@@ -114,7 +128,19 @@ class BindingTable:
             state.prefix_cache.insert(work.prefix)
         if session is not None:
             self.bindings[session] = placement.replica
-        return placement
+        return Booking(placement, load, seconds)
+
+    def done(self, booking: Booking, seconds: float | None = None) -> None:
+        """Work the router saw end (a document read: the open call returned) stops counting
+        (`seconds` of it; all by default), unless a fresh report already replaced the load it
+        was booked on: that report counts what is left."""
+        load = booking.load
+        if self.loads.get(booking.replica) is not load:
+            return
+        ended = booking.seconds if seconds is None else seconds
+        load.backlog_s = max(0.0, load.backlog_s - ended)
+        if seconds is None:
+            load.running = max(0, load.running - 1)
 
     def unbind(self, session: str) -> None:
         self.bindings.pop(session, None)

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from wim_service.placement.policy import make_policy
 from wim_service.placement.profile import EngineProfile
-from wim_service.placement.state import NoRoom, Placement, Work
+from wim_service.placement.state import NoRoom, Work
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient
 from wim_service.serving.replica.contracts import ReplicaLoad
-from wim_service.serving.routing.bindings import BindingTable, BindResult
+from wim_service.serving.routing.bindings import BindingTable, BindResult, Booking
 from wim_service.wim.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class ReplicaFleet:
         work: Work,
         exclude: Collection[str] = (),
         holders: Collection[str] = (),
-    ) -> Placement:
+    ) -> Booking:
         """Where `work` runs, by the policy, bound to `session` if given; waits a while for a
         first replica to come up. `holders` hold a copy of the work's document."""
         deadline = time.monotonic() + self.config.replica_wait_s

@@ -151,6 +151,7 @@ class WiMRouter:
             self._expire_documents,
             self.documents.renew_held,
             self._claim_documents,
+            self._retire_copies,
         )
         while True:
             for step in steps:
@@ -171,13 +172,20 @@ class WiMRouter:
             self._listed = await self.documents.sessions()
         held: dict[str, list[str]] = {replica: [] for replica in self.fleet.table.loads}
         for session in self._listed:
-            if session.replica in held:
-                held[session.replica].append(session.session_id)
+            # Copies are claimed like the primary: no replica reaps a copy as an orphan.
+            for replica in session.holders:
+                if replica in held:
+                    held[replica].append(session.session_id)
         timeout = self.config.router.orphan_timeout_s
         await asyncio.gather(
             *(self.client.replica(r).claim(ids, timeout) for r, ids in held.items()),
             return_exceptions=True,
         )
+
+    async def _retire_copies(self) -> None:
+        """Close the copies of hot documents that went idle (`routing/copies.py`), as of the
+        last listing of the store."""
+        await self.dispatcher.copies.retire_idle(self._listed)
 
     async def _expire_documents(self) -> None:
         for session in await self.documents.expired():
