@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from wim_service.placement.policy import Sticky
+from wim_service.placement.policy import ExpectedWait, Sticky
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import NoRoom, Work
 from wim_service.serving.replica.contracts import ReplicaLoad
@@ -121,3 +121,21 @@ def test_equal_room_goes_to_fewer_sessions_and_each_placement_takes_a_slot() -> 
     assert place(table, "s2", 0) == "b"
     assert (table.loads["a"].sessions, table.loads["b"].sessions) == (1, 2)
     assert place(table, "s3", 0) == "a"
+
+
+def test_work_seen_ending_stops_counting_before_the_next_report() -> None:
+    table = BindingTable(ExpectedWait(PROFILE), PROFILE)
+    table.update_replicas({"a", "b"}, [load("a", 0), load("b", 0)])
+    work = Work(prompt_tokens=2000, answer_tokens=16, kv_blocks=10)
+    first = table.place("j1", work)
+    assert first.replica == "a" and table.loads["a"].backlog_s == first.seconds > 0
+    assert table.place("j2", work).replica == "b"  # a burst spreads: a is booked
+    table.done(first)
+    assert (table.loads["a"].backlog_s, table.loads["a"].running) == (0.0, 0)
+    # Reported since it was booked: the report counted what was left of it then, no more.
+    second = table.place("j3", work)
+    assert second.replica == "a"
+    table.update_replicas({"a", "b"}, [load("a", 10, backlog_s=5.0, running=1), load("b", 10)])
+    table.done(second)
+    assert 5.0 - second.seconds <= table.loads["a"].backlog_s < 5.0
+    assert table.loads["a"].running == 0

@@ -99,7 +99,8 @@ class ExpectedWait:
 
     def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
         held = holders(work, replicas)
-        # (expected seconds, whether a copy is read first, replica): a holder wins a tie.
+        # (expected seconds, whether a copy is read first, replica): a holder wins a tie, then
+        # the replica with the most free KV (idle replicas tie: new sessions still spread).
         options = [
             (self.start_s(work, r, copy=False), False, r) for r in held if fits_holder(work, r)
         ]
@@ -112,7 +113,9 @@ class ExpectedWait:
             ]
         if not options:
             raise NoRoom(work, len(replicas))
-        seconds, copy, best = min(options, key=lambda o: (o[0], o[1], o[2].replica))
+        seconds, copy, best = min(
+            options, key=lambda o: (o[0], o[1], -o[2].free_blocks, o[2].replica)
+        )
         if work.document is not None:
             cached = 0 if copy else work.document_tokens
         else:

@@ -11,6 +11,7 @@ binds one-shot jobs and plain requests while they run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -35,6 +36,7 @@ class Booking:
     placement: Placement
     load: ReplicaLoad
     seconds: float
+    at: float  # monotonic seconds it was booked
 
     @property
     def replica(self) -> str:
@@ -54,12 +56,19 @@ class BindingTable:
     # The prompt blocks of the plain requests sent to each replica, as it is believed to hold
     # them in its prefix cache (an estimate: the replica's own cache evicts on its own terms).
     prefixes: dict[str, PrefixCache] = field(default_factory=dict)
+    # When each replica's current load was reported (monotonic seconds).
+    reported_at: dict[str, float] = field(default_factory=dict)
 
     def update_replicas(self, live: set[str] | frozenset[str], loads: list[ReplicaLoad]) -> None:
         """Take fresh loads; a live replica that missed this poll keeps its last report (a
         busy replica is not a gone one), a replica no longer live is dropped."""
         self.live = frozenset(live)
         fresh = {load.replica: load for load in loads}
+        now = time.monotonic()
+        self.reported_at = {
+            replica: now if replica in fresh else self.reported_at.get(replica, now)
+            for replica in live
+        }
         self.loads = {
             replica: fresh.get(replica) or self.loads[replica]
             for replica in live
@@ -128,17 +137,20 @@ class BindingTable:
             state.prefix_cache.insert(work.prefix)
         if session is not None:
             self.bindings[session] = placement.replica
-        return Booking(placement, load, seconds)
+        return Booking(placement, load, seconds, time.monotonic())
 
     def done(self, booking: Booking, seconds: float | None = None) -> None:
-        """Work the router saw end (a document read: the open call returned) stops counting
-        (`seconds` of it; all by default), unless a fresh report already replaced the load it
-        was booked on: that report counts what is left."""
-        load = booking.load
-        if self.loads.get(booking.replica) is not load:
-            return
+        """Work the router saw end (a document read: the open call returned; a job) stops
+        counting: `seconds` of it (all by default). If a fresh report replaced the load it was
+        booked on, that report counted what was left of it then, the replica's own estimate:
+        about its cost less the time it had run."""
         ended = booking.seconds if seconds is None else seconds
-        load.backlog_s = max(0.0, load.backlog_s - ended)
+        load = self.loads.get(booking.replica)
+        if load is None:
+            return
+        if load is not booking.load:
+            ended -= self.reported_at.get(booking.replica, booking.at) - booking.at
+        load.backlog_s = max(0.0, load.backlog_s - max(0.0, ended))
         if seconds is None:
             load.running = max(0, load.running - 1)
 
