@@ -23,7 +23,7 @@ QUERY = "What is the night gate code?"
 
 
 async def router_over(*replicas: ScriptedReplica, **config: Any) -> WiMRouter:
-    settings = {"replica_wait_s": 0, "load_poll_interval_s": 3600, **config}
+    settings = {"replica_wait_s": 0, "load_poll_interval_s": 3600, "placement": "wim", **config}
     router = WiMRouter(
         None,
         {"router": settings},
@@ -172,8 +172,8 @@ async def test_a_copy_opened_through_one_router_is_closed_by_a_delete_through_an
 ) -> None:
     a, b = ScriptedReplica("a"), ScriptedReplica("b")
     client = ScriptedClient(a, b, delay_s=0.005)
-    first, router = await routers.new(client=client)
-    second, _ = await routers.new(client=client)
+    first, router = await routers.new(client=client, placement="wim")
+    second, _ = await routers.new(client=client, placement="wim")
     document_id = (await open_document(first, context=TEXT))["document_id"]
     answers = await asyncio.gather(*(query(first, document_id) for _ in range(6)))
     assert all(r.status_code == 200 for r in answers)

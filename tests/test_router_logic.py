@@ -320,7 +320,7 @@ def test_sessions_go_where_they_start_soonest_under_wim() -> None:
     new documents go to the idle replica, however little KV it has left."""
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b", capacity=10_000)
     a.backlog_s = 30.0
-    client, _ = make_service(a, b)
+    client, _ = make_service(a, b, placement="wim")
     replicas = [
         client.post("/documents", json={"context": DOCUMENT}).json()["replica"] for _ in range(2)
     ]

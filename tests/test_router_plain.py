@@ -25,8 +25,10 @@ PARAMS = PlainParams(max_tokens=2, cache_salt="tenant:test")
 BLOCKS = 2
 
 
-async def router_over(*replicas: ScriptedReplica, client: type = ScriptedClient) -> WiMRouter:
-    config = {"engine": {"block_size": 16}, "router": {"replica_wait_s": 0}}
+async def router_over(
+    *replicas: ScriptedReplica, client: type = ScriptedClient, **router: Any
+) -> WiMRouter:
+    config = {"engine": {"block_size": 16}, "router": {"replica_wait_s": 0, **router}}
     router = WiMRouter(None, config, client=client(*replicas), http_host="127.0.0.1")
     await router.fleet.refresh_loads()
     return router
@@ -122,7 +124,7 @@ async def sent_to(router: WiMRouter, prompt: list[int], params: PlainParams) -> 
 
 async def test_a_repeated_long_prefix_goes_back_to_its_replica_unless_it_is_busier() -> None:
     a, b = ScriptedReplica("a"), ScriptedReplica("b")
-    router = await router_over(a, b)
+    router = await router_over(a, b, placement="wim")
     assert await sent_to(router, LONG_PROMPT, PARAMS) == "a"  # both idle: the first by name
     a.backlog_s = 0.05  # a little busy: fresh work would start sooner on b
     assert await sent_to(router, list(range(5000, 5200)), PARAMS) == "b"  # another prompt
