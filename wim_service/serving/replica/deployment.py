@@ -3,8 +3,9 @@
 Thin over the engine layer: every method turns a call into `run_wim` / `WiMSession` work and
 streams the events back (typed models of `wim.events` and `serving.replica.contracts`). It
 implements `ReplicaProtocol` (`replica/protocol.py`): it reports its load for the router's
-bounded-load placement, and its engine's `vllm:*` metrics and its event loop's lag
-(`observability/loop_lag.py`) for the router's `/metrics`.
+placement (KV, sessions and the backlog of its admitted work, `replica/backlog.py`), and its
+engine's `vllm:*` metrics and its event loop's lag (`observability/loop_lag.py`) for the
+router's `/metrics`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Running work on the replica that holds it, and moving it when that replica is lost.
 
-`Dispatcher` sends one-shot jobs and document-session queries to their bound replica over an
-injected `ReplicaClient`. When the replica is lost mid-call, a document session is re-pinned to
-another replica and rebuilt there from its text, and the call is retried; a streamed job does
-not repeat what it already delivered (`StreamProgress`).
+`Dispatcher` sends one-shot jobs and document-session queries to their replica over an
+injected `ReplicaClient` (a query to the primary or a copy of its document, `copies.py`). When
+the replica is lost mid-call, a lost copy is dropped; a lost primary is replaced by a live copy,
+or the session is re-pinned to another replica and rebuilt there from its text; and the call
+is retried. A streamed job does not repeat what it already delivered (`StreamProgress`).
 """
 
 from __future__ import annotations

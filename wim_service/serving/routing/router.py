@@ -1,11 +1,14 @@
 """`WiMRouter`: the service's logic behind the HTTP API: document sessions, placement, failover.
 
-* `ReplicaFleet` polls the engine replicas' loads and binds each session to one replica
-  (bounded load); every call of the session goes there (`PinnedReplicaRouter`).
-* `DocumentTable` keeps each document session (text, options, tenant, binding, expiry) in the
-  session store: in this process, or in Redis shared by every router replica. `Dispatcher`
-  runs jobs on the bound replica and, if that replica dies or leaves, rebuilds the session
-  elsewhere from the text and retries, so the client still gets its answer.
+* `ReplicaFleet` polls the engine replicas' loads and places work on them by the configured
+  policy (`wim_service/placement/`, `RouterConfig.placement`); every call of a session goes
+  to a replica holding it (`PinnedReplicaRouter`).
+* `DocumentTable` keeps each document session (text, options, tenant, binding, copies,
+  expiry) in the session store: in this process, or in Redis shared by every router replica.
+  `Dispatcher` runs jobs on the bound replica (a hot document's queries are shared with
+  copies on other replicas, `routing/copies.py`) and, if that replica dies or leaves, hands
+  the session to a live copy or rebuilds it elsewhere from the text and retries, so the
+  client still gets its answer.
 * Errors are HTTP statuses with a JSON body `{code, message}` (`http/errors.py`); a streamed job
   reports late errors as an `error` event (`http/responses.py`).
 * `LoopLagMonitor` measures how late the router's event loop runs
