@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from wim_service.engine.config import EngineConfig
+from wim_service.placement.profile import EngineProfile
 
 
 class StoreConfig(BaseModel):
@@ -91,6 +93,17 @@ class RouterConfig(BaseModel):
     cost_profile: str | None = None
     # Where document sessions (text, options, binding, expiry) live.
     store: StoreConfig = Field(default_factory=StoreConfig)
+
+    @field_validator("cost_profile")
+    @classmethod
+    def _profile_loads(cls, path: str | None) -> str | None:
+        """A profile that cannot be read is refused with the config, not at the first job."""
+        if path is not None:
+            try:
+                EngineProfile.load(Path(path))
+            except (OSError, ValueError) as exc:  # (a ValidationError is a ValueError)
+                raise ValueError(f"cost_profile {path!r} is not a readable profile: {exc}") from exc
+        return path
 
 
 class ServiceConfig(BaseModel):
