@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from wim_service.placement.policy import ExpectedWait, RoundRobin, Sticky, make_policy
@@ -100,3 +102,16 @@ def test_every_policy_refuses_when_nothing_has_room(name: str) -> None:
 def test_an_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match="unknown placement policy 'x'"):
         make_policy("x", PROFILE)
+
+
+def test_the_router_config_refuses_a_cost_profile_it_cannot_read(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from wim_service.serving.config import RouterConfig
+
+    with pytest.raises(ValidationError, match="is not a readable profile"):
+        RouterConfig(cost_profile=str(tmp_path / "missing.json"))
+    measured = tmp_path / "measured.json"
+    measured.write_text(PROFILE.model_dump_json())
+    assert RouterConfig(cost_profile=str(measured)).cost_profile == str(measured)
+    assert RouterConfig().placement == "wim" and RouterConfig().max_copies == 2

@@ -94,6 +94,7 @@ class FakeReplica:
         self.calls: list[str] = []
         self.die_after: int | None = None  # events streamed before this replica "dies"
         self.dead = False
+        self.backlog_s = 0.0  # the expected seconds of work it reports queued
 
     async def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -102,6 +103,7 @@ class FakeReplica:
             reserved_blocks=self.reserved,
             sessions=len(self.documents),
             documents=len(self.documents),
+            backlog_s=self.backlog_s,
         )
 
     async def open_document(
@@ -304,13 +306,25 @@ def test_full_replicas_answer_429_and_no_replica_503() -> None:
     assert none.status_code == 503 and none.headers["Retry-After"]
 
 
-def test_sessions_go_to_the_replica_with_most_room() -> None:
+def test_sessions_go_to_the_replica_with_most_room_under_sticky() -> None:
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b", capacity=10_000)
-    client, _ = make_service(a, b)
+    client, _ = make_service(a, b, placement="sticky")
     replicas = [
         client.post("/documents", json={"context": DOCUMENT}).json()["replica"] for _ in range(2)
     ]
     assert replicas == ["a", "a"]
+
+
+def test_sessions_go_where_they_start_soonest_under_wim() -> None:
+    """The default `wim` placement weighs the work queued on each replica, not its free KV:
+    new documents go to the idle replica, however little KV it has left."""
+    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b", capacity=10_000)
+    a.backlog_s = 30.0
+    client, _ = make_service(a, b, placement="wim")
+    replicas = [
+        client.post("/documents", json={"context": DOCUMENT}).json()["replica"] for _ in range(2)
+    ]
+    assert replicas == ["b", "b"]
 
 
 def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() -> None:

@@ -25,8 +25,10 @@ PARAMS = PlainParams(max_tokens=2, cache_salt="tenant:test")
 BLOCKS = 2
 
 
-async def router_over(*replicas: ScriptedReplica, client: type = ScriptedClient) -> WiMRouter:
-    config = {"engine": {"block_size": 16}, "router": {"replica_wait_s": 0}}
+async def router_over(
+    *replicas: ScriptedReplica, client: type = ScriptedClient, **router: Any
+) -> WiMRouter:
+    config = {"engine": {"block_size": 16}, "router": {"replica_wait_s": 0, **router}}
     router = WiMRouter(None, config, client=client(*replicas), http_host="127.0.0.1")
     await router.fleet.refresh_loads()
     return router
@@ -106,3 +108,32 @@ async def test_a_plain_answer_cut_by_a_lost_replica_ends_with_an_error_event() -
     error = got[-1][1]
     assert error.type == "error" and error.code == "engine_error"
     assert error.message.startswith(LOST) and "RuntimeError" not in error.message
+
+
+# 20 full blocks of 16 tokens: a prefix worth going back for.
+LONG_PROMPT = list(range(1000, 1320))
+
+
+async def sent_to(router: WiMRouter, prompt: list[int], params: PlainParams) -> str:
+    """Where a plain request ran, placed on freshly polled loads."""
+    await router.fleet.refresh_loads()
+    replicas = {replica async for replica, _ in router.dispatcher.plain(SESSION, prompt, params)}
+    (replica,) = replicas
+    return replica
+
+
+async def test_a_repeated_long_prefix_goes_back_to_its_replica_unless_it_is_busier() -> None:
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b, placement="wim")
+    assert await sent_to(router, LONG_PROMPT, PARAMS) == "a"  # both idle: the first by name
+    a.backlog_s = 0.05  # a little busy: fresh work would start sooner on b
+    assert await sent_to(router, list(range(5000, 5200)), PARAMS) == "b"  # another prompt
+    # The same prefix again: recomputing its 320 tokens on b takes longer than a's queue.
+    assert await sent_to(router, [*LONG_PROMPT, 7, 8], PARAMS) == "a"
+    # Another tenant's cache never holds this tenant's blocks: for it a holds nothing.
+    other = PlainParams(max_tokens=2, cache_salt="tenant:other")
+    assert await sent_to(router, LONG_PROMPT, other) == "b"
+    # Busier than recomputing the prefix elsewhere: the idle replica wins.
+    a.backlog_s = 5.0
+    assert await sent_to(router, LONG_PROMPT, PARAMS) == "b"
+    assert [len(s[1][0]) for s in a.streams] == [320, 322]

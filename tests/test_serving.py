@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,41 @@ def test_document_session_is_pinned_and_reuses_its_kv(client: httpx.Client, repo
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
     gone = client.post("/wim", json={"document_id": document["document_id"], "query": QUERY})
     assert gone.status_code == 404 and gone.json()["code"] == "not_found"
+
+
+def test_a_hot_document_is_copied_to_the_second_replica_and_both_answer(
+    client: httpx.Client, report: str
+) -> None:
+    """`placement: wim`, `max_copies: 2` (the defaults): queries at once on one document make
+    its replica busier than reading a copy on the other; both then answer its queries, and
+    DELETE closes both copies."""
+    opened = metric(client, "wim_document_copies_opened_total")
+    on_copies = metric(client, "wim_copy_queries_total", role="copy")
+    document = open_document(client, report)
+    # Room for the whole sentence with the code (a per-query option).
+    body = {**query_body(document["document_id"]), "options": {**OPTIONS, "answer_max_tokens": 48}}
+
+    def ask(_: int) -> httpx.Response:
+        with open_client() as own:
+            return own.post("/wim", json=body)
+
+    with ThreadPoolExecutor(4) as clients:
+        answers = list(clients.map(ask, range(8)))
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert "4417" in answer.json()["answer"], answer.json()["answer"]
+    replicas = {answer.json()["replica"] for answer in answers}
+    assert len(replicas) == 2, replicas
+    assert metric(client, "wim_document_copies_opened_total") == opened + 1
+    assert metric(client, "wim_copy_queries_total", role="copy") > on_copies
+    for replica in replicas:
+        wait_for(
+            lambda r=replica: metric(client, "wim_sessions_active", replica=r) == 1,
+            f"the document's session on {replica}",
+        )
+    assert client.delete(f"/documents/{document['document_id']}").status_code == 204
+    # Every copy closed: no session and no KV reserved on either replica.
+    wait_for(lambda: settled(client), "both copies closed", timeout=120)
 
 
 def test_sse_streams_events_in_order(client: httpx.Client, report: str) -> None:

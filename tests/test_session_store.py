@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -234,6 +235,48 @@ async def test_of_two_concurrent_rebinds_exactly_one_wins(
     assert (await b.get(new.session_id)).replica is None  # type: ignore[union-attr]
     assert not await b.rebind(new.session_id, "old", "rb")
     assert await b.rebind(new.session_id, None, "rb")
+
+
+async def test_copies_are_recorded_within_the_limit_promoted_dropped_and_deleted(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    a, b = routers
+    new = session(replica="r1")
+    await a.create(replace(new, kv_blocks=40), TEXT)
+    assert await a.add_copy(new.session_id, "r2", 3)
+    assert not await b.add_copy(new.session_id, "r2", 3)  # it holds one already
+    assert not await b.add_copy(new.session_id, "r1", 3)  # the primary is no copy
+    assert await b.add_copy(new.session_id, "r3", 3)
+    assert not await a.add_copy(new.session_id, "r4", 3)  # three holders: the limit
+    got = await b.get(new.session_id)
+    assert got is not None and got.holders == ("r1", "r2", "r3") and got.kv_blocks == 40
+    assert await b.drop_copy(new.session_id, "r3")
+    assert not await a.drop_copy(new.session_id, "r3") and not await a.drop_copy(
+        new.session_id, "r1"
+    )
+    # A copy promoted to primary (its primary lost) is no longer a copy.
+    assert await a.rebind(new.session_id, "r1", "r2")
+    promoted = await b.get(new.session_id)
+    assert promoted is not None and (promoted.replica, promoted.copies) == ("r2", ())
+    assert await a.add_copy(new.session_id, "r5", 2)
+    deleted = await b.delete(new.session_id)
+    assert deleted is not None and deleted.holders == ("r2", "r5")  # each to be closed
+    assert not await a.add_copy(new.session_id, "r6", 3)  # ended: nothing to add to
+
+
+async def test_of_two_routers_adding_a_copy_at_the_limit_one_wins(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    a, b = routers
+    for _ in range(ROUNDS // 5):
+        new = session(replica="r1")
+        await a.create(new, TEXT)
+        won = await asyncio.gather(
+            a.add_copy(new.session_id, "ra", 2), b.add_copy(new.session_id, "rb", 2)
+        )
+        assert sorted(won) == [False, True]
+        got = await a.get(new.session_id)
+        assert got is not None and len(got.copies) == 1
 
 
 async def test_reservations_count_against_the_tenants_limit_for_every_router(

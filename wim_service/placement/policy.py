@@ -42,6 +42,42 @@ def fits_holder(work: Work, replica: ReplicaState) -> bool:
     return replica.free_blocks >= work.kv_blocks
 
 
+def first_token_s(
+    profile: EngineProfile, work: Work, replica: ReplicaState, *, copy: bool = False
+) -> float:
+    """Seconds of engine work before the job's first answer token on `replica`, with nothing
+    queued ahead of it: the prefill still to do (the tokens not already in its cache; a whole
+    document on a replica without a copy, `copy`), then the job's margins."""
+    p = profile
+    if work.document is not None:
+        read = p.prefill.seconds(work.document_tokens) if copy else 0.0
+        query = work.prompt_tokens - work.document_tokens
+        prefill = read + p.prefill.seconds(query, cached=work.document_tokens)
+        context = work.document_tokens
+    else:
+        cached = work.cached_tokens(replica.cached_blocks(work))
+        prefill = p.prefill.seconds(work.prompt_tokens - cached, cached=cached)
+        context = work.prompt_tokens
+    margins = 0.0
+    if work.margins:
+        margins = p.prefill.seconds(work.margins * p.margin_prompt_tokens, cached=context)
+        batch = replica.running + work.margins
+        margins += p.decode_seconds(work.margin_tokens, batch, context * work.margins)
+    return prefill + margins
+
+
+def job_s(
+    profile: EngineProfile, work: Work, replica: ReplicaState, *, copy: bool = False
+) -> float:
+    """Seconds of engine work the whole job is expected to take on `replica` (its first token,
+    then its answer decoded in a batch with what runs there): what a replica books as its
+    backlog when the job starts, and what the router books between two load reports."""
+    answer = profile.decode_seconds(
+        work.answer_tokens, replica.running + 1, work.prompt_tokens + work.answer_tokens
+    )
+    return first_token_s(profile, work, replica, copy=copy) + answer
+
+
 @dataclass
 class ExpectedWait:
     """Send each job where it is expected to finish its first token soonest: the work queued
@@ -59,26 +95,12 @@ class ExpectedWait:
 
     def start_s(self, work: Work, replica: ReplicaState, *, copy: bool) -> float:
         """Expected seconds until the job's first answer token on `replica`."""
-        p = self.profile
-        if work.document is not None:
-            read = p.prefill.seconds(work.document_tokens) if copy else 0.0
-            query = work.prompt_tokens - work.document_tokens
-            prefill = read + p.prefill.seconds(query, cached=work.document_tokens)
-            context = work.document_tokens
-        else:
-            cached = work.cached_tokens(replica.cached_blocks(work))
-            prefill = p.prefill.seconds(work.prompt_tokens - cached, cached=cached)
-            context = work.prompt_tokens
-        margins = 0.0
-        if work.margins:
-            margins = p.prefill.seconds(work.margins * p.margin_prompt_tokens, cached=context)
-            batch = replica.running + work.margins
-            margins += p.decode_seconds(work.margin_tokens, batch, context * work.margins)
-        return replica.backlog_s + prefill + margins
+        return replica.backlog_s + first_token_s(self.profile, work, replica, copy=copy)
 
     def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
         held = holders(work, replicas)
-        # (expected seconds, whether a copy is read first, replica): a holder wins a tie.
+        # (expected seconds, whether a copy is read first, replica): a holder wins a tie, then
+        # the replica with the most free KV (idle replicas tie: new sessions still spread).
         options = [
             (self.start_s(work, r, copy=False), False, r) for r in held if fits_holder(work, r)
         ]
@@ -91,7 +113,9 @@ class ExpectedWait:
             ]
         if not options:
             raise NoRoom(work, len(replicas))
-        seconds, copy, best = min(options, key=lambda o: (o[0], o[1], o[2].replica))
+        seconds, copy, best = min(
+            options, key=lambda o: (o[0], o[1], -o[2].free_blocks, o[2].replica)
+        )
         if work.document is not None:
             cached = 0 if copy else work.document_tokens
         else:
@@ -122,7 +146,7 @@ class Sticky:
             raise NoRoom(work, len(replicas))
         best = max(
             fitting,
-            key=lambda r: (r.cached_blocks(work), r.free_blocks, -r.free_sessions, r.replica),
+            key=lambda r: (r.cached_blocks(work), r.free_blocks, r.free_sessions, r.replica),
         )
         return Placement(
             best.replica,

@@ -100,7 +100,7 @@ class NoRoom(Exception):
     """No replica can take the job now (every one full or draining)."""
 
     def __init__(self, work: Work, replicas: int) -> None:
-        super().__init__(
-            f"no engine replica has room for {work.kv_blocks} KV blocks ({replicas} live)"
-        )
+        # A new copy of a document needs the document's blocks as well as the job's.
+        needed = work.kv_blocks + work.document_blocks
+        super().__init__(f"no engine replica has room for {needed} KV blocks ({replicas} live)")
         self.replicas = replicas

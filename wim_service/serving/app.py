@@ -62,5 +62,5 @@ def assemble(config: ServiceConfig, *, engine_options: dict[str, Any] | None = N
     Python callers; serve configs use their `deployments:` section instead.
     """
     deployment = EngineReplicaDeployment.options(**(engine_options or {}))
-    engine = deployment.bind(config.engine.model_dump())
+    engine = deployment.bind(config.engine.model_dump(), config.router.cost_profile)
     return WiMRouterDeployment.bind(engine, config.model_dump())

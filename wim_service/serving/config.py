@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from wim_service.engine.config import EngineConfig
+from wim_service.placement.profile import EngineProfile
 
 
 class StoreConfig(BaseModel):
@@ -76,8 +78,32 @@ class RouterConfig(BaseModel):
     # The worker's address space; pypdf's allocations past it fail: 422 `too_complex`. Python
     # and pypdf take about 60 MiB of it before the PDF is read.
     pdf_max_memory_bytes: int = Field(512 * 2**20, ge=128 * 2**20)
+    # Where new work runs (wim_service/placement/): `wim` sends each job where it is expected
+    # to start soonest (work queued there, prefill it would still do) and copies a hot
+    # document onto another replica when that is quicker; `sticky` keeps a document on the
+    # replica it was read on and puts new work where most KV is free; `round_robin` takes turns.
+    placement: Literal["wim", "sticky", "round_robin"] = "wim"
+    # Replicas a document session may hold copies on at once, its first one included (1: a
+    # document is never copied).
+    max_copies: int = Field(2, ge=1, le=16)
+    # A copy no query used for this long is closed (never a session's last one).
+    copy_idle_s: float = Field(120.0, gt=0)
+    # The engine cost profile the `wim` placement and the replicas' backlogs are computed with
+    # (`wim sim --calibrate` measures one); unset: the profile shipped with the service.
+    cost_profile: str | None = None
     # Where document sessions (text, options, binding, expiry) live.
     store: StoreConfig = Field(default_factory=StoreConfig)
+
+    @field_validator("cost_profile")
+    @classmethod
+    def _profile_loads(cls, path: str | None) -> str | None:
+        """A profile that cannot be read is refused with the config, not at the first job."""
+        if path is not None:
+            try:
+                EngineProfile.load(Path(path))
+            except (OSError, ValueError) as exc:  # (a ValidationError is a ValueError)
+                raise ValueError(f"cost_profile {path!r} is not a readable profile: {exc}") from exc
+        return path
 
 
 class ServiceConfig(BaseModel):

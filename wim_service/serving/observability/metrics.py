@@ -45,6 +45,7 @@ class WiMMetrics:
         self._sessions(self.registry)
         self._latencies(self.registry)
         self._work(self.registry)
+        self._copies(self.registry)
         self.event_loop_lag = event_loop_lag(self.registry)
 
     def _sessions(self, r: CollectorRegistry) -> None:
@@ -137,6 +138,33 @@ class WiMMetrics:
             registry=r,
         )
 
+    def _copies(self, r: CollectorRegistry) -> None:
+        """Copies of hot documents (`serving/routing/copies.py`): a document session's queries
+        shared between the replica it was read on (its primary) and copies read elsewhere."""
+        self.copies_opened = Counter(
+            "wim_document_copies_opened",
+            "Copies of document sessions read onto another replica, because the placement "
+            "expected a query to start sooner there than on any replica holding the document.",
+            registry=r,
+        )
+        self.copies_retired = Counter(
+            "wim_document_copies_retired",
+            "Copies closed after no query used them for copy_idle_s.",
+            registry=r,
+        )
+        self.copy_queries = Counter(
+            "wim_copy_queries",
+            "Queries on document sessions, by the holder that ran them: the primary or a copy.",
+            ["role"],  # primary | copy
+            registry=r,
+        )
+        self.document_copies = Gauge(
+            "wim_document_copies",
+            "Copies of document sessions open besides their primaries, as of the router's "
+            "last listing of the session store.",
+            registry=r,
+        )
+
 
 class JobObserver:
     """Turns one job's events into latency and margin metrics as they pass."""
@@ -188,4 +216,8 @@ METRIC_NAMES = (
     "wim_replica_draining",
     "wim_kv_reserved_blocks",
     "wim_event_loop_lag_seconds",
+    "wim_document_copies_opened_total",
+    "wim_document_copies_retired_total",
+    "wim_copy_queries_total",
+    "wim_document_copies",
 )

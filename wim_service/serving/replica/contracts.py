@@ -25,6 +25,10 @@ class ReplicaLoad(BaseModel):
     resident_kv_tokens: int = 0
     healthy: bool = True
     draining: bool = False
+    # Expected seconds of admitted work still ahead on this replica, and the jobs running:
+    # what the `wim` placement weighs (`serving/replica/backlog.py`).
+    backlog_s: float = 0.0
+    running: int = 0
 
     @property
     def room_blocks(self) -> int:

@@ -3,25 +3,30 @@
 Thin over the engine layer: every method turns a call into `run_wim` / `WiMSession` work and
 streams the events back (typed models of `wim.events` and `serving.replica.contracts`). It
 implements `ReplicaProtocol` (`replica/protocol.py`): it reports its load for the router's
-bounded-load placement, and its engine's `vllm:*` metrics and its event loop's lag
-(`observability/loop_lag.py`) for the router's `/metrics`.
+placement (KV, sessions and the backlog of its admitted work, `replica/backlog.py`), and its
+engine's `vllm:*` metrics and its event loop's lag (`observability/loop_lag.py`) for the
+router's `/metrics`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from ray import serve
 
 from wim_service.engine.config import EngineConfig
+from wim_service.placement.profile import EngineProfile
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
 from wim_service.serving.observability.metrics import event_loop_lag
+from wim_service.serving.replica.backlog import Backlog
 from wim_service.serving.replica.contracts import (
     DocumentOpened,
     EngineDead,
@@ -31,6 +36,12 @@ from wim_service.serving.replica.contracts import (
 from wim_service.serving.replica.held_documents import HeldDocuments
 from wim_service.serving.replica.plain import PlainParams, plain_events
 from wim_service.serving.replica.protocol import ReplicaProtocol
+from wim_service.serving.replica.work import (
+    estimated_tokens,
+    one_shot_work,
+    plain_work,
+    session_work,
+)
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
@@ -40,7 +51,9 @@ REAP_INTERVAL_S = 5.0
 
 
 class EngineReplica:
-    def __init__(self, engine: dict[str, Any]) -> None:
+    def __init__(self, engine: dict[str, Any], cost_profile: str | None = None) -> None:
+        """`engine` is the `EngineConfig`; `cost_profile` the router's (`RouterConfig`), so
+        that the backlog this replica reports is in the costs the router places by."""
         # Ray starts workers at nice 15 and the engine process inherits it; under load such an
         # engine crawls behind everything else on the node.
         with contextlib.suppress(OSError):
@@ -52,6 +65,7 @@ class EngineReplica:
         self.config = EngineConfig.model_validate(engine)
         self.backend = VLLMBackend.start(self.config, rank=context.rank.local_rank)
         self.documents = HeldDocuments()
+        self.backlog = Backlog(EngineProfile.load(Path(cost_profile) if cost_profile else None))
         self._reaper: asyncio.Task[None] | None = None
         # This replica's own metrics; vLLM's are in the process's global registry.
         self.registry = CollectorRegistry()
@@ -97,13 +111,18 @@ class EngineReplica:
     async def run(self, document: str, query: str, options: WiMOptions) -> AsyncIterator[WiMEvent]:
         """A one-shot job; the caller going away cancels it and frees its KV."""
         job = run_wim(self.backend, self.backend.tokenizer, document, query, options)
-        async for event in self._checked(job):
-            yield event
+        # Its shape estimated from characters: its tokens are counted inside the job.
+        tokens = estimated_tokens(document)
+        segments = math.ceil(tokens / options.segment_tokens)
+        with self.backlog.job(one_shot_work(tokens, segments, 0, options, query)):
+            async for event in self._checked(job):
+                yield event
 
     async def complete(self, prompt_ids: list[int], params: PlainParams) -> AsyncIterator[WiMEvent]:
         """A plain request (a short OpenAI-API prompt, no WiM): answer deltas, then `done`."""
-        async for event in self._checked(plain_events(self.backend, prompt_ids, params)):
-            yield event
+        with self.backlog.job(plain_work(len(prompt_ids), params.max_tokens, 0)):
+            async for event in self._checked(plain_events(self.backend, prompt_ids, params)):
+                yield event
 
     async def open_document(
         self, document_id: str, document: str, options: WiMOptions
@@ -112,8 +131,12 @@ class EngineReplica:
         self._ensure_reaper()
         await self.close_document(document_id)  # a re-open (failover) replaces a stale copy
         self._check_engine()
+        read = session_work(document_id, estimated_tokens(document), 0, options)
         try:
-            session = await open_document(self.backend, self.backend.tokenizer, document, options)
+            with self.backlog.job(read, copy=True):
+                session = await open_document(
+                    self.backend, self.backend.tokenizer, document, options
+                )
         except WiMError as exc:
             self._check_engine()
             return ErrorEvent.of(exc)
@@ -132,8 +155,13 @@ class EngineReplica:
                 message=f"document session {document_id} is not on this replica",
             )
             return
-        async for event in self._checked(session.query(query, options)):
-            yield event
+        plan = session.plan
+        work = session_work(
+            document_id, plan.context_tokens, 0, options, query=query, segments=len(plan.segments)
+        )
+        with self.backlog.job(work):
+            async for event in self._checked(session.query(query, options)):
+                yield event
         # The orphan timeout counts from the query's end, not its start.
         self.documents.use(document_id, time.monotonic())
 
@@ -161,6 +189,8 @@ class EngineReplica:
             documents=len(self.documents),
             resident_kv_tokens=sum(s.context.context_tokens for s in self.documents.sessions()),
             healthy=self.backend.healthy,
+            backlog_s=self.backlog.seconds(),
+            running=self.backlog.running,
         )
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -97,6 +97,14 @@ class DocumentTable:
         or it ended."""
         return await self._call(self.store.rebind(document_id, expected, new))
 
+    async def add_copy(self, document_id: str, replica: str, max_holders: int) -> bool:
+        """Record a copy of the session on `replica` (`serving/routing/copies.py`); False if
+        the session ended, holds one there, or has `max_holders` holders already."""
+        return await self._call(self.store.add_copy(document_id, replica, max_holders))
+
+    async def drop_copy(self, document_id: str, replica: str) -> bool:
+        return await self._call(self.store.drop_copy(document_id, replica))
+
     async def remove(self, document_id: str) -> StoredSession | None:
         """End the session for every router; what it was (its replica to close), or None."""
         return await self._call(self.store.delete(document_id))

@@ -1,15 +1,15 @@
 """Running work on the replica that holds it, and moving it when that replica is lost.
 
-`Dispatcher` sends one-shot jobs and document-session queries to their bound replica over an
-injected `ReplicaClient`. When the replica is lost mid-call, a document session is re-pinned to
-another replica and rebuilt there from its text, and the call is retried; a streamed job does
-not repeat what it already delivered (`StreamProgress`).
+`Dispatcher` sends one-shot jobs and document-session queries to their replica over an
+injected `ReplicaClient` (a query to the primary or a copy of its document, `copies.py`). When
+the replica is lost mid-call, a lost copy is dropped; a lost primary is replaced by a live copy,
+or the session is re-pinned to another replica and rebuilt there from its text; and the call
+is retried. A streamed job does not repeat what it already delivered (`StreamProgress`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -21,9 +21,12 @@ from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
-from wim_service.serving.routing.bindings import BindResult
+from wim_service.serving.replica.work import one_shot_work, plain_work, session_work
+from wim_service.serving.routing.bindings import BindResult, Booking
+from wim_service.serving.routing.copies import DocumentCopies, close_on
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
+from wim_service.serving.routing.prefixes import prompt_blocks
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
@@ -79,6 +82,7 @@ class _Job:
     subject: str  # what log lines name the job by
     progress: StreamProgress = field(default_factory=StreamProgress)
     replica: str | None = None  # a one-shot job's placement (None: place it anew)
+    booking: Booking | None = None  # what this attempt booked on its replica's load
     exclude: set[str] = field(default_factory=set)  # replicas lost by this job
     failovers: int = 0
     transient_retries: int = 0
@@ -100,12 +104,13 @@ class Dispatcher:
         self.sizer = sizer
         self.config = config
         self.metrics = metrics
+        self.copies = DocumentCopies(client, fleet, documents, config, metrics)
 
     # -- document sessions -----------------------------------------------------------------
 
     async def open_document(self, session: StoredSession, text: str) -> StoredSession:
         """Read a new document on a replica with room and store its session, bound there."""
-        replica, opened = await self._read(session, text, set())
+        replica, opened, blocks = await self._read(session, text, set())
         try:
             return await self.documents.add(
                 replace(
@@ -113,6 +118,7 @@ class Dispatcher:
                     replica=replica,
                     context_tokens=opened.context_tokens,
                     segments=opened.segments,
+                    kv_blocks=blocks,
                 ),
                 text,
             )
@@ -123,15 +129,21 @@ class Dispatcher:
 
     async def _read(
         self, session: StoredSession, text: str, exclude: set[str]
-    ) -> tuple[str, DocumentOpened]:
-        """Read the document on a replica with room; retried elsewhere if one dies."""
-        needed = await self.sizer.needed_blocks(text, session.options, None)
+    ) -> tuple[str, DocumentOpened, int]:
+        """Read the document on a replica with room, retried elsewhere if one dies: there,
+        what was read, and the KV blocks the session reserves."""
+        shape = await self.sizer.shape(text, session.options, None)
+        blocks = self.sizer.blocks(shape, one_shot=False)
+        work = session_work(session.session_id, shape.context_tokens, blocks, session.options)
         while True:
-            replica = await self.fleet.place(None, needed, exclude)
+            booking = await self.fleet.place(None, work, exclude)
+            replica = booking.replica
             try:
                 result = await self.client.replica(replica).open_document(
                     session.session_id, text, session.options
                 )
+                # Read: a query placed next must not wait behind it.
+                self.fleet.table.done(booking)
             except ReplicaLost:
                 self.fleet.lost(replica, "replica_lost")
                 exclude.add(replica)
@@ -139,7 +151,7 @@ class Dispatcher:
             if isinstance(result, ErrorEvent):
                 raise HTTPFailure(result.code, result.message, result.retry_after_s)
             assert isinstance(result, DocumentOpened)
-            return replica, result
+            return replica, result, blocks
 
     async def close_document(self, document_id: str) -> bool:
         """End a session for every router at once (DELETE); False if there was none. Its
@@ -150,40 +162,75 @@ class Dispatcher:
         return ended is not None
 
     async def close_ended(self, session: StoredSession) -> None:
-        """Free an ended session's KV on its replica."""
-        if session.replica is not None:
-            await self._close_on(session.replica, session.session_id)
+        """Free an ended session's KV on every replica holding it."""
+        await asyncio.gather(
+            *(self._close_on(replica, session.session_id) for replica in session.holders)
+        )
 
     async def _close_on(self, replica: str, document_id: str) -> None:
-        # A replica that cannot be reached reaps the session itself once no router claims it.
-        with contextlib.suppress(Exception):
-            await self.client.replica(replica).close_document(document_id)
+        await close_on(self.client, replica, document_id)
 
-    async def document_replica(self, document_id: str) -> str:
-        """The replica holding the document; rebuilt elsewhere if its replica is gone. The
-        binding in the store decides: another router may have moved or ended the session."""
+    async def document_replica(
+        self, document_id: str, query: str, options: WiMOptions
+    ) -> tuple[str, Booking | None]:
+        """The replica a query of the document runs on (its primary, or a copy: `copies.py`),
+        counted as running there until `copies.end`, and what it booked there. A session
+        whose primary is gone is taken over by a live copy, or rebuilt elsewhere. The store
+        decides: another router may have moved or ended the session. Called under the
+        session's lock."""
         while True:
             session = await self.documents.get(document_id)
             if session is None:
                 raise _gone(document_id)
-            if session.replica is not None and self.fleet.table.is_live(session.replica):
+            session = await self._drop_lost_copies(session)
+            primary = session.replica
+            replica: str | None
+            booking = None
+            if primary is not None and self.fleet.table.is_live(primary):
                 self.metrics.binding.labels(BindResult.HIT).inc()
-                return session.replica
-            reason = "replica_left" if session.replica is not None else "session_lost"
-            moved = await self._repin(session, reason)
-            if moved is not None:
-                return moved
+                replica, booking = await self.copies.holder(session, query, options)
+            elif primary is None:
+                replica = await self._repin(session, "session_lost")
+            else:
+                replica = await self._lose(session, primary, "replica_left")
+            if replica is not None:
+                self.copies.begin(document_id, replica, primary=replica == primary)
+                return replica, booking
+
+    async def _drop_lost_copies(self, session: StoredSession) -> StoredSession:
+        """`session` without its copies on replicas that are gone (dropped from the store)."""
+        lost = [r for r in session.copies if not self.fleet.table.is_live(r)]
+        for replica in lost:
+            await self.documents.drop_copy(session.session_id, replica)
+        return replace(session, copies=tuple(r for r in session.copies if r not in lost))
+
+    async def _lose(self, session: StoredSession, replica: str, reason: str) -> str | None:
+        """`replica`, holding `session`, is lost: a copy there is dropped; a primary there is
+        replaced by a live copy (no re-read) or the session is rebuilt elsewhere. The new
+        primary, or None if it was a copy, or another router moved or ended the session."""
+        self.fleet.lost(replica, reason)
+        document_id = session.session_id
+        if replica != session.replica:
+            await self.documents.drop_copy(document_id, replica)
+            return None
+        table = self.fleet.table
+        copy = next((r for r in session.copies if r != replica and table.is_live(r)), None)
+        if copy is None:
+            return await self._repin(session, reason)
+        if not await self.documents.rebind(document_id, replica, copy):
+            return None
+        self.metrics.binding.labels(BindResult.REPIN).inc()
+        logger.info("a document session's copy on %s took over from %s (%s)", copy, replica, reason)
+        return copy
 
     async def _repin(self, session: StoredSession, reason: str) -> str | None:
         """Rebuild the session on another replica, then bind it there by compare-and-set; None
         if another router moved or ended it first (the copy made here is closed again)."""
         old, document_id = session.replica, session.session_id
-        if old is not None:
-            self.fleet.lost(old, reason)
         text = await self.documents.text(document_id)
         if text is None:
             raise _gone(document_id)
-        replica, _ = await self._read(session, text, {old} if old else set())
+        replica, _, _ = await self._read(session, text, {old} if old else set())
         try:
             moved = await self.documents.rebind(document_id, old, replica)
         except HTTPFailure:
@@ -234,8 +281,16 @@ class Dispatcher:
         """Events of one plain engine request (`serving/replica/plain.py`), placed like a
         one-shot job under `session_id` and unbound when it ends. Not failed over: a short prompt
         is cheap for its client to send again, and part of its answer may be out already."""
-        needed = plain_blocks(len(prompt_ids), params, self.sizer.limits.block_size)
-        replica = await self.fleet.place(session_id, needed, set())
+        block = self.sizer.limits.block_size
+        needed = plain_blocks(len(prompt_ids), params, block)
+        # Its prefix as the engine caches it: the policy sends a repeated long prefix back to
+        # the replica holding it unless that replica is busier than recomputing it elsewhere.
+        prefix = prompt_blocks(prompt_ids, block, params.cache_salt)
+        work = plain_work(
+            len(prompt_ids), params.max_tokens, needed, prefix=prefix, block_tokens=block
+        )
+        booking = await self.fleet.place(session_id, work)
+        replica = booking.replica
         self.metrics.binding.labels(BindResult.NEW).inc()
         try:
             async for event in self.client.replica(replica).complete(prompt_ids, params):
@@ -249,6 +304,7 @@ class Dispatcher:
                 session_id,
             ) from exc
         finally:
+            self.fleet.table.done(booking)
             self.fleet.table.unbind(session_id)
 
     async def _attempts(
@@ -281,6 +337,16 @@ class Dispatcher:
                     exc,
                     f"{job.subject} on replica {replica}",
                 ) from exc
+            finally:
+                self._attempt_ended(job, replica)
+
+    def _attempt_ended(self, job: _Job, replica: str) -> None:
+        if job.booking is not None:
+            # Its work ended: it stops counting on the replica before the next load report.
+            self.fleet.table.done(job.booking)
+            job.booking = None
+        if job.record is not None:
+            self.copies.end(job.session_id, replica)
 
     async def _start_attempt(
         self, job: _Job, query: str, options: WiMOptions, context: str | None
@@ -289,12 +355,15 @@ class Dispatcher:
         if it was lost), or the one-shot job's, placed anew after a failover."""
         if job.record is not None:
             async with self.documents.lock(job.session_id):
-                replica = await self.document_replica(job.session_id)
+                replica, job.booking = await self.document_replica(job.session_id, query, options)
             events = self.client.replica(replica).query_document(job.session_id, query, options)
             return replica, events
         if job.replica is None:
-            needed = await self.sizer.needed_blocks(context or "", options, query)
-            job.replica = await self.fleet.place(job.session_id, needed, job.exclude)
+            shape = await self.sizer.shape(context or "", options, query)
+            blocks = self.sizer.blocks(shape, one_shot=True)
+            work = one_shot_work(shape.context_tokens, shape.segments, blocks, options, query)
+            job.booking = await self.fleet.place(job.session_id, work, job.exclude)
+            job.replica = job.booking.replica
             self.metrics.binding.labels(BindResult.REPIN if job.failovers else BindResult.NEW).inc()
         return job.replica, self.client.replica(job.replica).run(context or "", query, options)
 
@@ -330,8 +399,8 @@ class Dispatcher:
         if job.record is not None:
             async with self.documents.lock(job.session_id):
                 current = await self.documents.get(job.session_id)
-                if current is not None and current.replica == replica:
-                    await self._repin(current, "replica_lost")
+                if current is not None and replica in current.holders:
+                    await self._lose(current, replica, "replica_lost")
         else:
             self.fleet.lost(replica, "replica_lost")
             job.exclude.add(replica)

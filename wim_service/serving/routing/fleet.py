@@ -1,7 +1,8 @@
-"""The engine replicas as the router sees them: their loads, polled, and where sessions go.
+"""The engine replicas as the router sees them: their loads, polled, and where work goes.
 
-`ReplicaFleet` polls every live replica's load into the binding table, places new sessions
-(bounded load, waiting a while when no replica is up), and marks replicas lost.
+`ReplicaFleet` polls every live replica's load into the binding table, places work by the
+configured policy (`RouterConfig.placement`, waiting a while when no replica is up), and marks
+replicas lost.
 """
 
 from __future__ import annotations
@@ -9,13 +10,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
+from pathlib import Path
 
+from wim_service.placement.policy import make_policy
+from wim_service.placement.profile import EngineProfile
+from wim_service.placement.state import NoRoom, Work
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient
 from wim_service.serving.replica.contracts import ReplicaLoad
-from wim_service.serving.routing.bindings import BindingTable, BindResult, NoCapacity
+from wim_service.serving.routing.bindings import BindingTable, BindResult, Booking
 from wim_service.wim.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -29,7 +35,10 @@ class ReplicaFleet:
         self.client = client
         self.config = config
         self.metrics = metrics
-        self.table = BindingTable()
+        path = Path(config.cost_profile) if config.cost_profile else None
+        profile = EngineProfile.load(path)
+        policy = make_policy(config.placement, profile, max_copies=config.max_copies)
+        self.table = BindingTable(policy, profile)
 
     async def refresh_loads(self) -> None:
         replicas = sorted(await self.client.live_replicas())
@@ -73,17 +82,24 @@ class ReplicaFleet:
             if load.healthy and not load.draining
         )
 
-    async def place(self, session: str | None, needed: int, exclude: set[str]) -> str:
-        """Bind a session to a replica with room (None: only choose one), waiting a while for
-        one to come up."""
+    async def place(
+        self,
+        session: str | None,
+        work: Work,
+        exclude: Collection[str] = (),
+        holders: Collection[str] = (),
+    ) -> Booking:
+        """Where `work` runs, by the policy, bound to `session` if given; waits a while for a
+        first replica to come up. `holders` hold a copy of the work's document."""
         deadline = time.monotonic() + self.config.replica_wait_s
         while True:
             try:
-                return self.table.place(session, needed, exclude=exclude)
-            except NoCapacity as exc:
-                if exc.live or time.monotonic() > deadline:
+                return self.table.place(session, work, exclude=exclude, holders=holders)
+            except NoRoom as exc:
+                live = exc.replicas
+                if live or time.monotonic() > deadline:
                     self.metrics.binding.labels(BindResult.REJECTED).inc()
-                    if exc.live:
+                    if live:
                         raise HTTPFailure(
                             ErrorCode.OVERLOADED,
                             f"every engine replica's KV is committed ({exc}); retry later",

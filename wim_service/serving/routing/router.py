@@ -1,11 +1,14 @@
 """`WiMRouter`: the service's logic behind the HTTP API: document sessions, placement, failover.
 
-* `ReplicaFleet` polls the engine replicas' loads and binds each session to one replica
-  (bounded load); every call of the session goes there (`PinnedReplicaRouter`).
-* `DocumentTable` keeps each document session (text, options, tenant, binding, expiry) in the
-  session store: in this process, or in Redis shared by every router replica. `Dispatcher`
-  runs jobs on the bound replica and, if that replica dies or leaves, rebuilds the session
-  elsewhere from the text and retries, so the client still gets its answer.
+* `ReplicaFleet` polls the engine replicas' loads and places work on them by the configured
+  policy (`wim_service/placement/`, `RouterConfig.placement`); every call of a session goes
+  to a replica holding it (`PinnedReplicaRouter`).
+* `DocumentTable` keeps each document session (text, options, tenant, binding, copies,
+  expiry) in the session store: in this process, or in Redis shared by every router replica.
+  `Dispatcher` runs jobs on the bound replica (a hot document's queries are shared with
+  copies on other replicas, `routing/copies.py`) and, if that replica dies or leaves, hands
+  the session to a live copy or rebuilds it elsewhere from the text and retries, so the
+  client still gets its answer.
 * Errors are HTTP statuses with a JSON body `{code, message}` (`http/errors.py`); a streamed job
   reports late errors as an `error` event (`http/responses.py`).
 * `LoopLagMonitor` measures how late the router's event loop runs
@@ -151,6 +154,7 @@ class WiMRouter:
             self._expire_documents,
             self.documents.renew_held,
             self._claim_documents,
+            self._retire_copies,
         )
         while True:
             for step in steps:
@@ -171,13 +175,20 @@ class WiMRouter:
             self._listed = await self.documents.sessions()
         held: dict[str, list[str]] = {replica: [] for replica in self.fleet.table.loads}
         for session in self._listed:
-            if session.replica in held:
-                held[session.replica].append(session.session_id)
+            # Copies are claimed like the primary: no replica reaps a copy as an orphan.
+            for replica in session.holders:
+                if replica in held:
+                    held[replica].append(session.session_id)
         timeout = self.config.router.orphan_timeout_s
         await asyncio.gather(
             *(self.client.replica(r).claim(ids, timeout) for r, ids in held.items()),
             return_exceptions=True,
         )
+
+    async def _retire_copies(self) -> None:
+        """Close the copies of hot documents that went idle (`routing/copies.py`), as of the
+        last listing of the store."""
+        await self.dispatcher.copies.retire_idle(self._listed)
 
     async def _expire_documents(self) -> None:
         for session in await self.documents.expired():

@@ -38,13 +38,20 @@ class JobSizer:
         builder = PromptBuilder(self.tokenizer, options.prompts)
         return prepare_job(builder, text, options, self.limits, query)[1]
 
-    async def needed_blocks(self, text: str, options: WiMOptions, query: str | None) -> int:
-        """KV blocks of a one-shot job (`query` given) or a document session (`query=None`)."""
+    async def shape(self, text: str, options: WiMOptions, query: str | None) -> JobShape:
+        """The shape of a one-shot job (`query` given) or a document session (`query=None`)."""
         try:
-            shape = await asyncio.to_thread(self._shape, text, options, query)
+            return await asyncio.to_thread(self._shape, text, options, query)
         except WiMError as exc:
             raise HTTPFailure(exc.code, exc.message, exc.retry_after_s) from exc
+
+    def blocks(self, shape: JobShape, *, one_shot: bool) -> int:
+        """KV blocks of a one-shot job's or a document session's shape."""
         block, window = self.limits.block_size, self.limits.max_model_len
-        if query is None:
-            return shape.session_blocks(block, window)
-        return shape.one_shot_blocks(block, window)
+        if one_shot:
+            return shape.one_shot_blocks(block, window)
+        return shape.session_blocks(block, window)
+
+    async def needed_blocks(self, text: str, options: WiMOptions, query: str | None) -> int:
+        """KV blocks of a one-shot job (`query` given) or a document session (`query=None`)."""
+        return self.blocks(await self.shape(text, options, query), one_shot=query is not None)

@@ -6,7 +6,12 @@ Promises of every backend (tests/test_session_store.py checks them on each):
 * `get`, `text`, `touch` and `rebind` see nothing of an unknown, expired or deleted session.
 * `touch` renews the expiry: `ttl_s` from now, or longer while a query holds the session.
 * `rebind` is a compare-and-set: of two routers that both saw the same binding, one wins, so
-  a session is never bound to two replicas.
+  a session is never bound to two replicas. A copy rebound as the primary (promoted) is no
+  longer a copy.
+* `add_copy` records a copy of a live session on a replica that holds none of it, within a
+  limit of holders (primary and copies), in one step: two routers never both pass the limit.
+  `drop_copy` forgets one. Copies are part of the session: `delete` and `sweep` return them
+  (to be closed) with it.
 * `delete` ends the session at once for every router and leaves a tombstone, so that no
   racing `create` or `rebind` brings it back.
 * `sweep` hands each expired session to exactly one caller (to close its KV), then forgets it.
@@ -54,10 +59,19 @@ class StoredSession:
     tenant: str = ""
     # The engine replica holding the session's KV; None while it is bound nowhere.
     replica: str | None = None
+    # Replicas holding copies of the document besides `replica` (a hot document's queries
+    # are shared between them; `serving/routing/copies.py`).
+    copies: tuple[str, ...] = ()
     context_tokens: int = 0
     segments: int = 0
+    kv_blocks: int = 0  # what the session reserves on each replica holding it
     # Unix seconds; set by the store on `create` and `touch` (its own clock).
     expires_at: float = 0.0
+
+    @property
+    def holders(self) -> tuple[str, ...]:
+        """Every replica holding the document: the primary first, then the copies."""
+        return (self.replica, *self.copies) if self.replica else self.copies
 
 
 class SessionStore(Protocol):
@@ -88,6 +102,15 @@ class SessionStore(Protocol):
     async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
         """Bind the live session to `new` if it is bound to `expected` now; False otherwise
         (another router moved it first, or it ended)."""
+        ...
+
+    async def add_copy(self, session_id: str, replica: str, max_holders: int) -> bool:
+        """Record a copy of the live session on `replica` unless it holds one already or the
+        session has `max_holders` holders (primary included); True if recorded."""
+        ...
+
+    async def drop_copy(self, session_id: str, replica: str) -> bool:
+        """Forget the live session's copy on `replica`; False if it had none there."""
         ...
 
     async def delete(self, session_id: str) -> StoredSession | None:

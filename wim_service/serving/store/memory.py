@@ -72,7 +72,27 @@ class MemorySessionStore:
         entry = self._live(session_id)
         if entry is None or entry.session.replica != expected:
             return False
-        entry.session = replace(entry.session, replica=new)
+        copies = tuple(r for r in entry.session.copies if r != new)
+        entry.session = replace(entry.session, replica=new, copies=copies)
+        return True
+
+    async def add_copy(self, session_id: str, replica: str, max_holders: int) -> bool:
+        entry = self._live(session_id)
+        if (
+            entry is None
+            or replica in entry.session.holders
+            or 1 + len(entry.session.copies) >= max_holders
+        ):
+            return False
+        entry.session = replace(entry.session, copies=(*entry.session.copies, replica))
+        return True
+
+    async def drop_copy(self, session_id: str, replica: str) -> bool:
+        entry = self._live(session_id)
+        if entry is None or replica not in entry.session.copies:
+            return False
+        copies = tuple(r for r in entry.session.copies if r != replica)
+        entry.session = replace(entry.session, copies=copies)
         return True
 
     async def delete(self, session_id: str) -> StoredSession | None:

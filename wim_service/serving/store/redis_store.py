@@ -2,8 +2,8 @@
 
 Per session (prefix `P`, default `wim:`):
 
-* `P{id}:s`, a hash: options (JSON), tenant, replica ("" = unbound), context_tokens, segments,
-  ttl_ms, expires_ms;
+* `P{id}:s`, a hash: options (JSON), tenant, replica ("" = unbound), copies (replicas joined by
+  commas), context_tokens, segments, kv_blocks, ttl_ms, expires_ms;
 * `P{id}:d`, the document text (`DocumentCipher`: AES-GCM when a key is set);
 * `P{id}:t`, a tombstone left by `delete`, for `tombstone_ttl_s`;
 * `Pexpiry`, a sorted set of session ids by expiry, for `sweep`.
@@ -37,179 +37,10 @@ from redis.backoff import ExponentialBackoff
 from wim_service.serving.config import StoreConfig
 from wim_service.serving.store.base import SessionExists, StoredSession, StoreUnavailable
 from wim_service.serving.store.cipher import DocumentCipher
+from wim_service.serving.store.redis_scripts import PRELUDE, SCRIPTS
 from wim_service.wim.options import WiMOptions
 
 REDIS_URL_ENV = "WIM_REDIS_URL"
-
-# Redis' clock in milliseconds; a session is live while expires_ms is ahead of it.
-_PRELUDE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function live(key)
-  local e = redis.call('HGET', key, 'expires_ms')
-  return e and tonumber(e) > now
-end
--- fn(id, key) of every live session in the expiry index. The session keys are built here,
--- not declared: one more reason for one Redis, not a Cluster.
-local function each_live(index, prefix, fn)
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', index, '(' .. now, '+inf')) do
-    local key = prefix .. '{' .. id .. '}:s'
-    if live(key) then fn(id, key) end
-  end
-end
--- A sorted set of leases goes when its last lease ends (none of it is needed after that).
-local function expire_with_last(key)
-  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  if last[2] then redis.call('PEXPIREAT', key, last[2]) end
-end
-"""
-
-# KEYS: session, text, tombstone, expiry index, reservations. ARGV: id, text, ttl_ms, grace_ms,
-# reservation, then the hash's field/value pairs. Returns expires_ms, or 0 if the id is taken
-# or tombstoned.
-_CREATE = """
-if redis.call('EXISTS', KEYS[1], KEYS[3]) > 0 then return 0 end
-local ttl = tonumber(ARGV[3])
-local expires = now + ttl
-redis.call('ZREM', KEYS[5], ARGV[5])
-redis.call('HSET', KEYS[1], 'ttl_ms', ttl, 'expires_ms', expires, unpack(ARGV, 6))
-redis.call('PEXPIRE', KEYS[1], ttl + ARGV[4])
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ttl + ARGV[4])
-redis.call('ZADD', KEYS[4], expires, ARGV[1])
-return expires
-"""
-
-# KEYS: session. Returns the hash as a flat list, or nil.
-_GET = """
-if not live(KEYS[1]) then return false end
-return redis.call('HGETALL', KEYS[1])
-"""
-
-# KEYS: session, text. Returns the stored text, or nil.
-_TEXT = """
-if not live(KEYS[1]) then return false end
-return redis.call('GET', KEYS[2])
-"""
-
-# KEYS: session, text, expiry index. ARGV: id, grace_ms, hold_ms. Returns the new expires_ms,
-# or nil.
-_TOUCH = """
-if not live(KEYS[1]) then return false end
-local ttl = math.max(tonumber(redis.call('HGET', KEYS[1], 'ttl_ms')), tonumber(ARGV[3]))
-local expires = now + ttl
-redis.call('HSET', KEYS[1], 'expires_ms', expires)
-redis.call('PEXPIRE', KEYS[1], ttl + ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ttl + ARGV[2])
-redis.call('ZADD', KEYS[3], expires, ARGV[1])
-return expires
-"""
-
-# KEYS: expiry index. ARGV: key prefix. Every live session: id, hash, id, hash, ...
-_SESSIONS = """
-local out = {}
-each_live(KEYS[1], ARGV[1], function(id, key)
-  out[#out + 1] = id
-  out[#out + 1] = redis.call('HGETALL', key)
-end)
-return out
-"""
-
-# KEYS: session. ARGV: expected replica, new replica ("" = none). Returns 1 if it was swapped.
-_REBIND = """
-if not live(KEYS[1]) then return 0 end
-if redis.call('HGET', KEYS[1], 'replica') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'replica', ARGV[2])
-return 1
-"""
-
-# KEYS: session, text, tombstone, expiry index. ARGV: id, tombstone_ms. Returns the hash as
-# it was (empty if there was none).
-_DELETE = """
-local fields = redis.call('HGETALL', KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
-return fields
-"""
-
-# KEYS: expiry index. ARGV: how many. Ids whose expiry has passed.
-_EXPIRED = """
-return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, ARGV[1])
-"""
-
-# KEYS: session, text, expiry index. ARGV: id. Claims an expired session for one sweeper:
-# returns its hash (empty if Redis already dropped it), or nil if another router claimed it
-# first or it was renewed meanwhile.
-_CLAIM = """
-if not redis.call('ZSCORE', KEYS[3], ARGV[1]) or live(KEYS[1]) then return false end
-local fields = redis.call('HGETALL', KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('ZREM', KEYS[3], ARGV[1])
-return fields
-"""
-
-# KEYS: the tenant's requests. ARGV: request id, limit, window_ms. Returns nil if counted,
-# else the ms until the oldest request leaves the window.
-_ADMIT_REQUEST = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ARGV[3])
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  return tonumber(oldest[2]) + ARGV[3] - now
-end
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return false
-"""
-
-# KEYS: the tenant's jobs. ARGV: job id, limit, lease_ms. Returns nil if counted, else how
-# many jobs run (leases not expired).
-_START_JOB = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local running = redis.call('ZCARD', KEYS[1])
-if running >= tonumber(ARGV[2]) then return running end
-redis.call('ZADD', KEYS[1], now + ARGV[3], ARGV[1])
-expire_with_last(KEYS[1])
-return false
-"""
-
-# KEYS: each job's tenant's jobs. ARGV: lease_ms, then each job's id. A lease that ended is
-# not renewed: its job stopped counting, maybe for good (an `end_job` raced this renewal).
-_RENEW_JOBS = """
-for i, key in ipairs(KEYS) do
-  local until_ms = redis.call('ZSCORE', key, ARGV[i + 1])
-  if until_ms and tonumber(until_ms) > now then
-    redis.call('ZADD', key, now + ARGV[1], ARGV[i + 1])
-    expire_with_last(key)
-  end
-end
-"""
-
-# KEYS: expiry index, reservations. ARGV: key prefix, reservation (`id|tenant`), tenant, limit,
-# lease_ms. Returns nil if the tenant holds `limit` sessions and reservations, else every
-# tenant's holdings with this reservation: tenant, count, tenant, count, ...
-_RESERVE = """
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-local held = {}
-local function count(tenant) held[tenant] = (held[tenant] or 0) + 1 end
-each_live(KEYS[1], ARGV[1], function(_, key) count(redis.call('HGET', key, 'tenant')) end)
-for _, reservation in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  count(string.sub(reservation, string.find(reservation, '|', 1, true) + 1))
-end
-if (held[ARGV[3]] or 0) >= tonumber(ARGV[4]) then return false end
-redis.call('ZADD', KEYS[2], now + ARGV[5], ARGV[2])
-count(ARGV[3])
-local out = {}
-for tenant, n in pairs(held) do
-  out[#out + 1] = tenant
-  out[#out + 1] = n
-end
-return out
-"""
-
-# KEYS: a sorted set. ARGV: a member, removed (a job that ended, a reservation given back).
-_REMOVE = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-"""
 
 # Sessions a sweep takes at most (the next sweep takes the rest).
 SWEEP_BATCH = 100
@@ -224,23 +55,7 @@ class RedisSessionStore:
         self.cipher = cipher or DocumentCipher(None)
         self._grace_ms = round(config.expiry_grace_s * 1000)
         self._scripts = {
-            name: client.register_script(_PRELUDE + body)
-            for name, body in {
-                "create": _CREATE,
-                "get": _GET,
-                "text": _TEXT,
-                "touch": _TOUCH,
-                "sessions": _SESSIONS,
-                "rebind": _REBIND,
-                "delete": _DELETE,
-                "expired": _EXPIRED,
-                "claim": _CLAIM,
-                "admit_request": _ADMIT_REQUEST,
-                "start_job": _START_JOB,
-                "renew_jobs": _RENEW_JOBS,
-                "reserve": _RESERVE,
-                "remove": _REMOVE,
-            }.items()
+            name: client.register_script(PRELUDE + body) for name, body in SCRIPTS.items()
         }
 
     @classmethod
@@ -286,8 +101,10 @@ class RedisSessionStore:
             "options": session.options.model_dump_json(),
             "tenant": session.tenant,
             "replica": session.replica or "",
+            "copies": ",".join(session.copies),
             "context_tokens": session.context_tokens,
             "segments": session.segments,
+            "kv_blocks": session.kv_blocks,
         }
         expires_ms = await self._run(
             "create",
@@ -339,6 +156,14 @@ class RedisSessionStore:
             "rebind", [self._key(session_id, "s")], [expected or "", new or ""]
         )
         return bool(swapped)
+
+    async def add_copy(self, session_id: str, replica: str, max_holders: int) -> bool:
+        added = await self._run("add_copy", [self._key(session_id, "s")], [replica, max_holders])
+        return bool(added)
+
+    async def drop_copy(self, session_id: str, replica: str) -> bool:
+        dropped = await self._run("drop_copy", [self._key(session_id, "s")], [replica])
+        return bool(dropped)
 
     async def delete(self, session_id: str) -> StoredSession | None:
         keys = [self._key(session_id, k) for k in ("s", "d", "t")] + [self._index]
@@ -435,7 +260,10 @@ def _session(session_id: str, fields: dict[str, Any]) -> StoredSession:
         ttl_s=float(fields["ttl_ms"]) / 1000,
         tenant=fields["tenant"],
         replica=fields["replica"] or None,
+        # Sessions stored before copies existed have neither field.
+        copies=tuple(r for r in fields.get("copies", "").split(",") if r),
         context_tokens=int(fields["context_tokens"]),
         segments=int(fields["segments"]),
+        kv_blocks=int(fields.get("kv_blocks", 0)),
         expires_at=float(fields["expires_ms"]) / 1000,
     )

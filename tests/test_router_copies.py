@@ -1,0 +1,183 @@
+"""Copies of hot documents (`serving/routing/copies.py`) over scripted fake replicas: a busy
+document gets a copy on another replica, its queries are shared between the holders, an idle
+copy is retired, DELETE closes every copy, a lost primary's copy takes over and a lost copy
+is dropped — no Ray, no engine. The Redis backend's copy operations are in
+tests/test_session_store.py; a copy over Redis through two routers is at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tests.fake_service import ScriptedClient, ScriptedReplica
+from tests.test_router_store import Routers, open_document, query, routers  # noqa: F401
+from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.store import StoredSession
+from wim_service.wim.options import WiMOptions
+
+TEXT = "The night gate code is 4417. Ask Marta at the harbour office about it. " * 30
+QUERY = "What is the night gate code?"
+
+
+async def router_over(*replicas: ScriptedReplica, **config: Any) -> WiMRouter:
+    settings = {"replica_wait_s": 0, "load_poll_interval_s": 3600, "placement": "wim", **config}
+    router = WiMRouter(
+        None,
+        {"router": settings},
+        client=ScriptedClient(*replicas, delay_s=0.005),
+        http_host="127.0.0.1",
+    )
+    await router.fleet.refresh_loads()
+    return router
+
+
+async def opened(router: WiMRouter) -> str:
+    session = StoredSession("doc-hot", WiMOptions(), ttl_s=600.0)
+    return (await router.dispatcher.open_document(session, TEXT)).session_id
+
+
+async def ask(router: WiMRouter, document_id: str) -> str:
+    """Where one query of the document ran (it must answer)."""
+    record = await router.documents.get(document_id)
+    items = [
+        item
+        async for item in router.dispatcher.job(document_id, QUERY, WiMOptions(), record=record)
+    ]
+    assert items[-1][1].type == "done"
+    (replica,) = {replica for replica, _ in items}
+    return replica
+
+
+def counted(router: WiMRouter, name: str, **labels: str) -> float:
+    return router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def hot(router: WiMRouter, document_id: str, queries: int = 6) -> list[str]:
+    """`queries` concurrent queries of the document: where each ran."""
+    return list(await asyncio.gather(*(ask(router, document_id) for _ in range(queries))))
+
+
+async def test_a_hot_document_gets_a_copy_and_its_queries_are_shared() -> None:
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b)
+    document_id = await opened(router)
+    assert await ask(router, document_id) == "a"  # alone: where the document is
+    assert b.documents == {}
+    # Queries at once: each one booked on a makes the next one's wait there longer, until
+    # reading a copy on b is quicker; from then on they go to whichever holder is freer.
+    ran = await hot(router, document_id)
+    assert set(ran) == {"a", "b"}
+    assert b.streams.count(("query_document", (document_id, QUERY, WiMOptions()))) >= 1
+    session = await router.documents.get(document_id)
+    assert session is not None and (session.replica, session.copies) == ("a", ("b",))
+    assert document_id in b.texts  # the copy read the session's own text
+    assert counted(router, "wim_document_copies_opened_total") == 1
+    assert counted(router, "wim_copy_queries_total", role="copy") == ran.count("b")
+    assert counted(router, "wim_copy_queries_total", role="primary") == 1 + ran.count("a")
+    # Copies are claimed like the primary: b does not reap it as an orphan.
+    await router._claim_documents()
+    assert b.claimed == [document_id] and a.claimed == [document_id]
+    # At max_copies (2) no third copy opens, however hot the document.
+    c = ScriptedReplica("c")
+    router.client.replicas["c"] = c  # type: ignore[attr-defined]
+    await router.fleet.refresh_loads()
+    await hot(router, document_id)
+    assert c.documents == {} and counted(router, "wim_document_copies_opened_total") == 1
+
+
+async def test_with_max_copies_1_or_under_sticky_a_document_is_never_copied() -> None:
+    for config in ({"max_copies": 1}, {"placement": "sticky"}):
+        a, b = ScriptedReplica("a"), ScriptedReplica("b")
+        router = await router_over(a, b, **config)
+        document_id = await opened(router)
+        home = (await router.documents.get(document_id)).replica  # type: ignore[union-attr]
+        assert set(await hot(router, document_id)) == {home}, config
+        assert [r.name for r in (a, b) if r.documents] == [home]
+
+
+async def test_an_idle_copy_is_retired_but_never_while_a_query_runs_on_it() -> None:
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b, copy_idle_s=0.2)
+    document_id = await opened(router)
+    await hot(router, document_id)
+    assert document_id in b.documents
+    # A query running on the copy keeps it, however long it has been idle before.
+    a.backlog_s = 30.0  # a is busy: the next query goes to the copy
+    await router.fleet.refresh_loads()
+    record = await router.documents.get(document_id)
+    running = router.dispatcher.job(document_id, QUERY, WiMOptions(), record=record)
+    assert (await anext(running))[0] == "b"
+    await asyncio.sleep(0.3)
+    await router._claim_documents()
+    await router._retire_copies()
+    assert document_id in b.documents
+    assert router.metrics.registry.get_sample_value("wim_document_copies") == 1
+    _ = [item async for item in running]
+    # Idle for copy_idle_s since that query ended: closed on b, dropped from the session.
+    await asyncio.sleep(0.3)
+    await router._retire_copies()
+    assert b.documents == {} and document_id in a.documents  # never the primary
+    session = await router.documents.get(document_id)
+    assert session is not None and session.copies == ()
+    assert counted(router, "wim_document_copies_retired_total") == 1
+    assert router.metrics.registry.get_sample_value("wim_document_copies") == 0
+
+
+async def test_delete_closes_every_copy() -> None:
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b)
+    document_id = await opened(router)
+    await hot(router, document_id)
+    assert document_id in a.documents and document_id in b.documents
+    assert await router.dispatcher.close_document(document_id)
+    assert a.documents == {} and b.documents == {}
+
+
+async def test_a_lost_primary_is_replaced_by_its_copy_without_a_read() -> None:
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b)
+    document_id = await opened(router)
+    await hot(router, document_id)
+    reads = b.calls.count("open_document")
+    a.dead = True
+    await router.fleet.refresh_loads()  # Serve no longer routes to a
+    assert await ask(router, document_id) == "b"
+    assert b.calls.count("open_document") == reads  # no document read again
+    session = await router.documents.get(document_id)
+    assert session is not None and (session.replica, session.copies) == ("b", ())
+    assert counted(router, "wim_session_failover_total", reason="replica_left") == 1
+    assert counted(router, "wim_reprefill_tokens_total") == 0
+
+
+async def test_a_copy_lost_mid_query_is_dropped_and_the_query_answered() -> None:
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b)
+    document_id = await opened(router)
+    await hot(router, document_id)
+    a.backlog_s = 30.0  # the next query goes to the copy on b
+    await router.fleet.refresh_loads()
+    b.dead = True  # ... which is lost when the query gets there
+    assert await ask(router, document_id) == "a"
+    session = await router.documents.get(document_id)
+    assert session is not None and (session.replica, session.copies) == ("a", ())
+    assert counted(router, "wim_session_failover_total", reason="replica_lost") == 1
+
+
+@pytest.mark.parametrize("routers", ["memory", "redis"], indirect=True)
+async def test_a_copy_opened_through_one_router_is_closed_by_a_delete_through_another(
+    routers: Routers,  # noqa: F811
+) -> None:
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    client = ScriptedClient(a, b, delay_s=0.005)
+    first, router = await routers.new(client=client, placement="wim")
+    second, _ = await routers.new(client=client, placement="wim")
+    document_id = (await open_document(first, context=TEXT))["document_id"]
+    answers = await asyncio.gather(*(query(first, document_id) for _ in range(6)))
+    assert all(r.status_code == 200 for r in answers)
+    assert {r.json()["replica"] for r in answers} == {"a", "b"}
+    assert (await second.delete(f"/documents/{document_id}")).status_code == 204
+    assert a.documents == {} and b.documents == {}
+    assert counted(router, "wim_document_copies_opened_total") == 1

@@ -1,0 +1,159 @@
+"""Copies of hot documents: one document session's queries shared between replicas.
+
+A document session is read on one replica (its primary). When the placement policy expects a
+query to start sooner on a replica without the document than on any replica holding it (the
+holders are busy; reading another copy is quicker), the router reads a copy there
+(`open_document` with the session's text and options: the replica gives each open its own
+cache salt), records it in the session store (`add_copy`, within `max_copies` holders) and
+sends the query there. Later queries go to the holder with the least expected wait.
+
+Copies are part of the session: DELETE and expiry close every one, and every router claims
+them like the primary, so that no replica reaps one as an orphan. A copy that no query of this
+router used for `copy_idle_s` is closed (`retire_idle`): never the primary, never while a
+query of this router runs on it. (With several routers each one judges idleness by its own
+queries; a query that loses its copy to another router's retirement is failed over like one
+whose replica forgot the session.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import Counter
+
+from wim_service.placement.state import NoRoom
+from wim_service.serving.config import RouterConfig
+from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.observability.metrics import WiMMetrics
+from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
+from wim_service.serving.replica.contracts import DocumentOpened
+from wim_service.serving.replica.work import session_work
+from wim_service.serving.routing.bindings import Booking
+from wim_service.serving.routing.documents import DocumentTable
+from wim_service.serving.routing.fleet import ReplicaFleet
+from wim_service.serving.store import StoredSession
+from wim_service.wim.options import WiMOptions
+
+logger = logging.getLogger(__name__)
+
+
+async def close_on(client: ReplicaClient, replica: str, document_id: str) -> None:
+    """Close a document's KV on one replica, as far as it can be reached: a replica that
+    cannot be reached reaps the session itself once no router claims it there."""
+    with contextlib.suppress(Exception):
+        await client.replica(replica).close_document(document_id)
+
+
+class DocumentCopies:
+    def __init__(
+        self,
+        client: ReplicaClient,
+        fleet: ReplicaFleet,
+        documents: DocumentTable,
+        config: RouterConfig,
+        metrics: WiMMetrics,
+    ) -> None:
+        self.client = client
+        self.fleet = fleet
+        self.documents = documents
+        self.config = config
+        self.metrics = metrics
+        # (document id, replica) -> this router's queries running there / when one last ran.
+        self._running: Counter[tuple[str, str]] = Counter()
+        self._used: dict[tuple[str, str], float] = {}
+
+    async def holder(
+        self, session: StoredSession, query: str, options: WiMOptions
+    ) -> tuple[str, Booking | None]:
+        """The holder a query of `session` (its primary live) runs on, by the policy: a new
+        copy's replica if the policy opens one and the copy could be read and recorded; with
+        the query's booking there (`BindingTable.done` once it ends)."""
+        table = self.fleet.table
+        holders = [r for r in session.holders if table.is_live(r)]
+        work = session_work(
+            session.session_id,
+            session.context_tokens,
+            session.kv_blocks,
+            options,
+            query=query,
+            segments=session.segments,
+        )
+        try:
+            booking = table.place(None, work, holders=holders)
+        except NoRoom:
+            # The holders' admission control queues a query; only new copies need room.
+            return session.replica or holders[0], None
+        if not booking.placement.open_copy:
+            return booking.replica, booking
+        # A copy only beside holders whose loads are known (the policy weighed them), within
+        # the limit (a policy other than `wim` may ask for more).
+        known = all(r in table.loads for r in holders)
+        room = len(holders) < self.config.max_copies
+        if known and room and await self._open(session, booking.replica):
+            # Read: the query's own part of the booking stays.
+            table.done(booking, table.profile.prefill.seconds(session.context_tokens))
+            return booking.replica, booking
+        table.done(booking)  # nothing runs there after all
+        return session.replica or holders[0], None
+
+    async def _open(self, session: StoredSession, replica: str) -> bool:
+        """Read a copy of the session's document on `replica` and record it; False if it
+        could not be read or recorded (nothing of it is left open then)."""
+        document_id = session.session_id
+        text = await self.documents.text(document_id)
+        if text is None:
+            return False
+        try:
+            opened = await self.client.replica(replica).open_document(
+                document_id, text, session.options
+            )
+        except ReplicaLost:
+            self.fleet.lost(replica, "replica_lost")
+            return False
+        if not isinstance(opened, DocumentOpened):  # e.g. its KV filled meanwhile
+            return False
+        try:
+            added = await self.documents.add_copy(document_id, replica, self.config.max_copies)
+        except HTTPFailure:
+            await close_on(self.client, replica, document_id)
+            raise
+        if not added:  # another router reached the limit first, or the session ended
+            await close_on(self.client, replica, document_id)
+            return False
+        self.metrics.copies_opened.inc()
+        self._used[(document_id, replica)] = time.monotonic()
+        logger.info("a document session got a copy on %s", replica)
+        return True
+
+    def begin(self, document_id: str, replica: str, *, primary: bool) -> None:
+        """A query of this router starts on a holder (under the session's lock)."""
+        self._running[(document_id, replica)] += 1
+        self.metrics.copy_queries.labels("primary" if primary else "copy").inc()
+
+    def end(self, document_id: str, replica: str) -> None:
+        key = (document_id, replica)
+        self._running[key] -= 1
+        if self._running[key] <= 0:
+            del self._running[key]
+        self._used[key] = time.monotonic()
+
+    async def retire_idle(self, sessions: list[StoredSession]) -> None:
+        """Close the copies idle for `copy_idle_s` among `sessions` (the store's listing)."""
+        now = time.monotonic()
+        listed = {(s.session_id, r) for s in sessions for r in s.copies}
+        # A copy first seen here (another router opened it) is idle from now on.
+        self._used = {key: self._used.get(key, now) for key in listed}
+        for document_id, replica in listed:
+            key = (document_id, replica)
+            if self._running[key] or now - self._used[key] < self.config.copy_idle_s:
+                continue
+            # Under the session's lock: no query of this router starts on it meanwhile.
+            async with self.documents.lock(document_id):
+                if self._running[key]:
+                    continue
+                if await self.documents.drop_copy(document_id, replica):
+                    await close_on(self.client, replica, document_id)
+                    self.metrics.copies_retired.inc()
+                    del self._used[key]
+        self.metrics.document_copies.set(len(self._used))
