@@ -108,7 +108,7 @@ def test_document_reader_gives_wim_rows_a_session_and_plain_rows_the_documents_b
     assert trace.kind == "document"
     assert (wim.document, wim.prefix, wim.prompt_tokens) == ("a", (), 3040)
     # Only the document's whole 512-token blocks are shared: 3000 // 512 = 5.
-    assert plain_a.document is None and len(plain_a.prefix) == 3000 // HASH_BLOCK_TOKENS
+    assert plain_a.document == "a" and len(plain_a.prefix) == 3000 // HASH_BLOCK_TOKENS
     assert plain_a.prefix == plain_a2.prefix
     assert not set(plain_a.prefix) & set(plain_b.prefix)
 
@@ -127,6 +127,37 @@ def test_a_malformed_line_is_named_by_its_number(tmp_path: Path, line: str, mess
     path.write_text(path.read_text() + "\n" + line + "\n")  # line 2 is blank
     with pytest.raises(TraceError, match=message):
         read_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"document_tokens": "900"}, "document_tokens must be an integer >= 1"),
+        ({"answer_tokens": True}, "answer_tokens must be an integer >= 1"),
+        ({"wim": 1}, "wim must be true or false"),
+        ({"wim": None}, "wim must be true or false"),
+        ({"timestamp_s": -1}, "timestamp_s must be a number >= 0"),
+        ({"document_id": ""}, "document_id must be a non-empty string"),
+    ],
+)
+def test_a_malformed_document_row_is_named_by_its_line(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [doc_row(0, "a", wim=True)])
+    path.write_text(path.read_text() + "\n" + json.dumps(doc_row(1, "a", wim=True) | change) + "\n")
+    with pytest.raises(TraceError, match=f"t.jsonl:3: {message}"):
+        read_trace(path)
+
+
+def test_a_document_trace_is_read_in_arrival_order(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "t.jsonl", [doc_row(5, "a", wim=True), doc_row(1.5, "b", wim=False)]
+    )
+    trace = read_trace(path)
+    assert [(r.index, r.arrival_s, r.document, r.wim) for r in trace.requests] == [
+        (0, 1.5, "b", False),
+        (1, 5.0, "a", True),
+    ]
 
 
 def test_a_trace_of_no_known_kind_or_without_requests_is_refused(tmp_path: Path) -> None:
