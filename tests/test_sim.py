@@ -208,6 +208,15 @@ def test_a_generated_trace_reads_back_as_a_document_trace(tmp_path: Path) -> Non
 def test_generator_options_are_checked() -> None:
     with pytest.raises(ValueError, match="document tokens"):
         generate(GeneratorOptions(document_tokens=(900, 100)))
+    with pytest.raises(ValueError, match="duration"):
+        generate(GeneratorOptions(duration_s=0))
+
+
+def test_a_duration_leaves_out_the_later_queries() -> None:
+    options = GeneratorOptions(requests=200, rate=1.0, seed=5)
+    within = generate(replace(options, duration_s=60))
+    assert within == [r for r in generate(options) if r["timestamp_s"] <= 60]
+    assert 0 < len(within) < 200
 
 
 # -- the engine's arithmetic ----------------------------------------------------------------
