@@ -21,7 +21,7 @@ from wim_service.placement.profile import EngineProfile
 from wim_service.sim.engine import DecodeRun
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
 from wim_service.sim.replay import RunResult, simulate
-from wim_service.sim.report import KEYS, percentile, summarise
+from wim_service.sim.report import KEYS, figures, percentile, summarise, table
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import HASH_BLOCK_TOKENS, Request, Trace, TraceError, read_trace
 
@@ -242,6 +242,38 @@ def test_a_decode_run_sums_its_steps_in_closed_form() -> None:
 def test_percentiles_interpolate() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
     assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(values, 95) == pytest.approx(3.85)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError, match="not in"):
+        percentile(values, 101)
+
+
+def test_figures_are_none_without_completed_requests() -> None:
+    row = figures([], [], prompt_tokens=0, cached_tokens=0, span_s=0.0)
+    assert row["completed"] == 0
+    assert all(row[key] is None for key in KEYS if key not in ("policy", "replicas", "completed"))
+
+
+def test_the_table_takes_its_columns_and_marks_missing_figures() -> None:
+    rows = [
+        {"policy": "wim", "replicas": 2, "ttft_p50_s": None, "prefix_reuse": 0.25, "failed": 1},
+        {"policy": "sticky", "replicas": 2, "ttft_p50_s": 1.234, "prefix_reuse": None},
+    ]
+    columns = ["policy", "ttft_p50_s", "prefix_reuse", "failed"]
+    header, rule, first, second = table(rows, columns).splitlines()
+    assert [c.strip() for c in header.split("|")[1:-1]] == [
+        "policy",
+        "TTFT p50 s",
+        "prefix reuse",
+        "failed",
+    ]
+    assert [c.strip() for c in first.split("|")[1:-1]] == ["wim", "-", "25.0%", "1"]
+    assert [c.strip() for c in second.split("|")[1:-1]] == ["sticky", "1.23", "-", "-"]
+    assert len({len(line) for line in (header, rule, first, second)}) == 1  # aligned
 
 
 # -- replays --------------------------------------------------------------------------------
