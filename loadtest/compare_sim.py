@@ -7,20 +7,21 @@ placement policy, and their TTFT p50/p95 side by side.
 For each policy: start the service on 127.0.0.1:`--port` from deploy/serve_config.yaml with
 2 engine replicas (no autoscaling) and `args.router.placement: <policy>`, wait until both
 replicas are ready, replay the trace (loadtest/replay.py, at most `--replay-minutes`), stop
-the service with every process it started; then simulate the trace
-(`wim sim --trace FILE --replicas 2 --policies <policy> --json-out ...`), and print per
-policy the live and simulated TTFT p50 and p95, their relative difference and whether it is
-within `--tolerance`. Everything goes to `--out`: the trace, each serve config and service
-log, `live-<policy>.json` (replay.py's report), `sim-<policy>.json`, `comparison.json` (with
-`uptime` at the start and end of each live replay).
+the service with every process it started; then simulate the trace in-process, as
+`wim sim --trace FILE --replicas 2 --policies <policy>` does (the shipped engine profile; the
+replay's time scale, segment and margin sizes), and print per policy the live and simulated
+TTFT p50 and p95, their relative difference and whether it is within `--tolerance`.
+Everything goes to `--out`: the trace, each serve config and service log,
+`live-<policy>.json` (replay.py's report), `sim-<policy>.json` (`wim sim --json-out`'s row),
+`comparison.json` (with `uptime` at the start and end of each live replay).
 
-Budget on the 2-core machine: the default trace (no `--trace`) has 3 minutes of arrivals: 3
-documents of 1,500-3,000 tokens, 5 queries each (after each document's first, about a quarter
-plain), 24-token queries, 16-token answers. Each policy takes the engines' start-up (1-2 min;
-120 s at load average 4), the documents' preparation (10-20 s), at most `--replay-minutes`
-(3.5) of replay and the shutdown (~15 s): 15-20 minutes for the 3 policies. Run it on an
-otherwise idle machine. Ctrl-C or SIGTERM stops the replay (its sessions closed) and the
-service.
+Budget on the 2-core machine: the default trace (no `--trace`, `DEFAULT_TRACE`) has 15
+queries within 3 minutes: 5 users asking 3 each, 40 s apart on average, over 3 documents of
+1,500-3,000 tokens, a quarter of the queries plain, 24-token queries, 16-token answers. Each
+policy takes the engines' start-up (1-2 min; 120 s at load average 4), the documents'
+preparation (10-20 s), at most `--replay-minutes` (3.5) of replay and the shutdown (~15 s):
+15-20 minutes for the 3 policies. Run it on an otherwise idle machine. Ctrl-C or SIGTERM
+stops the replay (its sessions closed) and the service.
 """
 
 from __future__ import annotations
@@ -38,16 +39,36 @@ from typing import Any
 
 import httpx
 import psutil
-from doctrace import generate_trace, read_trace, write_trace
 from local_service import ROOT, start_service, stop_service, wait_ready, write_config
 from measure import output, port_taken
-from summary import percentile
+
+from wim_service.placement.profile import EngineProfile
+from wim_service.sim.generate import GeneratorOptions, generate, write_trace
+from wim_service.sim.replay import simulate
+from wim_service.sim.report import summarise
+from wim_service.sim.settings import SimSettings
+from wim_service.sim.traces import Trace, TraceError, read_trace
 
 POLICIES = ("round_robin", "sticky", "wim")
 REPLICAS = 2
 REPLAY = Path(__file__).resolve().with_name("replay.py")
-# `wim sim` without relying on the console script being installed from this tree.
-WIM = "import sys; from wim_service.cli import main; sys.exit(main(sys.argv[1:]))"
+# WiM's sizes, the same for the live replay and the simulator.
+SEGMENT_TOKENS = 512
+MARGIN_TOKENS = 16
+# Small enough for a few minutes per policy on 2 cores; documents shared by several users.
+DEFAULT_TRACE = GeneratorOptions(
+    requests=15,
+    rate=0.2,
+    documents=3,
+    zipf_exponent=0.0,
+    queries_per_session=3,
+    think_s=40.0,
+    document_tokens=(1500, 3000),
+    query_tokens=24,
+    answer_tokens=16,
+    wim_fraction=0.75,
+    duration_s=180.0,
+)
 
 
 class Stopped(Exception):
@@ -66,13 +87,6 @@ def router_takes_placement() -> bool:
     parallel; until then the router places as `sticky` does and refuses the key)."""
     config = importlib.import_module("wim_service.serving.config")
     return "placement" in config.RouterConfig.model_fields
-
-
-def sim_available() -> bool:
-    """Whether this tree's `wim` command has the `sim` subcommand."""
-    cli = importlib.import_module("wim_service.cli")
-    parsers = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    return any("sim" in action.choices for action in parsers)
 
 
 # -- one live run --------------------------------------------------------------------------
@@ -103,6 +117,7 @@ def run_replay(args: argparse.Namespace, policy: str, url: str, report: Path) ->
         *("--url", url, "--trace", str(args.trace), "--json-out", str(report)),
         *("--policy-label", policy, "--max-minutes", f"{args.replay_minutes:g}"),
         *("--time-scale", f"{args.time_scale:g}"),
+        *("--segment-tokens", str(SEGMENT_TOKENS), "--margin-max-tokens", str(MARGIN_TOKENS)),
     ]
     replay = subprocess.Popen(command, cwd=ROOT)
     try:
@@ -163,33 +178,14 @@ def live(args: argparse.Namespace, policy: str) -> dict[str, Any]:
 # -- the simulator -------------------------------------------------------------------------
 
 
-def simulated(args: argparse.Namespace, policy: str) -> dict[str, Any] | None:
-    report = args.out / f"sim-{policy}.json"
-    command = [sys.executable, "-c", WIM, "sim", "--trace", str(args.trace)]
-    command += ["--replicas", str(REPLICAS), "--policies", policy, "--json-out", str(report)]
-    print(f"[{policy}] simulating: wim {' '.join(command[3:])}", flush=True)
-    if subprocess.run(command, cwd=ROOT, check=False).returncode != 0 or not report.exists():
-        print(f"[{policy}] wim sim failed: no comparison for this policy", flush=True)
-        return None
-    return sim_summary(json.loads(report.read_text()), policy)
-
-
-def sim_summary(data: Any, policy: str) -> dict[str, Any] | None:
-    """The simulator's summary of `policy` from its JSON: one summary, a list of them, or
-    an object holding such a list. Its p50 comes from its per-request TTFTs when the summary
-    has none (the simulator prints mean, p95 and p99)."""
-    found = [data] if isinstance(data, dict) and "policy" in data else data
-    if isinstance(found, dict):
-        found = next((v for v in found.values() if isinstance(v, list)), [])
-    matching = [s for s in found if isinstance(s, dict) and s.get("policy") == policy]
-    if not matching:
-        return None
-    summary = dict(matching[0])
-    if summary.get("ttft_p50_s") is None:
-        ttft = [r["ttft_s"] for r in summary.get("records", []) if r.get("ttft_s") is not None]
-        summary["ttft_p50_s"] = percentile(ttft, 50)
-    summary.pop("records", None)
-    return summary
+def simulated(args: argparse.Namespace, trace: Trace, policy: str) -> dict[str, Any]:
+    """The simulator's row for `policy` on the trace, also written to sim-<policy>.json."""
+    print(f"[{policy}] simulating {REPLICAS} replicas", flush=True)
+    settings = SimSettings(segment_tokens=SEGMENT_TOKENS, margin_tokens=MARGIN_TOKENS)
+    scaled = trace.scaled(args.time_scale)
+    row = summarise(simulate(scaled, policy, REPLICAS, EngineProfile.load(), settings))
+    (args.out / f"sim-{policy}.json").write_text(json.dumps(row, indent=1) + "\n")
+    return row
 
 
 # -- the comparison ------------------------------------------------------------------------
@@ -269,18 +265,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def prepare_trace(args: argparse.Namespace) -> None:
+def prepare_trace(args: argparse.Namespace) -> Trace:
+    """The trace to compare on (the default one written to --out); a bad trace, or one that is
+    not a WiM document trace, stops here, before any service starts."""
     args.out.mkdir(parents=True, exist_ok=True)
     if args.trace is None:
         args.trace = args.out / "trace.jsonl"
-        write_trace(args.trace, generate_trace())
+        write_trace(generate(DEFAULT_TRACE), args.trace)
         print(f"wrote the default trace to {args.trace}", flush=True)
     args.trace = args.trace.resolve()
-    rows = read_trace(args.trace)  # a bad trace stops here, before any service starts
-    print(f"trace: {len(rows)} rows over {rows[-1].timestamp_s:.0f} s", flush=True)
+    trace = read_trace(args.trace)
+    if trace.kind != "document":
+        raise TraceError(f"{args.trace} is a {trace.kind} trace: the replay needs a WiM one")
+    last = trace.requests[-1].arrival_s
+    print(f"trace: {len(trace.requests)} requests over {last:.0f} s", flush=True)
+    return trace
 
 
-def run_policy(args: argparse.Namespace, policy: str, sim_ok: bool) -> dict[str, Any]:
+def run_policy(args: argparse.Namespace, trace: Trace, policy: str) -> dict[str, Any]:
     live_run = None
     if args.skip_live:
         pass
@@ -292,22 +294,23 @@ def run_policy(args: argparse.Namespace, policy: str, sim_ok: bool) -> dict[str,
             "(it places as `sticky`); rerun once it is merged",
             flush=True,
         )
-    sim = simulated(args, policy) if sim_ok else None
+    sim = simulated(args, trace, policy)
     return {"policy": policy, "live": live_run, "sim": sim, **compare(policy, live_run, sim)}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prepare_trace(args)
+    try:
+        trace = prepare_trace(args)
+    except TraceError as exc:
+        print(f"compare_sim: {exc}", file=sys.stderr)
+        return 2
     args.placement_key = router_takes_placement()
-    sim_ok = sim_available()
-    if not sim_ok:
-        print("wim sim is not in this tree yet: the simulated columns stay empty", flush=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
     results = []
     try:
         for policy in args.policies:
-            results.append(run_policy(args, policy, sim_ok))
+            results.append(run_policy(args, trace, policy))
     except (KeyboardInterrupt, Stopped) as exc:
         print("stopped: the service and the replay have been stopped", flush=True)
         return 143 if isinstance(exc, Stopped) else 130

@@ -1,5 +1,6 @@
-"""Replay a WiM document trace (loadtest/doctrace.py's format) against a running service, open
-loop, at the trace's arrival times, and summarize it as `wim sim` does.
+"""Replay a WiM document trace (`wim sim --generate`'s format, read by
+`wim_service.sim.traces`) against a running service, open loop, at the trace's arrival times,
+and summarise it as `wim sim` does (`wim_service.sim.report`).
 
     .venv/bin/python loadtest/replay.py --url http://127.0.0.1:8000 --trace trace.jsonl \\
         --json-out replay.json --policy-label sticky
@@ -43,9 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from doctrace import TraceRow, read_trace
 from loopback import require_loopback
-from summary import format_table, summarize
+
+from wim_service.sim.report import KEYS, figures, table
+from wim_service.sim.traces import Request, read_trace
 
 HARD_MAX_MINUTES = 30
 REQUEST_TIMEOUT_S = 600  # a WiM request under load waits for a busy engine
@@ -54,6 +56,13 @@ _FACT = re.compile(r"The access code for the (.+?) is (\d+)\.")
 
 
 # -- documents and queries -----------------------------------------------------------------
+
+
+def document_id(row: Request) -> str:
+    """The trace's name for the row's document: every row of a document trace has one (and
+    `parse_args` refuses any other kind of trace)."""
+    assert row.document is not None, row
+    return row.document
 
 
 @dataclass(frozen=True)
@@ -76,12 +85,13 @@ class Library:
     def tokens(self, text: str) -> int:
         return len(self.tokenizer.encode_user_text(text).ids)
 
-    def document(self, row: TraceRow) -> Document:
-        """The document of `row.document_id` (made on first use, at the first row's size)."""
-        if row.document_id not in self._documents:
+    def document(self, row: Request) -> Document:
+        """The document of `row.document` (made on first use, at the first row's size)."""
+        name = document_id(row)
+        if name not in self._documents:
             from wim_service.eval.tasks import TaskKind, generate_tasks
 
-            seed = zlib.crc32(row.document_id.encode())  # the same text on every run
+            seed = zlib.crc32(name.encode())  # the same text on every run
             task = generate_tasks(
                 self.tokenizer,
                 kinds=[TaskKind.NEEDLE],
@@ -90,10 +100,10 @@ class Library:
                 seed=seed,
             )[0]
             facts = tuple(_FACT.findall(task.document))
-            self._documents[row.document_id] = Document(task.document, facts)
-        return self._documents[row.document_id]
+            self._documents[name] = Document(task.document, facts)
+        return self._documents[name]
 
-    def query(self, row: TraceRow, asked: int) -> tuple[str, str]:
+    def query(self, row: Request, asked: int) -> tuple[str, str]:
         """(the query of the `asked`-th row on its document, the code it asks for): the
         document's facts in turn, the question repeated to about `row.query_tokens`.
 
@@ -105,7 +115,7 @@ class Library:
         repeats = max(1, round(row.query_tokens / self.tokens(question)))
         return " ".join([question] * repeats), code
 
-    def prepare(self, rows: list[TraceRow]) -> None:
+    def prepare(self, rows: list[Request]) -> None:
         for row in rows:
             self.document(row)
 
@@ -172,13 +182,13 @@ class Replay:
     asked: dict[str, int] = field(default_factory=dict)
     closing: bool = False  # the sessions are being closed
 
-    def arrival(self, row: TraceRow) -> float:
-        return self.origin + row.timestamp_s * self.scale
+    def arrival(self, row: Request) -> float:
+        return self.origin + row.arrival_s * self.scale
 
     def since(self, arrival: float) -> float:
         return asyncio.get_running_loop().time() - arrival
 
-    async def _open(self, row: TraceRow) -> dict[str, Any]:
+    async def _open(self, row: Request) -> dict[str, Any]:
         body = {
             "context": self.library.document(row).text,
             "options": {"segment_tokens": self.segment_tokens},
@@ -187,15 +197,15 @@ class Replay:
         if response.status_code != 201:
             raise RuntimeError(f"POST /documents: {response.status_code} {response.text[:200]}")
         opened: dict[str, Any] = response.json()
-        self.opened[row.document_id] = opened["document_id"]
+        self.opened[document_id(row)] = opened["document_id"]
         return opened
 
-    async def session(self, row: TraceRow, record: Record) -> str:
+    async def session(self, row: Request, record: Record) -> str:
         """The document's session id, opened by the first WiM row (later rows wait for that
         read; after a failed read the next row tries again)."""
-        task = self.sessions.get(row.document_id)
+        task = self.sessions.get(document_id(row))
         if task is None or (task.done() and (task.cancelled() or task.exception())):
-            task = self.sessions[row.document_id] = asyncio.create_task(self._open(row))
+            task = self.sessions[document_id(row)] = asyncio.create_task(self._open(row))
             record.opened_document = True
         # Shielded: a row cancelled while it waits must not cancel the read other rows share.
         opened = await asyncio.shield(task)
@@ -203,20 +213,20 @@ class Replay:
             record.document_tokens_read = opened["context_tokens"]
         return str(opened["document_id"])
 
-    def query(self, row: TraceRow, record: Record) -> str:
-        asked = self.asked.get(row.document_id, 0)
-        self.asked[row.document_id] = asked + 1
+    def query(self, row: Request, record: Record) -> str:
+        asked = self.asked.get(document_id(row), 0)
+        self.asked[document_id(row)] = asked + 1
         query, record.expected = self.library.query(row, asked)
         return query
 
-    async def wim_row(self, row: TraceRow, record: Record, arrival: float) -> None:
+    async def wim_row(self, row: Request, record: Record, arrival: float) -> None:
         query = self.query(row, record)
         try:
-            document_id = await self.session(row, record)
+            session_id = await self.session(row, record)
         except RuntimeError as exc:
             return record.fail(str(exc))
         body = {
-            "document_id": document_id,
+            "document_id": session_id,
             "query": query,
             "stream": True,
             "options": {
@@ -245,7 +255,7 @@ class Replay:
         if record.status != "ok":
             record.fail("the stream ended without a done event")
 
-    async def plain_row(self, row: TraceRow, record: Record, arrival: float) -> None:
+    async def plain_row(self, row: Request, record: Record, arrival: float) -> None:
         text = f"{self.library.document(row).text}\n\n{self.query(row, record)}"
         body = {
             "model": self.model,
@@ -280,7 +290,7 @@ class Replay:
         if record.status != "ok":
             record.fail("the stream ended without usage and [DONE]")
 
-    async def run_row(self, row: TraceRow, record: Record) -> None:
+    async def run_row(self, row: Request, record: Record) -> None:
         arrival = self.arrival(row)
         await asyncio.sleep(max(0.0, arrival - asyncio.get_running_loop().time()))
         record.status = "sending"
@@ -318,6 +328,37 @@ class Replay:
         return left
 
 
+# -- the summary ---------------------------------------------------------------------------
+
+# The replay's own columns, after the simulator's `KEYS`: rows that did not complete.
+REPLAY_KEYS = ("failed", "not_sent")
+
+
+def summarise_records(
+    records: list[dict[str, Any]], policy: str, replicas: int, span_s: float
+) -> dict[str, Any]:
+    """The replay's summary under the simulator's keys, and `REPLAY_KEYS`.
+
+    A record's `status` is "ok" when completed ("failed", "cancelled" or "not_sent"
+    otherwise); latencies and prefix reuse count the completed ones only, a prompt's tokens
+    as far as the service reported them. `span_s`: from the trace's start to the last
+    request's end."""
+    done = [r for r in records if r["status"] == "ok"]
+    return {
+        "policy": policy,
+        "replicas": replicas,
+        **figures(
+            [r["ttft_s"] for r in done],
+            [r["e2e_s"] for r in done],
+            prompt_tokens=sum(r.get("prompt_tokens") or 0 for r in done),
+            cached_tokens=sum(r.get("cached_tokens") or 0 for r in done),
+            span_s=span_s,
+        ),
+        "failed": sum(r["status"] in ("failed", "cancelled") for r in records),
+        "not_sent": sum(r["status"] == "not_sent" for r in records),
+    }
+
+
 # -- the whole trace -----------------------------------------------------------------------
 
 
@@ -329,11 +370,11 @@ class Outcome:
     interrupted: bool  # by Ctrl-C or SIGTERM
 
 
-async def run_trace(state: Replay, rows: list[TraceRow], max_s: float) -> Outcome:
+async def run_trace(state: Replay, rows: list[Request], max_s: float) -> Outcome:
     """Send every row at its arrival until `max_s` after the start; then cancel what is in
     flight, and close the sessions opened (also when this task is cancelled)."""
     loop = asyncio.get_running_loop()
-    records = [Record(i, r.timestamp_s, r.document_id, r.wim) for i, r in enumerate(rows)]
+    records = [Record(r.index, r.arrival_s, document_id(r), r.wim) for r in rows]
     state.origin = loop.time()
     deadline = state.origin + max_s
     # One task per row, each asleep until its arrival: open loop, whatever the others take.
@@ -368,7 +409,7 @@ async def service_facts(client: httpx.AsyncClient) -> tuple[str, int]:
     return models.json()["data"][0]["id"], len(ready.json().get("replicas", []))
 
 
-async def replay(args: argparse.Namespace, rows: list[TraceRow], library: Library) -> int:
+async def replay(args: argparse.Namespace, rows: list[Request], library: Library) -> int:
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     async with httpx.AsyncClient(
@@ -389,9 +430,8 @@ async def replay(args: argparse.Namespace, rows: list[TraceRow], library: Librar
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
         outcome = await run_trace(state, rows, args.max_minutes * 60)
     records = [vars(record) for record in outcome.records]
-    result = summarize(records, policy=args.policy_label, replicas=replicas, span_s=outcome.span_s)
-    print(format_table([result]))
-    print(format_table([result], ("policy", "ttft_p50_s", "failed", "not_sent")))
+    result = summarise_records(records, args.policy_label, replicas, outcome.span_s)
+    print(table([result], (*KEYS, *REPLAY_KEYS)))
     for record in outcome.records:
         if record.status in ("failed", "cancelled"):
             print(f"row {record.row}: {record.status} {record.error}")
@@ -449,9 +489,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--time-scale must be positive")
     try:
         args.url = require_loopback(args.url).rstrip("/")
-        args.rows = read_trace(args.trace)
-    except (ValueError, OSError) as exc:  # NotLoopbackError and TraceError are ValueErrors
+        trace = read_trace(args.trace)
+    except ValueError as exc:  # NotLoopbackError and TraceError are ValueErrors
         parser.error(str(exc))
+    if trace.kind != "document":
+        parser.error(
+            f"{args.trace} is a {trace.kind} trace: a live replay needs a WiM document trace "
+            "(its rows name the documents to send)"
+        )
+    args.rows = list(trace.requests)
     return args
 
 
@@ -461,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     library = Library()
     library.prepare(args.rows)  # before the clock starts: tokenizing is not the service's time
     print(
-        f"{len(args.rows)} rows, {len({r.document_id for r in args.rows})} documents ready in "
+        f"{len(args.rows)} rows, {len({r.document for r in args.rows})} documents ready in "
         f"{time.monotonic() - began:.1f} s; replaying against {args.url}",
         flush=True,
     )

@@ -1,4 +1,4 @@
-"""loadtest/replay.py: the trace format, the summary's arithmetic (fast, no service) and one
+"""loadtest/replay.py: the traces it takes, its summary (fast, no service) and one
 small replay on the real stack (`tests/live_stack.py`): every row answered, TTFT before the
 end, the document's KV reused by its second WiM query, every session closed."""
 
@@ -29,6 +29,7 @@ from tests.live_stack import (
     settled,
     wait_for,
 )
+from wim_service.sim.report import HEADERS, KEYS
 
 LOADTEST = Path(__file__).resolve().parent.parent / "loadtest"
 LIVE_APP = MAIN
@@ -38,16 +39,6 @@ def _load(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
     """A loadtest module (they import their neighbours by their plain names)."""
     monkeypatch.syspath_prepend(str(LOADTEST))
     return importlib.import_module(name)
-
-
-@pytest.fixture
-def doctrace(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    return _load(monkeypatch, "doctrace")
-
-
-@pytest.fixture
-def summary(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    return _load(monkeypatch, "summary")
 
 
 @pytest.fixture
@@ -72,58 +63,7 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-# -- the trace -----------------------------------------------------------------------------
-
-
-def test_a_trace_is_read_in_arrival_order(doctrace: ModuleType, tmp_path: Path) -> None:
-    path = write_rows(tmp_path / "t.jsonl", [row(5, "a", True), row(1.5, "b", False)])
-    path.write_text(path.read_text() + "\n")  # a blank line is no row
-    rows = doctrace.read_trace(path)
-    assert [(r.timestamp_s, r.document_id, r.wim) for r in rows] == [
-        (1.5, "b", False),
-        (5, "a", True),
-    ]
-
-
-@pytest.mark.parametrize(
-    ("line", "why"),
-    [
-        ("{not json", "Expecting property name"),
-        ("[1, 2]", "expected a JSON object"),
-        (json.dumps({k: v for k, v in row(0, "a", True).items() if k != "wim"}), "missing wim"),
-        (json.dumps(row(0, "a", True) | {"document_tokens": "900"}), "document_tokens must be"),
-        (json.dumps(row(0, "a", True) | {"answer_tokens": True}), "answer_tokens must be"),
-        (json.dumps(row(0, "a", True) | {"wim": 1}), "wim must be true or false"),
-        (json.dumps(row(-1, "a", True)), "timestamp_s must be >= 0"),
-    ],
-)
-def test_a_malformed_line_is_refused_by_its_number(
-    doctrace: ModuleType, tmp_path: Path, line: str, why: str
-) -> None:
-    path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps(row(0, "a", True)) + "\n\n" + line + "\n")
-    with pytest.raises(doctrace.TraceError, match=rf"t\.jsonl:3: not a trace row: .*{why}"):
-        doctrace.read_trace(path)
-
-
-def test_an_empty_trace_is_refused(doctrace: ModuleType, tmp_path: Path) -> None:
-    (tmp_path / "t.jsonl").write_text("\n")
-    with pytest.raises(doctrace.TraceError, match="no trace row"):
-        doctrace.read_trace(tmp_path / "t.jsonl")
-
-
-def test_the_generated_trace_is_deterministic_and_reads_back(
-    doctrace: ModuleType, tmp_path: Path
-) -> None:
-    rows = doctrace.generate_trace(seconds=120, documents=2, queries_per_document=4, seed=3)
-    assert rows == doctrace.generate_trace(seconds=120, documents=2, queries_per_document=4, seed=3)
-    assert len(rows) == 8 and len({r.document_id for r in rows}) == 2
-    assert all(0 <= r.timestamp_s <= 120 for r in rows)
-    # Each document is first asked with WiM: its read opens the session.
-    firsts = {r.document_id: r for r in reversed(rows)}  # each document's earliest row
-    assert all(r.wim for r in firsts.values())
-    doctrace.write_trace(tmp_path / "t.jsonl", rows)
-    assert doctrace.read_trace(tmp_path / "t.jsonl") == rows
+# -- the trace and the summary (wim_service.sim's; tests/test_sim.py tests them as such) -------
 
 
 def test_replay_refuses_a_bad_trace_or_address_before_sending(
@@ -133,28 +73,35 @@ def test_replay_refuses_a_bad_trace_or_address_before_sending(
     bad.write_text(json.dumps(row(0, "a", True)) + "\n{\n")
     with pytest.raises(SystemExit):
         replay.parse_args(["--url", "http://127.0.0.1:9", "--trace", str(bad)])
-    assert "bad.jsonl:2: not a trace row" in capsys.readouterr().err
+    assert "bad.jsonl:2: not JSON" in capsys.readouterr().err
     good = write_rows(tmp_path / "good.jsonl", [row(0, "a", True)])
     with pytest.raises(SystemExit):
         replay.parse_args(["--url", "http://10.0.0.5:8000", "--trace", str(good)])
     assert "not a loopback address" in capsys.readouterr().err
 
 
-# -- the summary ---------------------------------------------------------------------------
+def test_replay_refuses_a_mooncake_trace(
+    replay: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = {"timestamp": 0, "input_length": 100, "output_length": 10, "hash_ids": [1]}
+    trace = write_rows(tmp_path / "m.jsonl", [line])
+    with pytest.raises(SystemExit):
+        replay.parse_args(["--url", "http://127.0.0.1:9", "--trace", str(trace)])
+    assert "m.jsonl is a mooncake trace: a live replay needs a WiM document trace" in (
+        capsys.readouterr().err
+    )
 
 
-def test_percentiles_interpolate_between_ranks(summary: ModuleType) -> None:
-    values = [4.0, 1.0, 3.0, 2.0]
-    assert summary.percentile(values, 50) == pytest.approx(2.5)
-    assert summary.percentile(values, 95) == pytest.approx(3.85)
-    assert summary.percentile(values, 0) == 1.0 and summary.percentile(values, 100) == 4.0
-    assert summary.percentile([7.0], 99) == 7.0
-    assert summary.percentile([], 50) is None
-    with pytest.raises(ValueError, match="not in"):
-        summary.percentile(values, 101)
+def test_replay_reads_the_rows_in_arrival_order(replay: ModuleType, tmp_path: Path) -> None:
+    trace = write_rows(tmp_path / "t.jsonl", [row(5, "a", True), row(1.5, "b", False)])
+    args = replay.parse_args(["--url", "http://127.0.0.1:9", "--trace", str(trace)])
+    assert [(r.arrival_s, replay.document_id(r), r.wim) for r in args.rows] == [
+        (1.5, "b", False),
+        (5, "a", True),
+    ]
 
 
-def test_the_summary_counts_completed_requests_only(summary: ModuleType) -> None:
+def test_the_summary_counts_completed_requests_only(replay: ModuleType) -> None:
     records = [
         {"status": "ok", "ttft_s": 1.0, "e2e_s": 2.0, "prompt_tokens": 100, "cached_tokens": 80},
         {"status": "ok", "ttft_s": 3.0, "e2e_s": 6.0, "prompt_tokens": 300, "cached_tokens": 0},
@@ -162,41 +109,45 @@ def test_the_summary_counts_completed_requests_only(summary: ModuleType) -> None
         {"status": "cancelled", "ttft_s": 9.0, "e2e_s": 9.0},
         {"status": "not_sent", "ttft_s": None, "e2e_s": None},
     ]
-    result = summary.summarize(records, policy="sticky", replicas=2, span_s=10.0)
+    result = replay.summarise_records(records, "sticky", 2, 10.0)
     assert result == {
         "policy": "sticky",
         "replicas": 2,
         "completed": 2,
         "ttft_mean_s": 2.0,
-        "ttft_p95_s": pytest.approx(2.9),
-        "ttft_p99_s": pytest.approx(2.98),
+        "ttft_p50_s": 2.0,
+        "ttft_p95_s": 2.9,
+        "ttft_p99_s": 2.98,
         "e2e_mean_s": 4.0,
         "requests_per_s": 0.2,
         "prefix_reuse": 0.2,
-        "ttft_p50_s": 2.0,
         "failed": 2,
         "not_sent": 1,
     }
-    assert list(result)[: len(summary.SIM_KEYS)] == list(summary.SIM_KEYS)
+    assert list(result) == [*KEYS, *replay.REPLAY_KEYS]
 
 
-def test_an_empty_summary_has_no_figures(summary: ModuleType) -> None:
-    result = summary.summarize([], policy="wim", replicas=2, span_s=0.0)
-    assert result["completed"] == 0
-    assert result["ttft_p95_s"] is None and result["prefix_reuse"] is None
-    assert result["requests_per_s"] is None
+def test_an_empty_summary_has_no_figures(replay: ModuleType) -> None:
+    result = replay.summarise_records([], "wim", 2, 0.0)
+    assert result["completed"] == 0 and result["failed"] == result["not_sent"] == 0
+    assert result["ttft_p50_s"] is None and result["ttft_p95_s"] is None
+    assert result["prefix_reuse"] is None and result["requests_per_s"] is None
 
 
-def test_the_table_has_the_simulator_columns(summary: ModuleType) -> None:
-    rows = [
-        summary.summarize([], policy="wim", replicas=2, span_s=1.0),
-        {"policy": "sticky", "replicas": 2, "completed": 3, "ttft_mean_s": 1.23456},
+def test_the_replay_prints_the_simulator_columns_and_its_own(
+    replay: ModuleType, stub: type[Stub], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_rows(tmp_path / "t.jsonl", STUB_TRACE)
+    assert replay.main(["--url", stub.url, "--trace", str(trace)]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    header, _, line = table
+    assert [cell.strip() for cell in header.split("|")[1:-1]] == [
+        *(HEADERS[key] for key in KEYS),
+        "failed",
+        "not_sent",
     ]
-    header, first, second = summary.format_table(rows).splitlines()
-    assert header.split() == list(summary.SIM_KEYS)
-    assert first.split()[:3] == ["wim", "2", "0"] and first.split()[3] == "-"
-    assert second.split()[3] == "1.235"
-    assert len({len(line) for line in (header, first, second)}) == 1  # aligned
+    assert [cell.strip() for cell in line.split("|")[1:4]] == ["live", "2", "3"]
+    assert [cell.strip() for cell in line.split("|")[-3:-1]] == ["0", "0"]
 
 
 # -- replay.py against a stub of the API (no engine) ---------------------------------------
@@ -301,7 +252,7 @@ def test_a_replay_measures_each_row_and_closes_its_sessions(
     assert all(0 < r["ttft_s"] <= r["e2e_s"] for r in report["records"])
     opened = [r["opened_document"] for r in report["records"]]
     assert opened == [True, False, False]  # the plain row opens nothing; the 2nd WiM row reuses
-    assert report["prefix_reuse"] == pytest.approx(80 / (60 + 1000 + 60))
+    assert report["prefix_reuse"] == round(80 / (60 + 1000 + 60), 4)  # rounded as wim sim does
     assert stub.calls.count("POST /documents") == 1
     assert [c for c in stub.calls if c.startswith("DELETE")] == ["DELETE /documents/doc-3"]
 
@@ -370,20 +321,29 @@ def test_the_serve_config_has_two_fixed_replicas_and_the_policy(
     assert engine["num_replicas"] == 2 and "autoscaling_config" not in engine
 
 
-@pytest.mark.parametrize(
-    "data",
-    [
-        {"policy": "wim", "ttft_p50_s": 2.0, "ttft_p95_s": 4.0},
-        [{"policy": "sticky", "ttft_p50_s": 9.0}, {"policy": "wim", "ttft_p50_s": 2.0}],
-        {"results": [{"policy": "wim", "ttft_p50_s": 2.0}]},
-        # No p50 in the simulator's summary: from its per-request TTFTs.
-        {"policy": "wim", "records": [{"ttft_s": 1.0}, {"ttft_s": 3.0}, {"ttft_s": None}]},
-    ],
-)
-def test_the_simulator_summary_is_found_in_its_json(compare_sim: ModuleType, data: object) -> None:
-    found = compare_sim.sim_summary(data, "wim")
-    assert found["policy"] == "wim" and found["ttft_p50_s"] == 2.0 and "records" not in found
-    assert compare_sim.sim_summary(data, "round_robin") is None
+def test_the_default_trace_is_small_and_simulated_per_policy(
+    compare_sim: ModuleType, tmp_path: Path
+) -> None:
+    args = compare_sim.parse_args(["--out", str(tmp_path), "--skip-live", "--time-scale", "2"])
+    trace = compare_sim.prepare_trace(args)
+    assert args.trace == tmp_path / "trace.jsonl"
+    assert trace.kind == "document" and len(trace.requests) == 15
+    assert len({r.document for r in trace.requests}) == 3
+    assert trace.requests[-1].arrival_s <= 180  # within the replay's 3.5 minutes
+    row = compare_sim.simulated(args, trace, "wim")
+    assert (row["policy"], row["replicas"], row["completed"]) == ("wim", 2, 15)
+    assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]
+    assert json.loads((tmp_path / "sim-wim.json").read_text()) == row
+
+
+def test_compare_sim_refuses_a_mooncake_trace(
+    compare_sim: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = {"timestamp": 0, "input_length": 100, "output_length": 10, "hash_ids": [1]}
+    trace = write_rows(tmp_path / "m.jsonl", [line])
+    argv = ["--out", str(tmp_path / "out"), "--trace", str(trace), "--skip-live"]
+    assert compare_sim.main(argv) == 2
+    assert "m.jsonl is a mooncake trace: the replay needs a WiM one" in capsys.readouterr().err
 
 
 def test_the_comparison_flags_differences_past_the_tolerance(compare_sim: ModuleType) -> None:

@@ -21,7 +21,7 @@ from wim_service.placement.profile import EngineProfile
 from wim_service.sim.engine import DecodeRun
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
 from wim_service.sim.replay import RunResult, simulate
-from wim_service.sim.report import KEYS, percentile, summarise
+from wim_service.sim.report import KEYS, figures, percentile, summarise, table
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import HASH_BLOCK_TOKENS, Request, Trace, TraceError, read_trace
 
@@ -108,7 +108,7 @@ def test_document_reader_gives_wim_rows_a_session_and_plain_rows_the_documents_b
     assert trace.kind == "document"
     assert (wim.document, wim.prefix, wim.prompt_tokens) == ("a", (), 3040)
     # Only the document's whole 512-token blocks are shared: 3000 // 512 = 5.
-    assert plain_a.document is None and len(plain_a.prefix) == 3000 // HASH_BLOCK_TOKENS
+    assert plain_a.document == "a" and len(plain_a.prefix) == 3000 // HASH_BLOCK_TOKENS
     assert plain_a.prefix == plain_a2.prefix
     assert not set(plain_a.prefix) & set(plain_b.prefix)
 
@@ -127,6 +127,37 @@ def test_a_malformed_line_is_named_by_its_number(tmp_path: Path, line: str, mess
     path.write_text(path.read_text() + "\n" + line + "\n")  # line 2 is blank
     with pytest.raises(TraceError, match=message):
         read_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"document_tokens": "900"}, "document_tokens must be an integer >= 1"),
+        ({"answer_tokens": True}, "answer_tokens must be an integer >= 1"),
+        ({"wim": 1}, "wim must be true or false"),
+        ({"wim": None}, "wim must be true or false"),
+        ({"timestamp_s": -1}, "timestamp_s must be a number >= 0"),
+        ({"document_id": ""}, "document_id must be a non-empty string"),
+    ],
+)
+def test_a_malformed_document_row_is_named_by_its_line(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [doc_row(0, "a", wim=True)])
+    path.write_text(path.read_text() + "\n" + json.dumps(doc_row(1, "a", wim=True) | change) + "\n")
+    with pytest.raises(TraceError, match=f"t.jsonl:3: {message}"):
+        read_trace(path)
+
+
+def test_a_document_trace_is_read_in_arrival_order(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "t.jsonl", [doc_row(5, "a", wim=True), doc_row(1.5, "b", wim=False)]
+    )
+    trace = read_trace(path)
+    assert [(r.index, r.arrival_s, r.document, r.wim) for r in trace.requests] == [
+        (0, 1.5, "b", False),
+        (1, 5.0, "a", True),
+    ]
 
 
 def test_a_trace_of_no_known_kind_or_without_requests_is_refused(tmp_path: Path) -> None:
@@ -177,6 +208,15 @@ def test_a_generated_trace_reads_back_as_a_document_trace(tmp_path: Path) -> Non
 def test_generator_options_are_checked() -> None:
     with pytest.raises(ValueError, match="document tokens"):
         generate(GeneratorOptions(document_tokens=(900, 100)))
+    with pytest.raises(ValueError, match="duration"):
+        generate(GeneratorOptions(duration_s=0))
+
+
+def test_a_duration_leaves_out_the_later_queries() -> None:
+    options = GeneratorOptions(requests=200, rate=1.0, seed=5)
+    within = generate(replace(options, duration_s=60))
+    assert within == [r for r in generate(options) if r["timestamp_s"] <= 60]
+    assert 0 < len(within) < 200
 
 
 # -- the engine's arithmetic ----------------------------------------------------------------
@@ -202,6 +242,38 @@ def test_a_decode_run_sums_its_steps_in_closed_form() -> None:
 def test_percentiles_interpolate() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
     assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(values, 95) == pytest.approx(3.85)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError, match="not in"):
+        percentile(values, 101)
+
+
+def test_figures_are_none_without_completed_requests() -> None:
+    row = figures([], [], prompt_tokens=0, cached_tokens=0, span_s=0.0)
+    assert row["completed"] == 0
+    assert all(row[key] is None for key in KEYS if key not in ("policy", "replicas", "completed"))
+
+
+def test_the_table_takes_its_columns_and_marks_missing_figures() -> None:
+    rows = [
+        {"policy": "wim", "replicas": 2, "ttft_p50_s": None, "prefix_reuse": 0.25, "failed": 1},
+        {"policy": "sticky", "replicas": 2, "ttft_p50_s": 1.234, "prefix_reuse": None},
+    ]
+    columns = ["policy", "ttft_p50_s", "prefix_reuse", "failed"]
+    header, rule, first, second = table(rows, columns).splitlines()
+    assert [c.strip() for c in header.split("|")[1:-1]] == [
+        "policy",
+        "TTFT p50 s",
+        "prefix reuse",
+        "failed",
+    ]
+    assert [c.strip() for c in first.split("|")[1:-1]] == ["wim", "-", "25.0%", "1"]
+    assert [c.strip() for c in second.split("|")[1:-1]] == ["sticky", "1.23", "-", "-"]
+    assert len({len(line) for line in (header, rule, first, second)}) == 1  # aligned
 
 
 # -- replays --------------------------------------------------------------------------------

@@ -144,6 +144,9 @@ def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.wim_fraction,
         help="share of WiM queries; the rest are plain long-context requests (%(default)s)",
     )
+    group.add_argument(
+        "--duration-s", type=float, help="leave out the queries arriving after this many s"
+    )
     group.add_argument("--seed", type=int, default=d.seed, help="(%(default)s)")
 
 

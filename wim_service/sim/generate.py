@@ -3,7 +3,8 @@
 Sessions arrive as a Poisson process; each picks a document by Zipf popularity (document k of
 n with weight 1 / k**exponent, so `doc-0000` is the hottest) and sends its queries one after
 another, a think time apart. Each query is a WiM query with probability `wim_fraction`, else
-a plain long-context request over the same document.
+a plain long-context request over the same document. With `duration_s`, queries arriving
+after it are left out (so a live replay of the trace keeps to a time budget).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class GeneratorOptions:
     query_tokens: int = 64
     answer_tokens: int = 128
     wim_fraction: float = 0.7
+    duration_s: float | None = None  # leave out the queries arriving later
     seed: int = 0
 
     def check(self) -> None:
@@ -45,6 +47,7 @@ class GeneratorOptions:
             (1 <= low <= high, "document tokens must be a range LOW-HIGH with 1 <= LOW <= HIGH"),
             (self.query_tokens >= 1 and self.answer_tokens >= 1, "query/answer tokens >= 1"),
             (0 <= self.wim_fraction <= 1, "wim fraction must be within 0-1"),
+            (self.duration_s is None or self.duration_s > 0, "duration must be above 0"),
         ]
         for ok, message in rules:
             if not ok:
@@ -84,10 +87,13 @@ def _sessions(options: GeneratorOptions, rng: random.Random) -> Iterator[list[di
 
 
 def generate(options: GeneratorOptions) -> list[dict[str, Any]]:
-    """The trace's rows in timestamp order: `options.requests` of them."""
+    """The trace's rows in timestamp order: `options.requests` of them (fewer when some
+    arrive after `options.duration_s`)."""
     options.check()
     rng = random.Random(options.seed)
+    end = math.inf if options.duration_s is None else options.duration_s
     rows = [row for session in _sessions(options, rng) for row in session]
+    rows = [row for row in rows if row["timestamp_s"] <= end]
     rows.sort(key=lambda row: row["timestamp_s"])  # stable: a session's ties keep its order
     return rows[: options.requests]
 

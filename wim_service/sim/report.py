@@ -1,4 +1,8 @@
-"""The replay's summary: one row per policy and fleet size, as a table and as JSON."""
+"""The summary of a replay, simulated (`wim sim`) or live (`loadtest/replay.py`): one row per
+policy and fleet size, as a table and as JSON, under the same keys so that the two compare key
+by key. A figure with nothing to compute it from (no completed request) is None: JSON's null,
+`-` in the table.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,14 @@ from typing import Any
 from wim_service.sim.replay import RunResult
 
 # Dynamo's replay table: completed requests, TTFT (mean, p95, p99), mean end-to-end latency,
-# throughput, and the share of prompt tokens served from a cache.
+# throughput, and the share of prompt tokens served from a cache; and the TTFT p50 that the
+# live comparison (loadtest/compare_sim.py) checks with the p95.
 KEYS = (
     "policy",
     "replicas",
     "completed",
     "ttft_mean_s",
+    "ttft_p50_s",
     "ttft_p95_s",
     "ttft_p99_s",
     "e2e_mean_s",
@@ -32,10 +38,13 @@ EXTRA_KEYS = (
 )
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100), interpolated between the closest ranks (numpy's default)."""
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100), interpolated between the closest ranks (numpy's default);
+    None without values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is not in [0, 100]")
     if not values:
-        return math.nan
+        return None
     ordered = sorted(values)
     rank = (len(ordered) - 1) * q / 100
     low = math.floor(rank)
@@ -43,27 +52,45 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def _rounded(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def figures(
+    ttft: Sequence[float],
+    e2e: Sequence[float],
+    *,
+    prompt_tokens: int,
+    cached_tokens: int,
+    span_s: float,
+) -> dict[str, Any]:
+    """The figures of `KEYS` from the completed requests' TTFTs and end-to-end latencies (s),
+    their prompt tokens and those of them served from a cache, over `span_s` seconds."""
+    return {
+        "completed": len(ttft),
+        "ttft_mean_s": _rounded(sum(ttft) / len(ttft)) if ttft else None,
+        "ttft_p50_s": _rounded(percentile(ttft, 50)),
+        "ttft_p95_s": _rounded(percentile(ttft, 95)),
+        "ttft_p99_s": _rounded(percentile(ttft, 99)),
+        "e2e_mean_s": _rounded(sum(e2e) / len(e2e)) if e2e else None,
+        "requests_per_s": _rounded(len(ttft) / span_s) if span_s > 0 else None,
+        "prefix_reuse": _rounded(cached_tokens / prompt_tokens, 4) if prompt_tokens else None,
+    }
+
+
 def summarise(result: RunResult) -> dict[str, Any]:
     outcomes = result.outcomes
-    ttft = [o.first_token_s - o.arrival_s for o in outcomes]
-    e2e = [o.end_s - o.arrival_s for o in outcomes]
     span = max((o.end_s for o in outcomes), default=0.0) - min(
         (o.arrival_s for o in outcomes), default=0.0
     )
-    prompt = sum(o.prompt_tokens for o in outcomes)
-    row: dict[str, Any] = {
-        "policy": result.policy,
-        "replicas": result.replicas,
-        "completed": len(outcomes),
-        "ttft_mean_s": round(sum(ttft) / len(ttft), 3) if ttft else math.nan,
-        "ttft_p95_s": round(percentile(ttft, 95), 3),
-        "ttft_p99_s": round(percentile(ttft, 99), 3),
-        "e2e_mean_s": round(sum(e2e) / len(e2e), 3) if e2e else math.nan,
-        "requests_per_s": round(len(outcomes) / span, 3) if span > 0 else math.nan,
-        "prefix_reuse": round(sum(o.cached_tokens for o in outcomes) / prompt, 4)
-        if prompt
-        else 0.0,
-    }
+    row: dict[str, Any] = {"policy": result.policy, "replicas": result.replicas}
+    row |= figures(
+        [o.first_token_s - o.arrival_s for o in outcomes],
+        [o.end_s - o.arrival_s for o in outcomes],
+        prompt_tokens=sum(o.prompt_tokens for o in outcomes),
+        cached_tokens=sum(o.cached_tokens for o in outcomes),
+        span_s=span,
+    )
     row.update({key: getattr(result, key) for key in EXTRA_KEYS})
     return row
 
@@ -73,6 +100,7 @@ HEADERS = {
     "replicas": "replicas",
     "completed": "completed",
     "ttft_mean_s": "TTFT mean s",
+    "ttft_p50_s": "TTFT p50 s",
     "ttft_p95_s": "TTFT p95 s",
     "ttft_p99_s": "TTFT p99 s",
     "e2e_mean_s": "e2e mean s",
@@ -84,13 +112,14 @@ HEADERS = {
 }
 
 
-def table(rows: Sequence[dict[str, Any]]) -> str:
-    """Rows as a Markdown table, one line per policy and fleet size."""
-    keys = list(HEADERS)
-    cells = [[_cell(row[key], key) for key in keys] for row in rows]
-    widths = [max(len(HEADERS[k]), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+def table(rows: Sequence[dict[str, Any]], keys: Sequence[str] = tuple(HEADERS)) -> str:
+    """Rows as a Markdown table, one line per policy and fleet size; `keys` as columns (a key
+    without a header of its own is its header; a row without the key shows `-`)."""
+    names = [HEADERS.get(key, key) for key in keys]
+    cells = [[_cell(row.get(key), key) for key in keys] for row in rows]
+    widths = [max(len(name), *(len(c[i]) for c in cells)) for i, name in enumerate(names)]
     lines = [
-        "| " + " | ".join(HEADERS[k].ljust(w) for k, w in zip(keys, widths, strict=True)) + " |",
+        "| " + " | ".join(n.ljust(w) for n, w in zip(names, widths, strict=True)) + " |",
         "|" + "|".join("-" * (w + 2) for w in widths) + "|",
     ]
     for cell in cells:  # names flush left, numbers flush right
@@ -101,6 +130,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _cell(value: Any, key: str) -> str:
+    if value is None:
+        return "-"
     if key == "prefix_reuse":
         return f"{100 * value:.1f}%"
     if isinstance(value, float):

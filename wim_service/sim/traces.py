@@ -50,7 +50,8 @@ class Request:
     A WiM query (`wim`) runs on a copy of its `document` (`document_tokens` of KV under the
     session's own salt) and prefills only its `query_tokens`; any other request prefills its
     `prompt_tokens`, of which the leading `prefix` blocks (hashes of 512-token blocks) may be
-    in a replica's prefix cache.
+    in a replica's prefix cache. A plain row of a document trace names its `document` too
+    (a live replay sends its text), but only a WiM query is placed by it.
     """
 
     index: int  # position in the trace, in timestamp order
@@ -58,7 +59,7 @@ class Request:
     prompt_tokens: int  # everything the request prefills when nothing is cached
     answer_tokens: int
     prefix: tuple[int, ...] = ()
-    document: str | None = None  # the document session of a WiM query
+    document: str | None = None  # the document of a document trace's row
     document_tokens: int = 0
     query_tokens: int = 0
     wim: bool = False
@@ -171,7 +172,7 @@ def document_request(row: dict[str, Any], where: str, hashes: DocumentHashes) ->
         prompt_tokens=document_tokens + query_tokens,
         answer_tokens=_count(row, "answer_tokens", where, least=1),
         prefix=() if wim else hashes.prefix(document, document_tokens),
-        document=document if wim else None,
+        document=document,
         document_tokens=document_tokens,
         query_tokens=query_tokens,
         wim=wim,
