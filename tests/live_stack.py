@@ -98,7 +98,8 @@ class LiveApp:
     routers: int = 1
 
 
-MAIN = LiveApp("main", ROUTER)
+# The main app places by expected wait, copies included (`sticky` is still the default).
+MAIN = LiveApp("main", {**ROUTER, "placement": "wim"})
 TWO_ROUTERS = LiveApp(
     "two-routers",
     {**ROUTER, "store": {"backend": "redis", "key_prefix": "wim-e2e:", "timeout_s": 1.0}},
