@@ -285,7 +285,7 @@ class LiveService:
         # not inside the first request a test times.
         # (In a thread of its own: the caller may have a loop running, e.g. playwright's.)
         sizer = self.router.dispatcher.sizer
-        warm = sizer.needed_blocks("Warm up. Twice.", WiMOptions(), "Why?")
+        warm = sizer.shape("Warm up. Twice.", WiMOptions(), "Why?")
         warming = threading.Thread(target=asyncio.run, args=(warm,))
         warming.start()
         warming.join()

@@ -588,10 +588,10 @@ async def test_the_sizer_sizes_sessions_and_jobs_and_refuses_with_the_errors_sta
     block, window = sizer.limits.block_size, sizer.limits.max_model_len
     session = plan.shape(builder, options, None).session_blocks(block, window)
     job = check_query(plan, builder, sizer.limits, "q?", options).one_shot_blocks(block, window)
-    assert await sizer.needed_blocks(DOCUMENT, options, None) == session
-    assert await sizer.needed_blocks(DOCUMENT, options, "q?") == job
+    assert sizer.blocks(await sizer.shape(DOCUMENT, options, None), one_shot=False) == session
+    assert sizer.blocks(await sizer.shape(DOCUMENT, options, "q?"), one_shot=True) == job
     with pytest.raises(HTTPFailure) as refused:
-        await sizer.needed_blocks(DOCUMENT * 40, options, "q?")
+        await sizer.shape(DOCUMENT * 40, options, "q?")
     assert (refused.value.code, refused.value.status) == ("too_long", 413)
     assert refused.value.message.startswith("the document is ")
     assert refused.value.retry_after is None

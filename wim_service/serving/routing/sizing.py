@@ -51,7 +51,3 @@ class JobSizer:
         if one_shot:
             return shape.one_shot_blocks(block, window)
         return shape.session_blocks(block, window)
-
-    async def needed_blocks(self, text: str, options: WiMOptions, query: str | None) -> int:
-        """KV blocks of a one-shot job (`query` given) or a document session (`query=None`)."""
-        return self.blocks(await self.shape(text, options, query), one_shot=query is not None)
