@@ -215,11 +215,14 @@ class ScriptedReplica(FakeReplica):
 
 
 class ScriptedClient(FakeClient):
-    """`ReplicaClient` over scripted replicas; `delay_s` between events."""
+    """`ReplicaClient` over scripted replicas; `delay_s` between events. While a job streams,
+    its replica reports `job_s` more seconds of backlog and one more job running, as a real
+    replica books each job's expected cost (`serving/replica/backlog.py`)."""
 
-    def __init__(self, *replicas: ScriptedReplica, delay_s: float = 0.0) -> None:
+    def __init__(self, *replicas: ScriptedReplica, delay_s: float = 0.0, job_s: float = 5.0):
         super().__init__(*replicas)
         self.delay_s = delay_s
+        self.job_s = job_s
 
     async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
         target = self._replica(replica)
@@ -227,6 +230,8 @@ class ScriptedClient(FakeClient):
         target.calls.append(method)
         target.streams.append((method, args))
         target.started += 1
+        target.backlog_s += self.job_s
+        target.running += 1
         done = False
         try:
             for event in target.events(method, args):
@@ -235,6 +240,8 @@ class ScriptedClient(FakeClient):
             done = True
             target.finished += 1
         finally:
+            target.backlog_s -= self.job_s
+            target.running -= 1
             if not done:
                 target.cancelled += 1
 

@@ -98,8 +98,7 @@ class LiveApp:
     routers: int = 1
 
 
-# The main app places by expected wait, copies included (`sticky` is still the default).
-MAIN = LiveApp("main", {**ROUTER, "placement": "wim"})
+MAIN = LiveApp("main", ROUTER)
 TWO_ROUTERS = LiveApp(
     "two-routers",
     {**ROUTER, "store": {"backend": "redis", "key_prefix": "wim-e2e:", "timeout_s": 1.0}},

@@ -98,6 +98,25 @@ async def test_with_max_copies_1_or_under_sticky_a_document_is_never_copied() ->
         assert [r.name for r in (a, b) if r.documents] == [home]
 
 
+async def test_no_copy_opens_on_a_stale_load() -> None:
+    """A report taken while a query ran still counts it after it ended: a copy is decided on
+    the replicas' loads asked again, not on the last poll's."""
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b)
+    document_id = await opened(router)
+    a.backlog_s = 30.0
+    await router.fleet.refresh_loads()  # the last poll: a was busy then
+    a.backlog_s = 0.0  # ... and is idle now
+    assert await ask(router, document_id) == "a"
+    assert b.documents == {} and counted(router, "wim_document_copies_opened_total") == 0
+    # Still busy when asked again: the copy opens.
+    a.backlog_s = 30.0
+    await router.fleet.refresh_loads()
+    await asyncio.sleep(0.3)  # older than the fresh loads the last decision was taken on
+    assert await ask(router, document_id) == "b"
+    assert counted(router, "wim_document_copies_opened_total") == 1
+
+
 async def test_an_idle_copy_is_retired_but_never_while_a_query_runs_on_it() -> None:
     a, b = ScriptedReplica("a"), ScriptedReplica("b")
     router = await router_over(a, b, copy_idle_s=0.2)

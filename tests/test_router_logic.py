@@ -95,6 +95,7 @@ class FakeReplica:
         self.die_after: int | None = None  # events streamed before this replica "dies"
         self.dead = False
         self.backlog_s = 0.0  # the expected seconds of work it reports queued
+        self.running = 0  # the jobs it reports running
 
     async def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -104,6 +105,7 @@ class FakeReplica:
             sessions=len(self.documents),
             documents=len(self.documents),
             backlog_s=self.backlog_s,
+            running=self.running,
         )
 
     async def open_document(

@@ -82,8 +82,7 @@ class RouterConfig(BaseModel):
     # to start soonest (work queued there, prefill it would still do) and copies a hot
     # document onto another replica when that is quicker; `sticky` keeps a document on the
     # replica it was read on and puts new work where most KV is free; `round_robin` takes turns.
-    # `sticky` stays the default until `wim` stops copying on stale loads (docs/routing.md).
-    placement: Literal["wim", "sticky", "round_robin"] = "sticky"
+    placement: Literal["wim", "sticky", "round_robin"] = "wim"
     # Replicas a document session may hold copies on at once, its first one included (1: a
     # document is never copied).
     max_copies: int = Field(2, ge=1, le=16)

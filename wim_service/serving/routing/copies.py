@@ -7,6 +7,12 @@ holders are busy; reading another copy is quicker), the router reads a copy ther
 cache salt), records it in the session store (`add_copy`, within `max_copies` holders) and
 sends the query there. Later queries go to the holder with the least expected wait.
 
+A copy costs a whole document read, so it is opened on fresh evidence only: the loads the
+policy weighed may be a poll interval old, and a holder's report taken while a query ran
+(this router's or another's) still counts that query after it ended. Before a copy opens, the
+replicas' loads are asked again (at most once per `FRESH_LOADS_S`, whatever the number of
+queries deciding at once) and the query placed again on them.
+
 Copies are part of the session: DELETE and expiry close every one, and every router claims
 them like the primary, so that no replica reaps one as an orphan. A copy that no query of this
 router used for `copy_idle_s` is closed (`retire_idle`): never the primary, never while a
@@ -22,7 +28,7 @@ import logging
 import time
 from collections import Counter
 
-from wim_service.placement.state import NoRoom
+from wim_service.placement.state import NoRoom, Work
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.observability.metrics import WiMMetrics
@@ -32,10 +38,14 @@ from wim_service.serving.replica.work import session_work
 from wim_service.serving.routing.bindings import Booking
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
+from wim_service.serving.routing.recent import Recent
 from wim_service.serving.store import StoredSession
 from wim_service.wim.options import WiMOptions
 
 logger = logging.getLogger(__name__)
+
+# How old the loads a copy is decided on may be (see above).
+FRESH_LOADS_S = 0.25
 
 
 async def close_on(client: ReplicaClient, replica: str, document_id: str) -> None:
@@ -62,6 +72,7 @@ class DocumentCopies:
         # (document id, replica) -> this router's queries running there / when one last ran.
         self._running: Counter[tuple[str, str]] = Counter()
         self._used: dict[tuple[str, str], float] = {}
+        self._fresh_loads = Recent(fleet.refresh_loads, FRESH_LOADS_S)
 
     async def holder(
         self, session: StoredSession, query: str, options: WiMOptions
@@ -79,9 +90,13 @@ class DocumentCopies:
             query=query,
             segments=session.segments,
         )
-        try:
-            booking = table.place(None, work, holders=holders)
-        except NoRoom:
+        booking = self._place(work, holders)
+        if booking is not None and booking.placement.open_copy:
+            table.done(booking)  # placed on loads that may be stale: weigh fresh ones
+            await self._fresh_loads.get()
+            holders = [r for r in holders if table.is_live(r)]
+            booking = self._place(work, holders) if holders else None
+        if booking is None:
             # The holders' admission control queues a query; only new copies need room.
             return session.replica or holders[0], None
         if not booking.placement.open_copy:
@@ -96,6 +111,13 @@ class DocumentCopies:
             return booking.replica, booking
         table.done(booking)  # nothing runs there after all
         return session.replica or holders[0], None
+
+    def _place(self, work: Work, holders: list[str]) -> Booking | None:
+        """The query's placement, booked; None if no replica has room for it."""
+        try:
+            return self.fleet.table.place(None, work, holders=holders)
+        except NoRoom:
+            return None
 
     async def _open(self, session: StoredSession, replica: str) -> bool:
         """Read a copy of the session's document on `replica` and record it; False if it
