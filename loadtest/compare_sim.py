@@ -1,18 +1,27 @@
 """Check `wim sim` against the real service: one trace replayed live and simulated, per
 placement policy, and their TTFT p50/p95 side by side.
 
-    .venv/bin/python loadtest/compare_sim.py --out /tmp/wim-compare
-    .venv/bin/python loadtest/compare_sim.py --trace trace.jsonl --policies sticky,wim --out DIR
+    .venv/bin/python loadtest/compare_sim.py --calibrate --out /tmp/wim-compare
+    .venv/bin/python loadtest/compare_sim.py --profile P.json --policies sticky,wim --out DIR
 
 For each policy: start the service on 127.0.0.1:`--port` from deploy/serve_config.yaml with
-2 engine replicas (no autoscaling) and `args.router.placement: <policy>`, wait until both
+2 engine replicas (no autoscaling), each on a core of its own (`cpu_threads_bind: rank`),
+`args.router.placement: <policy>` and the profile as its `cost_profile`; wait until both
 replicas are ready, replay the trace (loadtest/replay.py, at most `--replay-minutes`), stop
 the service with every process it started; then simulate the trace in-process, as
-`wim sim --trace FILE --replicas 2 --policies <policy>` does (the shipped engine profile; the
-replay's time scale, segment and margin sizes), and print per policy the live and simulated
-TTFT p50 and p95, their relative difference and whether it is within `--tolerance`.
-Everything goes to `--out`: the trace, each serve config and service log,
-`live-<policy>.json` (replay.py's report), `sim-<policy>.json` (`wim sim --json-out`'s row),
+`wim sim --trace FILE --replicas 2 --policies <policy> --profile P.json` does (the replay's
+time scale, segment and margin sizes), and print per policy the live and simulated TTFT p50
+and p95, their relative difference and whether it is within `--tolerance`.
+
+The profile must describe the engines as they run here: one engine on one core.
+`--calibrate` measures it first, with the serve config's engine settings and `rank` binding
+(8.4 minutes with both cores on 4 December, longer on one); `--profile` reuses one. The
+shipped default profile describes one engine with both cores, and two engines sharing both
+cores each ran about half as fast while the other worked.
+
+Everything goes to `--out`: the trace, the profile measured, each serve config and service
+log, `live-<policy>.json` (replay.py's report, a record per request), `sim-<policy>.json`
+(`wim sim --json-out`'s row, plus each request's simulated first-token time by trace row),
 `comparison.json` (with `uptime` at the start and end of each live replay).
 
 Budget on the 2-core machine: the default trace (no `--trace`, `DEFAULT_TRACE`) has 15
@@ -20,14 +29,14 @@ queries within 3 minutes: 5 users asking 3 each, 40 s apart on average, over 3 d
 1,500-3,000 tokens, a quarter of the queries plain, 24-token queries, 16-token answers. Each
 policy takes the engines' start-up (1-2 min; 120 s at load average 4), the documents'
 preparation (10-20 s), at most `--replay-minutes` (3.5) of replay and the shutdown (~15 s):
-15-20 minutes for the 3 policies. Run it on an otherwise idle machine. Ctrl-C or SIGTERM
-stops the replay (its sessions closed) and the service.
+about 12 minutes for the 3 policies (4 December, load average 2-3), plus the
+calibration. Run it on an otherwise idle machine.
+Ctrl-C or SIGTERM stops the replay (its sessions closed) and the service.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import signal
 import subprocess
@@ -39,7 +48,14 @@ from typing import Any
 
 import httpx
 import psutil
-from local_service import ROOT, start_service, stop_service, wait_ready, write_config
+from local_service import (
+    ROOT,
+    serve_config,
+    start_service,
+    stop_service,
+    wait_ready,
+    write_config,
+)
 from measure import output, port_taken
 
 from wim_service.placement.profile import EngineProfile
@@ -51,6 +67,13 @@ from wim_service.sim.traces import Trace, TraceError, read_trace
 
 POLICIES = ("round_robin", "sticky", "wim")
 REPLICAS = 2
+# Each engine replica on a core of its own (`cpu_threads_bind: rank`): the simulator's replicas
+# are independent machines, and two engines sharing the 2 cores (the serve config's `nobind`)
+# each ran about half as fast while the other worked (4 December: 2.0-2.5x the simulated
+# first-token times while both replicas were busy, as fast as simulated while one was).
+ENGINE = {"cpu_threads_bind": "rank"}
+# The profile of one such engine, measured with `--calibrate` on the 2-core machine.
+ONE_CORE_PROFILE = ROOT / "wim_service" / "placement" / "profiles" / "one-core.json"
 REPLAY = Path(__file__).resolve().with_name("replay.py")
 # WiM's sizes, the same for the live replay and the simulator.
 SEGMENT_TOKENS = 512
@@ -77,16 +100,6 @@ class Stopped(Exception):
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Stopped
-
-
-# -- what this tree supports -----------------------------------------------------------------
-
-
-def router_takes_placement() -> bool:
-    """Whether this tree's router config has the `placement` setting (being added in
-    parallel; until then the router places as `sticky` does and refuses the key)."""
-    config = importlib.import_module("wim_service.serving.config")
-    return "placement" in config.RouterConfig.model_fields
 
 
 # -- one live run --------------------------------------------------------------------------
@@ -145,8 +158,8 @@ def live(args: argparse.Namespace, policy: str) -> dict[str, Any]:
     """Start the service with `policy`, replay the trace on it, stop it."""
     url = f"http://127.0.0.1:{args.port}"
     config = args.out / f"serve_config-{policy}.yaml"
-    router = {"placement": policy} if args.placement_key else {}
-    write_config(config, args.port, REPLICAS, router)
+    router = {"placement": policy, "cost_profile": str(args.profile)}
+    write_config(config, args.port, REPLICAS, router, ENGINE)
     log = args.out / f"service-{policy}.log"
     print(f"[{policy}] starting the service on {url} (log: {log})", flush=True)
     loads = {"before the service started": output("uptime")}
@@ -183,8 +196,12 @@ def simulated(args: argparse.Namespace, trace: Trace, policy: str) -> dict[str, 
     print(f"[{policy}] simulating {REPLICAS} replicas", flush=True)
     settings = SimSettings(segment_tokens=SEGMENT_TOKENS, margin_tokens=MARGIN_TOKENS)
     scaled = trace.scaled(args.time_scale)
-    row = summarise(simulate(scaled, policy, REPLICAS, EngineProfile.load(), settings))
-    (args.out / f"sim-{policy}.json").write_text(json.dumps(row, indent=1) + "\n")
+    result = simulate(scaled, policy, REPLICAS, EngineProfile.load(args.profile), settings)
+    row = summarise(result)
+    # Each request's first-token time, by its row in the trace (as live-<policy>.json has them).
+    ttft = {o.index: round(o.first_token_s - o.arrival_s, 3) for o in result.outcomes}
+    report = row | {"ttft_s_by_row": [ttft.get(i) for i in range(len(trace.requests))]}
+    (args.out / f"sim-{policy}.json").write_text(json.dumps(report, indent=1) + "\n")
     return row
 
 
@@ -240,6 +257,19 @@ def comparison_table(rows: list[dict[str, Any]], tolerance: float) -> str:
 # -- main ----------------------------------------------------------------------------------
 
 
+def calibrate_profile(path: Path) -> Path:
+    """Measure one engine with the live service's engine settings; write its profile."""
+    from wim_service.engine.calibration import calibrate, describe
+    from wim_service.engine.config import EngineConfig
+
+    print(f"calibrating one engine ({ENGINE}) into {path}", flush=True)
+    engine = EngineConfig(**(serve_config()["applications"][0]["args"]["engine"] | ENGINE))
+    profile = calibrate(engine)
+    print("\n".join(describe(profile)), flush=True)
+    path.write_text(profile.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    return path
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -255,6 +285,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--tolerance", type=float, default=0.25, help="relative (default 25%%)")
     parser.add_argument("--skip-live", action="store_true", help="simulate only")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=ONE_CORE_PROFILE,
+        help="engine profile for the simulator and the live router (default: the shipped "
+        "one-core profile)",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first measure the profile of one engine as the live service runs it (one core; "
+        "longer than the 8.4 minutes it takes with both cores) into OUT/profile.json, and use it",
+    )
     args = parser.parse_args(argv)
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if unknown := [p for p in args.policies if p not in POLICIES]:
@@ -283,17 +326,7 @@ def prepare_trace(args: argparse.Namespace) -> Trace:
 
 
 def run_policy(args: argparse.Namespace, trace: Trace, policy: str) -> dict[str, Any]:
-    live_run = None
-    if args.skip_live:
-        pass
-    elif args.placement_key or policy == "sticky":
-        live_run = live(args, policy)
-    else:
-        print(
-            f"[{policy}] skipped live: this tree's router has no `placement` setting yet "
-            "(it places as `sticky`); rerun once it is merged",
-            flush=True,
-        )
+    live_run = None if args.skip_live else live(args, policy)
     sim = simulated(args, trace, policy)
     return {"policy": policy, "live": live_run, "sim": sim, **compare(policy, live_run, sim)}
 
@@ -305,7 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     except TraceError as exc:
         print(f"compare_sim: {exc}", file=sys.stderr)
         return 2
-    args.placement_key = router_takes_placement()
+    if args.calibrate:
+        args.profile = calibrate_profile(args.out / "profile.json")
+    elif not args.profile.is_file():
+        print(f"compare_sim: no profile at {args.profile}; use --calibrate", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
     results = []
     try:

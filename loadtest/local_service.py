@@ -46,14 +46,26 @@ _SUMMED = {
 # -- the service ---------------------------------------------------------------------------
 
 
+def serve_config() -> dict[str, Any]:
+    """deploy/serve_config.yaml, parsed."""
+    return yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+
+
 def write_config(
-    path: Path, port: int, replicas: int, router: Mapping[str, Any] | None = None
+    path: Path,
+    port: int,
+    replicas: int,
+    router: Mapping[str, Any] | None = None,
+    engine: Mapping[str, Any] | None = None,
 ) -> None:
     """deploy/serve_config.yaml on 127.0.0.1:`port` with `replicas` engines and no autoscaling
-    (so that runs with one and two replicas compare), `router` over its `args.router`."""
-    config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    (so that runs with one and two replicas compare), `router` and `engine` over its
+    `args.router` and `args.engine`."""
+    config = serve_config()
     config["http_options"] = {"host": "127.0.0.1", "port": port}
-    config["applications"][0]["args"]["router"].update(router or {})
+    args = config["applications"][0]["args"]
+    args["router"].update(router or {})
+    args["engine"].update(engine or {})
     for deployment in config["applications"][0]["deployments"]:
         if deployment["name"] == "EngineReplica":
             deployment.pop("autoscaling_config", None)

@@ -313,10 +313,13 @@ def test_the_serve_config_has_two_fixed_replicas_and_the_policy(
     import yaml
 
     path = tmp_path / "serve_config.yaml"
-    compare_sim.write_config(path, 8772, 2, {"placement": "wim"})
+    compare_sim.write_config(path, 8772, 2, {"placement": "wim"}, compare_sim.ENGINE)
     app = yaml.safe_load(path.read_text())["applications"][0]
     assert app["args"]["router"]["placement"] == "wim"
     assert app["args"]["router"]["session_ttl_s"] == 600  # the rest of deploy/'s router args
+    # Each engine on a core of its own, as the simulator's replicas are independent.
+    assert app["args"]["engine"]["cpu_threads_bind"] == "rank"
+    assert app["args"]["engine"]["kv_cache_gib"] == 1.0  # the rest of deploy/'s engine args
     engine = next(d for d in app["deployments"] if d["name"] == "EngineReplica")
     assert engine["num_replicas"] == 2 and "autoscaling_config" not in engine
 
@@ -324,7 +327,11 @@ def test_the_serve_config_has_two_fixed_replicas_and_the_policy(
 def test_the_default_trace_is_small_and_simulated_per_policy(
     compare_sim: ModuleType, tmp_path: Path
 ) -> None:
-    args = compare_sim.parse_args(["--out", str(tmp_path), "--skip-live", "--time-scale", "2"])
+    import wim_service.placement
+
+    shipped = Path(wim_service.placement.__file__).with_name("profiles") / "default.json"
+    argv = ["--out", str(tmp_path), "--skip-live", "--time-scale", "2"]
+    args = compare_sim.parse_args([*argv, "--profile", str(shipped)])
     trace = compare_sim.prepare_trace(args)
     assert args.trace == tmp_path / "trace.jsonl"
     assert trace.kind == "document" and len(trace.requests) == 15
@@ -333,7 +340,18 @@ def test_the_default_trace_is_small_and_simulated_per_policy(
     row = compare_sim.simulated(args, trace, "wim")
     assert (row["policy"], row["replicas"], row["completed"]) == ("wim", 2, 15)
     assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]
-    assert json.loads((tmp_path / "sim-wim.json").read_text()) == row
+    report = json.loads((tmp_path / "sim-wim.json").read_text())
+    by_row = report.pop("ttft_s_by_row")
+    assert report == row and len(by_row) == 15 and all(t > 0 for t in by_row)
+    assert sorted(by_row)[7] == pytest.approx(row["ttft_p50_s"], abs=0.01)
+
+
+def test_compare_sim_without_a_profile_says_how_to_measure_one(
+    compare_sim: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--out", str(tmp_path), "--skip-live", "--profile", str(tmp_path / "none.json")]
+    assert compare_sim.main(argv) == 2
+    assert "none.json; use --calibrate" in capsys.readouterr().err
 
 
 def test_compare_sim_refuses_a_mooncake_trace(
