@@ -34,6 +34,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "wim-service"
 SERVE_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 TWO_ROUTERS_CONFIG = ROOT / "deploy" / "serve_config_two_routers.yaml"
+MULTINODE_CONFIG = ROOT / "deploy" / "serve_config_multinode.yaml"
+# The Ray custom resources that place the replicas on hosts (the chart's worker groups offer
+# them, `ray start --resources` on bare hosts): what each replica asks for.
+PLACEMENT = {"EngineReplica": {"wim_engine_host": 1}, "WiMRouter": {"wim_router_host": 1}}
 KUBE_VERSION = "1.30.0"
 RELEASE = "wim"
 NAMESPACE = "wim-test"
@@ -838,6 +842,36 @@ def test_two_router_config_is_the_local_config_with_two_routers_on_redis() -> No
     assert "WIM_REDIS_URL" in TWO_ROUTERS_CONFIG.read_text()
 
 
+def placement(config: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The custom resources each deployment's replicas ask for."""
+    return {
+        name: options["ray_actor_options"]["resources"]
+        for name, options in deployments(the_app(config)).items()
+        if "resources" in options.get("ray_actor_options", {})
+    }
+
+
+def test_multinode_config_is_the_two_router_config_placed_on_hosts() -> None:
+    config = local_config(MULTINODE_CONFIG)
+    check_serve_config(config, routers=2)
+    assert placement(config) == PLACEMENT
+    # A proxy on every node, listening beyond loopback: any host takes requests.
+    assert config["proxy_location"] == "EveryNode"
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    # Both engines from the start, one per engine host.
+    scaling = deployments(the_app(config))["EngineReplica"]["autoscaling_config"]
+    assert scaling["min_replicas"] == scaling["max_replicas"] == 2
+    # Everything else exactly as deploy/serve_config_two_routers.yaml.
+    for options in deployments(the_app(config)).values():
+        del options["ray_actor_options"]["resources"]
+    scaling["min_replicas"] = 1
+    two_routers = local_config(TWO_ROUTERS_CONFIG)
+    assert config == two_routers | {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": 8000},
+    }
+
+
 def shape(app: dict[str, Any]) -> dict[str, Any]:
     """What must not drift between configs: the application, its deployments and the names of
     the options and arguments they set (values may differ per target)."""
@@ -863,7 +897,7 @@ def test_chart_and_local_config_describe_the_same_application(
     assert shape(the_app(chart_config)) == shape(the_app(local_config(path)))
 
 
-@pytest.mark.parametrize("source", ["chart", "local", "two-routers"])
+@pytest.mark.parametrize("source", ["chart", "local", "two-routers", "multinode"])
 def test_the_app_builds_with_the_configs_arguments(source: str) -> None:
     """build_app accepts the configs' args and names the deployments they configure."""
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
@@ -875,6 +909,7 @@ def test_the_app_builds_with_the_configs_arguments(source: str) -> None:
         "chart": lambda: serve_config(rayservice(render(WITH_KEYS))),
         "local": local_config,
         "two-routers": lambda: local_config(TWO_ROUTERS_CONFIG),
+        "multinode": lambda: local_config(MULTINODE_CONFIG),
     }
     app = the_app(configs[source]())
     # Through Serve's own builder call, as `serve run`/`serve deploy` make it.
