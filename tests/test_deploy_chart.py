@@ -147,8 +147,9 @@ KUBERAY_FIELDS = {
 RAY_RESOURCE_PARAMS = {"num-cpus", "num-gpus", "memory", "resources"}
 
 
-def gpu_values() -> dict[str, Any]:
-    return yaml.safe_load((CHART / "values-gpu.yaml").read_text())
+def values_file(name: str) -> dict[str, Any]:
+    """One of the chart's values files (values-gpu.yaml, values-multinode.yaml)."""
+    return yaml.safe_load((CHART / name).read_text())
 
 
 def merged(*parts: dict[str, Any]) -> dict[str, Any]:
@@ -224,17 +225,14 @@ def deployments(app: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {d["name"]: d for d in app["deployments"]}
 
 
-# Several hosts (deploy/serve_config_multinode.yaml): two routers on Redis in a worker group of
-# their own, apart from the engines, and GCS fault tolerance.
-MULTINODE = merged(TWO_ROUTERS, {"router": {"workerGroup": {"enabled": True}}})
-
-
 VALUE_SETS = {
     "default": WITH_KEYS,
-    "gpu": merged(gpu_values(), WITH_KEYS),
+    "gpu": merged(values_file("values-gpu.yaml"), WITH_KEYS),
     "monitoring": merged(MONITORING_ON, WITH_KEYS),
     "two-routers": merged(TWO_ROUTERS, WITH_KEYS),
-    "multinode": merged(MULTINODE, WITH_KEYS),
+    # Several hosts (deploy/serve_config_multinode.yaml): two routers on Redis in a worker
+    # group of their own, apart from the engines, and GCS fault tolerance.
+    "multinode": merged(values_file("values-multinode.yaml"), WITH_KEYS),
     "open": merged(OPEN, {"autoscaler": {"enabled": False}}),
 }
 
@@ -830,6 +828,16 @@ def test_gcs_fault_tolerance_uses_redis_with_the_password_from_a_secret() -> Non
     )
     with pytest.raises(helm.HelmRenderError, match=r"gcsFaultTolerance\.redisAddress"):
         render(merged(WITH_KEYS, {"gcsFaultTolerance": {"enabled": True}}))
+    # The multinode values turn it on; a storage namespace of one's own is passed on.
+    namespaced = {"gcsFaultTolerance": {"externalStorageNamespace": "wim-prod"}}
+    cluster = rayservice(render(merged(VALUE_SETS["multinode"], namespaced)))["spec"][
+        "rayClusterConfig"
+    ]
+    assert cluster["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis-master.redis.svc:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "wim-redis", "key": "password"}}},
+        "externalStorageNamespace": "wim-prod",
+    }
     # With the memory store, GCS fault tolerance alone opens the way to Redis.
     manifests = render(merged(WITH_KEYS, {"gcsFaultTolerance": TWO_ROUTERS["gcsFaultTolerance"]}))
     policies = by_kind(manifests, "NetworkPolicy")
@@ -911,6 +919,39 @@ def test_multinode_chart_places_replicas_as_the_multinode_config() -> None:
     values = merged(VALUE_SETS["multinode"], {"worker": {"enginesPerPod": 2}})
     (engines, _) = rayservice(render(values))["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert engines["resources"] == {"wim_engine_host": "2"}
+
+
+def may_share_a_node(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether Kubernetes may put a pod of worker group `a` and one of `b` on one node: not if
+    either's required podAntiAffinity per hostname selects the other's labels (its template's,
+    and the ray.io/group KubeRay adds to every pod)."""
+
+    def labels(group: dict[str, Any]) -> dict[str, str]:
+        return group["template"]["metadata"]["labels"] | {"ray.io/group": group["groupName"]}
+
+    def repels(group: dict[str, Any], other: dict[str, Any]) -> bool:
+        anti = group["template"]["spec"].get("affinity", {}).get("podAntiAffinity", {})
+        return any(
+            term["topologyKey"] == "kubernetes.io/hostname"
+            and selects(term["labelSelector"], labels(other))
+            for term in anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])
+        )
+
+    return not (repels(a, b) or repels(b, a))
+
+
+def test_multinode_values_keep_routers_and_engines_on_separate_nodes() -> None:
+    cluster = rayservice(render(VALUE_SETS["multinode"]))["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    engines, routers = groups["engines"], groups["routers"]
+    assert not may_share_a_node(engines, engines)
+    assert not may_share_a_node(routers, routers)
+    assert not may_share_a_node(routers, engines)
+    # Without them (the default values) Kubernetes may stack engine pods on one node.
+    (default_engines,) = rayservice(render(WITH_KEYS))["spec"]["rayClusterConfig"][
+        "workerGroupSpecs"
+    ]
+    assert may_share_a_node(default_engines, default_engines)
 
 
 def test_replicas_no_pod_could_hold_are_refused() -> None:
