@@ -405,7 +405,7 @@ def test_service_monitor_without_metrics_service_is_refused() -> None:
     [
         {"serve": {"application": {"args": {"engine": {"kv_cache_gibs": 1}}}}},
         {"serve": {"application": {"args": {"engine": {"block_size": 40}}}}},
-        {"worker": {"rayStartParams": {"num-cpus": 4}}},
+        {"worker": {"rayStartParams": {"object-store-memory": 536870912}}},
         {"image": {"pullPolicy": "Sometimes"}},
         {"serve": {"application": {"deployments": {"EngineReplica": {"name": "Other"}}}}},
         {"unknownTopLevel": True},
