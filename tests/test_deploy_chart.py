@@ -24,6 +24,9 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
+from ray.autoscaler._private.kuberay.autoscaling_config import (
+    _derive_autoscaling_config_from_ray_cr as autoscaler_view,
+)
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
@@ -34,6 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "wim-service"
 SERVE_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 TWO_ROUTERS_CONFIG = ROOT / "deploy" / "serve_config_two_routers.yaml"
+MULTINODE_CONFIG = ROOT / "deploy" / "serve_config_multinode.yaml"
+# The Ray custom resources that place the replicas on hosts (the chart's worker groups offer
+# them, `ray start --resources` on bare hosts): what each replica asks for.
+PLACEMENT = {"EngineReplica": {"wim_engine_host": 1}, "WiMRouter": {"wim_router_host": 1}}
 KUBE_VERSION = "1.30.0"
 RELEASE = "wim"
 NAMESPACE = "wim-test"
@@ -112,7 +119,15 @@ KUBERAY_FIELDS = {
         "envFrom",
         "volumeMounts",
     },
-    "HeadGroupSpec": {"rayStartParams", "template", "serviceType", "headService", "enableIngress"},
+    "HeadGroupSpec": {
+        "rayStartParams",
+        "template",
+        "serviceType",
+        "headService",
+        "enableIngress",
+        "resources",
+        "labels",
+    },
     "WorkerGroupSpec": {
         "groupName",
         "replicas",
@@ -124,12 +139,17 @@ KUBERAY_FIELDS = {
         "scaleStrategy",
         "numOfHosts",
         "suspend",
+        "resources",
+        "labels",
     },
 }
+# rayStartParams KubeRay refuses beside a group's `resources` (validateRayGroupResources).
+RAY_RESOURCE_PARAMS = {"num-cpus", "num-gpus", "memory", "resources"}
 
 
-def gpu_values() -> dict[str, Any]:
-    return yaml.safe_load((CHART / "values-gpu.yaml").read_text())
+def values_file(name: str) -> dict[str, Any]:
+    """One of the chart's values files (values-gpu.yaml, values-multinode.yaml)."""
+    return yaml.safe_load((CHART / name).read_text())
 
 
 def merged(*parts: dict[str, Any]) -> dict[str, Any]:
@@ -207,9 +227,12 @@ def deployments(app: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 VALUE_SETS = {
     "default": WITH_KEYS,
-    "gpu": merged(gpu_values(), WITH_KEYS),
+    "gpu": merged(values_file("values-gpu.yaml"), WITH_KEYS),
     "monitoring": merged(MONITORING_ON, WITH_KEYS),
     "two-routers": merged(TWO_ROUTERS, WITH_KEYS),
+    # Several hosts (deploy/serve_config_multinode.yaml): two routers on Redis in a worker
+    # group of their own, apart from the engines, and GCS fault tolerance.
+    "multinode": merged(values_file("values-multinode.yaml"), WITH_KEYS),
     "open": merged(OPEN, {"autoscaler": {"enabled": False}}),
 }
 
@@ -266,7 +289,7 @@ def test_rayservice_has_kuberays_required_fields(manifests: list[dict[str, Any]]
     cluster = spec["rayClusterConfig"]
     assert cluster["rayVersion"] == "2.60.0"
     head = cluster["headGroupSpec"]
-    (worker,) = cluster["workerGroupSpecs"]
+    workers = cluster["workerGroupSpecs"]
     # The API server prunes fields a CRD does not know without a word: no typos.
     assert set(cluster) <= KUBERAY_FIELDS["RayClusterSpec"]
     assert set(cluster["authOptions"]) <= KUBERAY_FIELDS["AuthOptions"]
@@ -276,14 +299,23 @@ def test_rayservice_has_kuberays_required_fields(manifests: list[dict[str, Any]]
     )
     assert set(cluster.get("autoscalerOptions", {})) <= KUBERAY_FIELDS["AutoscalerOptions"]
     assert set(head) <= KUBERAY_FIELDS["HeadGroupSpec"]
-    assert set(worker) <= KUBERAY_FIELDS["WorkerGroupSpec"]
     # ...and the ones its CRD requires (rayStartParams too, before KubeRay 1.1).
     assert {"template", "rayStartParams"} <= set(head)
-    assert {"groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"} <= set(worker)
-    assert worker["minReplicas"] <= worker["replicas"] <= worker["maxReplicas"]
-    for group in (head, worker):
-        # KubeRay's CRD: rayStartParams is map[string]string; one container per Ray pod.
+    assert len({w["groupName"] for w in workers}) == len(workers)
+    for worker in workers:
+        assert set(worker) <= KUBERAY_FIELDS["WorkerGroupSpec"]
+        assert {"groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"} <= set(
+            worker
+        )
+        assert worker["minReplicas"] <= worker["replicas"] <= worker["maxReplicas"]
+        # Ray resources either in `resources` or in rayStartParams, never both (KubeRay refuses).
+        assert worker["resources"]
+        assert RAY_RESOURCE_PARAMS.isdisjoint(worker["rayStartParams"])
+    for group in (head, *workers):
+        # KubeRay's CRD: rayStartParams and resources are map[string]string; one container
+        # per Ray pod.
         assert all(isinstance(v, str) for v in group["rayStartParams"].values())
+        assert all(isinstance(v, str) for v in group.get("resources", {}).values())
         (container,) = group["template"]["spec"]["containers"]
         assert container["image"].startswith("wim-service:")
     assert head["rayStartParams"]["num-cpus"] == "0"
@@ -309,7 +341,7 @@ def test_serve_config_v2_is_a_valid_serve_config(
     value_set: str, manifests: list[dict[str, Any]]
 ) -> None:
     config = serve_config(rayservice(manifests))
-    check_serve_config(config, routers=2 if value_set == "two-routers" else 1)
+    check_serve_config(config, routers=2 if value_set in ("two-routers", "multinode") else 1)
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
 
 
@@ -373,7 +405,7 @@ def test_service_monitor_without_metrics_service_is_refused() -> None:
     [
         {"serve": {"application": {"args": {"engine": {"kv_cache_gibs": 1}}}}},
         {"serve": {"application": {"args": {"engine": {"block_size": 40}}}}},
-        {"worker": {"rayStartParams": {"num-cpus": 4}}},
+        {"worker": {"rayStartParams": {"object-store-memory": 536870912}}},
         {"image": {"pullPolicy": "Sometimes"}},
         {"serve": {"application": {"deployments": {"EngineReplica": {"name": "Other"}}}}},
         {"unknownTopLevel": True},
@@ -385,6 +417,19 @@ def test_service_monitor_without_metrics_service_is_refused() -> None:
         {"auth": {"keys": ["sk-plain-text"]}},
         {"networkPolicy": {"serveFrom": [{"podSelektor": {}}]}},
         {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis://host"}},
+        {"worker": {"rayStartParams": {"num-cpus": "4"}}},
+        {"worker": {"enginesPerPod": 0}},
+        {"router": {"workerGroup": {"rayStartParams": {"resources": '"{\\"CPU\\": 1}"'}}}},
+        {"router": {"workerGroup": {"routersPerPod": 0}}},
+        {
+            "serve": {
+                "application": {
+                    "deployments": {
+                        "EngineReplica": {"ray_actor_options": {"resources": {"gpu_host": 1}}}
+                    }
+                }
+            }
+        },
     ],
     ids=[
         "engine-typo",
@@ -401,6 +446,11 @@ def test_service_monitor_without_metrics_service_is_refused() -> None:
         "keys-in-values",
         "peer-typo",
         "gcs-address-without-port",
+        "ray-resources-beside-the-groups",
+        "no-engine-per-pod",
+        "router-ray-resources",
+        "no-router-per-pod",
+        "placement-in-values",
     ],
 )
 def test_values_schema_refuses_bad_values(values: dict[str, Any]) -> None:
@@ -778,10 +828,160 @@ def test_gcs_fault_tolerance_uses_redis_with_the_password_from_a_secret() -> Non
     )
     with pytest.raises(helm.HelmRenderError, match=r"gcsFaultTolerance\.redisAddress"):
         render(merged(WITH_KEYS, {"gcsFaultTolerance": {"enabled": True}}))
+    # The multinode values turn it on; a storage namespace of one's own is passed on.
+    namespaced = {"gcsFaultTolerance": {"externalStorageNamespace": "wim-prod"}}
+    cluster = rayservice(render(merged(VALUE_SETS["multinode"], namespaced)))["spec"][
+        "rayClusterConfig"
+    ]
+    assert cluster["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis-master.redis.svc:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "wim-redis", "key": "password"}}},
+        "externalStorageNamespace": "wim-prod",
+    }
     # With the memory store, GCS fault tolerance alone opens the way to Redis.
     manifests = render(merged(WITH_KEYS, {"gcsFaultTolerance": TWO_ROUTERS["gcsFaultTolerance"]}))
     policies = by_kind(manifests, "NetworkPolicy")
     assert allowed(policies, release_pods(manifests)["head"], REDIS, 6379, "egress")
+
+
+# --- placement: worker groups and the resources replicas ask for --------------------------------
+
+
+def replica_ask(options: dict[str, Any]) -> dict[str, float]:
+    """What one replica of a deployment asks Ray for (Serve's own default: one CPU)."""
+    actor = options.get("ray_actor_options", {})
+    ask = {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus", 0)}
+    return {k: v for k, v in (ask | actor.get("resources", {})).items() if v}
+
+
+def holders(manifests: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """For each deployment, the node types (Ray's name for the head and the worker groups) that
+    Ray's autoscaler sees able to hold one of its replicas."""
+    service = rayservice(manifests)
+    ray_cr = {"metadata": {"name": RELEASE, "namespace": NAMESPACE}}
+    node_types = autoscaler_view(ray_cr | {"spec": service["spec"]["rayClusterConfig"]})[
+        "available_node_types"
+    ]
+    return {
+        name: {
+            node_type
+            for node_type, node in node_types.items()
+            if all(node["resources"].get(r, 0) >= n for r, n in replica_ask(options).items())
+        }
+        for name, options in deployments(the_app(serve_config(service))).items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("value_set", "engines", "routers"),
+    [
+        ("default", {"engines"}, {"headgroup", "engines"}),
+        ("gpu", {"gpu-engines"}, {"headgroup", "gpu-engines"}),
+        ("multinode", {"engines"}, {"routers"}),
+        # The custom resources keep them apart, not the pods' sizes.
+        ("multinode-large-router-pods", {"engines"}, {"routers"}),
+    ],
+    ids=["default", "gpu", "multinode", "multinode-large-router-pods"],
+)
+def test_replicas_can_land_only_on_their_worker_groups(
+    value_set: str, engines: set[str], routers: set[str]
+) -> None:
+    large_router_pods = {"limits": {"cpu": "8", "memory": "32Gi"}}
+    values = {
+        **VALUE_SETS,
+        "multinode-large-router-pods": merged(
+            VALUE_SETS["multinode"],
+            {"router": {"workerGroup": {"resources": large_router_pods}}},
+        ),
+    }[value_set]
+    assert holders(render(values)) == {
+        "EngineReplica": engines,
+        "WiMRouter": routers,
+    }
+
+
+def test_multinode_chart_places_replicas_as_the_multinode_config() -> None:
+    service = rayservice(render(VALUE_SETS["multinode"]))
+    config = serve_config(service)
+    assert placement(config) == placement(local_config(MULTINODE_CONFIG)) == PLACEMENT
+    # Each group's pods offer the resource its replicas ask for, one replica per pod.
+    groups = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert groups["engines"]["resources"] == {"wim_engine_host": "1"}
+    assert groups["routers"]["resources"] == {"wim_router_host": "1"}
+    assert (
+        groups["routers"]["minReplicas"]
+        == deployments(the_app(config))["WiMRouter"]["num_replicas"]
+    )
+    # Router pods also run a Serve proxy, behind KubeRay's serve Service like the others.
+    (container,) = groups["routers"]["template"]["spec"]["containers"]
+    assert {"name": "serve", "containerPort": SERVE_PORT} in container["ports"]
+    # Several engines per pod: each pod offers as many.
+    values = merged(VALUE_SETS["multinode"], {"worker": {"enginesPerPod": 2}})
+    (engines, _) = rayservice(render(values))["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert engines["resources"] == {"wim_engine_host": "2"}
+
+
+def may_share_a_node(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether Kubernetes may put a pod of worker group `a` and one of `b` on one node: not if
+    either's required podAntiAffinity per hostname selects the other's labels (its template's,
+    and the ray.io/group KubeRay adds to every pod)."""
+
+    def labels(group: dict[str, Any]) -> dict[str, str]:
+        return group["template"]["metadata"]["labels"] | {"ray.io/group": group["groupName"]}
+
+    def repels(group: dict[str, Any], other: dict[str, Any]) -> bool:
+        anti = group["template"]["spec"].get("affinity", {}).get("podAntiAffinity", {})
+        return any(
+            term["topologyKey"] == "kubernetes.io/hostname"
+            and selects(term["labelSelector"], labels(other))
+            for term in anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])
+        )
+
+    return not (repels(a, b) or repels(b, a))
+
+
+def test_multinode_values_keep_routers_and_engines_on_separate_nodes() -> None:
+    cluster = rayservice(render(VALUE_SETS["multinode"]))["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    engines, routers = groups["engines"], groups["routers"]
+    assert not may_share_a_node(engines, engines)
+    assert not may_share_a_node(routers, routers)
+    assert not may_share_a_node(routers, engines)
+    # Without them (the default values) Kubernetes may stack engine pods on one node.
+    (default_engines,) = rayservice(render(WITH_KEYS))["spec"]["rayClusterConfig"][
+        "workerGroupSpecs"
+    ]
+    assert may_share_a_node(default_engines, default_engines)
+
+
+def test_replicas_no_pod_could_hold_are_refused() -> None:
+    too_many_engines = {
+        "serve": {
+            "application": {
+                "deployments": {"EngineReplica": {"autoscaling_config": {"max_replicas": 5}}}
+            }
+        }
+    }
+    with pytest.raises(helm.HelmRenderError, match=r"max_replicas=5 exceeds .*=4"):
+        render(merged(WITH_KEYS, too_many_engines))
+    render(merged(WITH_KEYS, too_many_engines, {"worker": {"enginesPerPod": 2}}))
+    with pytest.raises(helm.HelmRenderError, match=r"router\.replicas=3 exceeds .*=2"):
+        render(merged(VALUE_SETS["multinode"], {"router": {"replicas": 3}}))
+    # Without the routers group the routers go anywhere: nothing to refuse.
+    render(merged(VALUE_SETS["two-routers"], {"router": {"replicas": 3}}))
+
+
+def test_router_pods_are_ray_pods_to_the_network_policies() -> None:
+    manifests = render(VALUE_SETS["multinode"])
+    policies = by_kind(manifests, "NetworkPolicy")
+    templates = dict(pod_templates(rayservice(manifests)))
+    pods = [Endpoint(NAMESPACE, t["metadata"]["labels"]) for t in templates.values()]
+    assert set(templates) == {"head", "engines", "routers"}
+    for pod in pods:
+        for peer in pods:
+            assert all(allowed(policies, pod, peer, p, "ingress") for p in RAY_PORTS)
+            assert all(allowed(policies, pod, peer, p, "egress") for p in RAY_PORTS)
+        assert allowed(policies, pod, REDIS, 6379, "egress")
 
 
 # --- the Serve application, in the chart and in deploy/serve_config*.yaml ---------------------
@@ -838,6 +1038,36 @@ def test_two_router_config_is_the_local_config_with_two_routers_on_redis() -> No
     assert "WIM_REDIS_URL" in TWO_ROUTERS_CONFIG.read_text()
 
 
+def placement(config: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The custom resources each deployment's replicas ask for."""
+    return {
+        name: options["ray_actor_options"]["resources"]
+        for name, options in deployments(the_app(config)).items()
+        if "resources" in options.get("ray_actor_options", {})
+    }
+
+
+def test_multinode_config_is_the_two_router_config_placed_on_hosts() -> None:
+    config = local_config(MULTINODE_CONFIG)
+    check_serve_config(config, routers=2)
+    assert placement(config) == PLACEMENT
+    # A proxy on every node, listening beyond loopback: any host takes requests.
+    assert config["proxy_location"] == "EveryNode"
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    # Both engines from the start, one per engine host.
+    scaling = deployments(the_app(config))["EngineReplica"]["autoscaling_config"]
+    assert scaling["min_replicas"] == scaling["max_replicas"] == 2
+    # Everything else exactly as deploy/serve_config_two_routers.yaml.
+    for options in deployments(the_app(config)).values():
+        del options["ray_actor_options"]["resources"]
+    scaling["min_replicas"] = 1
+    two_routers = local_config(TWO_ROUTERS_CONFIG)
+    assert config == two_routers | {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": 8000},
+    }
+
+
 def shape(app: dict[str, Any]) -> dict[str, Any]:
     """What must not drift between configs: the application, its deployments and the names of
     the options and arguments they set (values may differ per target)."""
@@ -852,8 +1082,12 @@ def shape(app: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("value_set", "path", "routers"),
-    [("default", SERVE_CONFIG, 1), ("two-routers", TWO_ROUTERS_CONFIG, 2)],
-    ids=["one-router", "two-routers"],
+    [
+        ("default", SERVE_CONFIG, 1),
+        ("two-routers", TWO_ROUTERS_CONFIG, 2),
+        ("multinode", MULTINODE_CONFIG, 2),
+    ],
+    ids=["one-router", "two-routers", "multinode"],
 )
 def test_chart_and_local_config_describe_the_same_application(
     value_set: str, path: Path, routers: int
@@ -863,7 +1097,7 @@ def test_chart_and_local_config_describe_the_same_application(
     assert shape(the_app(chart_config)) == shape(the_app(local_config(path)))
 
 
-@pytest.mark.parametrize("source", ["chart", "local", "two-routers"])
+@pytest.mark.parametrize("source", ["chart", "local", "two-routers", "multinode"])
 def test_the_app_builds_with_the_configs_arguments(source: str) -> None:
     """build_app accepts the configs' args and names the deployments they configure."""
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
@@ -875,6 +1109,7 @@ def test_the_app_builds_with_the_configs_arguments(source: str) -> None:
         "chart": lambda: serve_config(rayservice(render(WITH_KEYS))),
         "local": local_config,
         "two-routers": lambda: local_config(TWO_ROUTERS_CONFIG),
+        "multinode": lambda: local_config(MULTINODE_CONFIG),
     }
     app = the_app(configs[source]())
     # Through Serve's own builder call, as `serve run`/`serve deploy` make it.

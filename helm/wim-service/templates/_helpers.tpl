@@ -57,6 +57,14 @@ matchExpressions:
 {{- define "wim-service.dashboardPort" -}}8265{{- end }}
 {{- define "wim-service.rayMetricsPort" -}}8080{{- end }}
 
+{{/*
+Ray custom resources that place the replicas: each EngineReplica asks for one wim_engine_host,
+offered only by the engines group; each WiMRouter for one wim_router_host, offered only by the
+routers group (router.workerGroup). deploy/serve_config_multinode.yaml uses the same names.
+*/}}
+{{- define "wim-service.engineHost" -}}wim_engine_host{{- end }}
+{{- define "wim-service.routerHost" -}}wim_router_host{{- end }}
+
 {{/* The Secret with Ray's token (key auth_token). */}}
 {{- define "wim-service.rayTokenSecret" -}}
 {{- .Values.rayAuth.existingSecret | default (printf "%s-ray-token" (include "wim-service.fullname" .)) }}
@@ -83,6 +91,20 @@ matchExpressions:
 {{- if and .Values.store.encryptionKeySecret.name (not $redis) }}
 {{- fail "store.encryptionKeySecret encrypts documents stored in Redis: it needs store.backend=redis" }}
 {{- end }}
+{{- /* Replicas that no pod can ever hold would stay pending without a word. */}}
+{{- $engines := .Values.serve.application.deployments.EngineReplica.autoscaling_config | default dict }}
+{{- $engineRoom := mul .Values.worker.maxReplicas .Values.worker.enginesPerPod }}
+{{- if gt (int ($engines.max_replicas | default 0)) (int $engineRoom) }}
+{{- fail (printf "EngineReplica autoscaling_config.max_replicas=%v exceeds worker.maxReplicas x worker.enginesPerPod=%v: the engines beyond would never start" $engines.max_replicas $engineRoom) }}
+{{- end }}
+{{- with .Values.router.workerGroup }}
+{{- if .enabled }}
+{{- $routerRoom := mul .maxReplicas .routersPerPod }}
+{{- if gt (int $.Values.router.replicas) (int $routerRoom) }}
+{{- fail (printf "router.replicas=%v exceeds router.workerGroup.maxReplicas x routersPerPod=%v: the routers beyond would never start" $.Values.router.replicas $routerRoom) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and .Values.gcsFaultTolerance.enabled (not .Values.gcsFaultTolerance.redisAddress) }}
 {{- fail "gcsFaultTolerance.enabled needs gcsFaultTolerance.redisAddress (host:port)" }}
 {{- end }}
@@ -99,7 +121,9 @@ app.kubernetes.io/part-of: wim-service
 {{/*
 spec.serveConfigV2: values.serve with application.deployments turned from a map keyed by
 deployment name into Serve's list of {name, ...}, WiMRouter's num_replicas from
-router.replicas and args.router.store.backend from store.backend.
+router.replicas, args.router.store.backend from store.backend, and the placement resources
+(wim-service.engineHost, and wim-service.routerHost with router.workerGroup.enabled) in
+ray_actor_options.resources.
 */}}
 {{- define "wim-service.serveConfig" -}}
 {{- $app := omit (deepCopy .Values.serve.application) "deployments" }}
@@ -113,9 +137,19 @@ router.replicas and args.router.store.backend from store.backend.
 {{- $deployments := list }}
 {{- range $name, $options := .Values.serve.application.deployments }}
 {{- $fixed := dict "name" $name }}
+{{- $host := "" }}
 {{- if eq $name "WiMRouter" }}
 {{- $_ := set $fixed "num_replicas" (int $.Values.router.replicas) }}
+{{- if $.Values.router.workerGroup.enabled }}
+{{- $host = include "wim-service.routerHost" $ }}
 {{- end }}
+{{- else if eq $name "EngineReplica" }}
+{{- $host = include "wim-service.engineHost" $ }}
+{{- end }}
+{{- if $host }}
+{{- $_ := set $fixed "ray_actor_options" (dict "resources" (dict $host 1)) }}
+{{- end }}
+{{- /* merge keeps $fixed's keys and adds the values' (ray_actor_options key by key). */}}
 {{- $deployments = append $deployments (merge $fixed $options) }}
 {{- end }}
 {{- $_ := set $app "deployments" $deployments }}
@@ -152,6 +186,27 @@ replica on either). Secrets are referenced, never copied into the manifest.
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+One worker group: dict "root" $ "group" <worker | router.workerGroup values> "resource" <the
+Ray custom resource its pods offer> "count" <how many per pod>. The group's `resources`
+(KubeRay >= 1.5) becomes `ray start --resources` on each pod, and Ray's autoscaler reads it as
+what a new pod of the group would offer, so it adds pods of the right group.
+*/}}
+{{- define "wim-service.workerGroup" -}}
+{{- $group := .group -}}
+- groupName: {{ $group.groupName }}
+  replicas: {{ $group.replicas }}
+  minReplicas: {{ $group.minReplicas }}
+  maxReplicas: {{ $group.maxReplicas }}
+  resources:
+    {{ .resource }}: {{ .count | quote }}
+  rayStartParams:
+    {{- toYaml $group.rayStartParams | nindent 4 }}
+  template:
+    {{- $ports := list (dict "name" "serve" "containerPort" (int .root.Values.serve.http_options.port)) }}
+    {{- include "wim-service.podTemplate" (dict "root" .root "group" $group "name" "ray-worker" "component" "ray-worker" "ports" $ports "serviceAccountToken" false) | nindent 4 }}
 {{- end }}
 
 {{/* Writable scratch mounts under the read-only root (Ray container and autoscaler). */}}
