@@ -91,6 +91,9 @@ DEFAULT_TRACE = GeneratorOptions(
     answer_tokens=16,
     wim_fraction=0.75,
     duration_s=180.0,
+    # replay.py's needle documents hold what a query asks in one segment, and `margin_skip`
+    # writes no margin for the others: each WiM query of the first run wrote one margin.
+    margins=1,
 )
 
 

@@ -323,6 +323,32 @@ def test_a_lone_wim_query_reads_writes_its_margins_then_answers(tmp_path: Path) 
     assert (outcome.prompt_tokens, outcome.cached_tokens) == (3040, 0)
 
 
+def test_a_wim_query_writes_only_the_margins_its_row_names(tmp_path: Path) -> None:
+    """`margins: 1`: the other segments are skipped (WiM's `margin_skip`); `margins: 0`: none
+    is written, the query follows the document at once."""
+    rows = [doc_row(0, "a", wim=True), doc_row(100, "a", wim=True), doc_row(200, "a", wim=True)]
+    rows[1]["margins"], rows[2]["margins"] = 1, 0
+    trace = document_trace(rows, tmp_path)
+    assert [r.margins for r in trace.requests] == [None, 1, 0]
+    every, one, none = sorted(
+        run(trace, "wim", 1, segment_tokens=1024, margin_tokens=5).outcomes,
+        key=lambda o: o.index,
+    )
+    p = PROFILE
+    prompt = p.prefill.seconds(p.margin_prompt_tokens, cached=3000)
+    decode = sum(p.decode.step_seconds(1, 3000 + p.margin_prompt_tokens + 1 + j) for j in range(4))
+    query = p.prefill.seconds(40 + 5, cached=3000)
+    assert one.first_token_s - 100 == pytest.approx(prompt + decode + query)
+    assert none.first_token_s - 200 == pytest.approx(p.prefill.seconds(40, cached=3000))
+    assert every.first_token_s - 0 > p.prefill.seconds(3000) + one.first_token_s - 100
+    bad = {**doc_row(0, "a", wim=True), "margins": -1}
+    with pytest.raises(TraceError, match="margins must be an integer >= 0"):
+        document_trace([bad], tmp_path)
+    generated = generate(GeneratorOptions(requests=20, margins=2, seed=3))
+    assert {r.get("margins") for r in generated if r["wim"]} == {2}
+    assert all("margins" not in r for r in generated if not r["wim"])
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_request_completes_once_when_capacity_allows(policy: str, tmp_path: Path) -> None:
     rows = generate(GeneratorOptions(requests=150, rate=0.3, documents=6, seed=2))

@@ -147,6 +147,11 @@ def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--duration-s", type=float, help="leave out the queries arriving after this many s"
     )
+    group.add_argument(
+        "--margins",
+        type=int,
+        help="margins each WiM query writes, the other segments skipped (default: every segment's)",
+    )
     group.add_argument("--seed", type=int, default=d.seed, help="(%(default)s)")
 
 

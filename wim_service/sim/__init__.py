@@ -20,9 +20,10 @@ What the model simplifies, on purpose:
 * Session slots (the service's max_sessions) are taken by each copy and by each job running
   without one; placement sees free KV, free slots, the backlog of booked prefills and the
   batch's decode left, and each replica's exact prefix cache.
-* A WiM query's margins are one prefill of every margin prompt over the document's KV, then
-  decode side by side in the batch; no margin is judged or dropped, every answer decodes its
-  full `answer_tokens`, and nothing fails or is cancelled.
+* A WiM query's margins (one per segment, or its trace row's `margins`: the others skipped)
+  are one prefill of every margin prompt over the document's KV, then decode side by side in
+  the batch; no margin is judged or dropped, every answer decodes its full `answer_tokens`, and
+  nothing fails or is cancelled.
 * A job no replica has room for waits in one first-come-first-served queue (nothing overtakes
   it); a request larger than an empty replica's KV is counted as too large, never placed.
 

@@ -32,6 +32,7 @@ class GeneratorOptions:
     answer_tokens: int = 128
     wim_fraction: float = 0.7
     duration_s: float | None = None  # leave out the queries arriving later
+    margins: int | None = None  # margins each WiM query writes; None: one per segment
     seed: int = 0
 
     def check(self) -> None:
@@ -48,6 +49,7 @@ class GeneratorOptions:
             (self.query_tokens >= 1 and self.answer_tokens >= 1, "query/answer tokens >= 1"),
             (0 <= self.wim_fraction <= 1, "wim fraction must be within 0-1"),
             (self.duration_s is None or self.duration_s > 0, "duration must be above 0"),
+            (self.margins is None or self.margins >= 0, "margins must be at least 0"),
         ]
         for ok, message in rules:
             if not ok:
@@ -71,17 +73,18 @@ def _sessions(options: GeneratorOptions, rng: random.Random) -> Iterator[list[di
         document = rng.choices(range(options.documents), cum_weights=weights)[0]
         at, rows = start, []
         for _ in range(options.queries_per_session):
-            rows.append(
-                {
-                    "timestamp_s": round(at, 3),
-                    "session_id": f"s-{number:05d}",
-                    "document_id": f"doc-{document:04d}",
-                    "document_tokens": lengths[document],
-                    "query_tokens": options.query_tokens,
-                    "answer_tokens": options.answer_tokens,
-                    "wim": rng.random() < options.wim_fraction,
-                }
-            )
+            row = {
+                "timestamp_s": round(at, 3),
+                "session_id": f"s-{number:05d}",
+                "document_id": f"doc-{document:04d}",
+                "document_tokens": lengths[document],
+                "query_tokens": options.query_tokens,
+                "answer_tokens": options.answer_tokens,
+                "wim": rng.random() < options.wim_fraction,
+            }
+            if row["wim"] and options.margins is not None:
+                row["margins"] = options.margins
+            rows.append(row)
             at += rng.expovariate(1 / options.think_s) if options.think_s else 0.0
         yield rows
 

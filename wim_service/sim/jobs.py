@@ -3,9 +3,11 @@ prefills and decodes, stage by stage.
 
 A plain request (a Mooncake request, a document trace's `wim: false` row) prefills its prompt
 past the cached prefix, then decodes its answer. A WiM query on a document session reads the
-document first if placement opened a copy for it, writes one margin per segment (one prefill of
-every margin's prompt over the document's KV, then the margins decode side by side in the
-batch), then prefills the query with the margins and decodes the answer.
+document first if placement opened a copy for it, writes its margins (one per segment, or the
+trace row's `margins`: one prefill of every margin's prompt over the document's KV, then the
+margins decode side by side in the batch), then prefills the query with the margins and decodes
+the answer. Placement sees one margin per segment, as the router does: which segments a query
+skips is known only once they are read.
 """
 
 from __future__ import annotations
@@ -82,12 +84,18 @@ class Job:
             engine.submit(ReadPrefill(self, read), now)
         engine.submit(MarginsPrefill(self, margins), now)
 
+    @property
+    def margins(self) -> int:
+        """The margins it writes (placement expected `work.margins`)."""
+        written = self.request.margins
+        return self.work.margins if written is None else written
+
     def margins_prefill_seconds(self, profile: EngineProfile) -> float:
-        new = self.work.margins * profile.margin_prompt_tokens
-        return profile.prefill.seconds(new, cached=self.work.document_tokens)
+        new = self.margins * profile.margin_prompt_tokens
+        return profile.prefill.seconds(new, cached=self.work.document_tokens) if new else 0.0
 
     def query_prefill_seconds(self, profile: EngineProfile) -> float:
-        new = self.request.query_tokens + self.work.margins * self.work.margin_tokens
+        new = self.request.query_tokens + self.margins * self.work.margin_tokens
         return profile.prefill.seconds(new, cached=self.work.document_tokens)
 
     def first_token(self, engine: Engine, now: float, context: int) -> None:
@@ -160,12 +168,12 @@ class MarginsPrefill:
     def finish(self, engine: Engine, now: float) -> None:
         job, profile = self.job, engine.profile
         steps = job.work.margin_tokens - 1  # the prefill gave each margin its first token
-        if steps <= 0:
+        if steps <= 0 or not job.margins:
             engine.submit(QueryPrefill(job, job.query_prefill_seconds(profile)), now)
             return
-        job.margins_left = job.work.margins
+        job.margins_left = job.margins
         context = job.work.document_tokens + profile.margin_prompt_tokens + 1
-        engine.decode(job, job.work.margins, steps, context)
+        engine.decode(job, job.margins, steps, context)
 
 
 @dataclass(eq=False)
@@ -179,4 +187,4 @@ class QueryPrefill:
     def finish(self, engine: Engine, now: float) -> None:
         work = self.job.work
         context = work.document_tokens + self.job.request.query_tokens
-        self.job.first_token(engine, now, context + work.margins * work.margin_tokens + 1)
+        self.job.first_token(engine, now, context + self.job.margins * work.margin_tokens + 1)

@@ -7,9 +7,12 @@ Two kinds are read, told apart by their fields:
   hashes of the prompt's 512-token blocks (a prompt's leading hashes shared with an earlier
   prompt are KV a prefix cache can reuse).
 * WiM document traces (`wim sim --generate` writes them): per line `timestamp_s`,
-  `session_id`, `document_id`, `document_tokens`, `query_tokens`, `answer_tokens` and `wim`.
-  Rows of one `document_id` query one document session; `wim: true` rows are WiM queries on
-  it, `wim: false` rows plain long-context requests (the document, then the query).
+  `session_id`, `document_id`, `document_tokens`, `query_tokens`, `answer_tokens` and `wim`,
+  and optionally `margins`. Rows of one `document_id` query one document session; `wim: true`
+  rows are WiM queries on it, `wim: false` rows plain long-context requests (the document,
+  then the query). A WiM row's `margins` is how many of its document's segments get a margin
+  written (WiM's `margin_skip` writes none for a segment that shares no words with the query);
+  without it, every segment does.
 
 A `.gz` file is read transparently. A malformed line is a `TraceError` naming its line.
 """
@@ -64,6 +67,7 @@ class Request:
     query_tokens: int = 0
     wim: bool = False
     session: str | None = None
+    margins: int | None = None  # a WiM query's margins written; None: one per segment
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ def document_request(row: dict[str, Any], where: str, hashes: DocumentHashes) ->
         raise TraceError(f"{where}: wim must be true or false, not {wim!r}")
     document_tokens = _count(row, "document_tokens", where, least=1)
     query_tokens = _count(row, "query_tokens", where, least=1)
+    margins = _count(row, "margins", where) if wim and "margins" in row else None
     return Request(
         index=0,
         arrival_s=_seconds(row, "timestamp_s", where),
@@ -177,6 +182,7 @@ def document_request(row: dict[str, Any], where: str, hashes: DocumentHashes) ->
         query_tokens=query_tokens,
         wim=wim,
         session=str(session),
+        margins=margins,
     )
 
 
