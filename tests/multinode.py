@@ -37,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from tests.live_stack import ENGINE, TWO_ROUTERS, application, auth
+from tests.process_tree import is_engine_core
 from tests.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,13 +57,15 @@ ROUTER_HOST = "wim_router_host"
 OBJECT_STORE_BYTES = 100 * 2**20
 # Engines on nodes of their own each have local rank 0: "rank" would bind both to core 0.
 MULTINODE_ENGINE = {**ENGINE, "cpu_threads_bind": "nobind"}
-# The GCS declares a node dead after `failure_threshold` missed health checks, one every
-# `period` (Ray's defaults, 3 s x 5, leave a lost node's replicas in the routing set ~15 s).
 NODE_ENV = {
     "RAY_worker_niceness": "0",
     # Ray kills actors when the *machine* passes 95% memory (tests/live_stack.py).
     "RAY_memory_monitor_refresh_ms": "0",
+    # The GCS declares a node dead after `failure_threshold` failed health checks, one every
+    # `period`, each failing after `timeout`: Ray's defaults (5 x 3 s, 10 s each) keep an
+    # unreachable node's replicas in the routing set for up to a minute; these, ~3-6 s.
     "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "3",
     "RAY_USAGE_STATS_ENABLED": "0",
     "HF_HUB_OFFLINE": "1",
@@ -110,6 +114,17 @@ def processes_in(inodes: set[int]) -> list[int]:
                 if int(link[5:-1]) in inodes:
                     found.append(int(proc.name))
     return found
+
+
+def _is_engine(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        process = psutil.Process(pid)
+        return (
+            is_engine_core(process)
+            or process.name().startswith("VLLM")
+            or any("ServeReplica" in part for part in process.cmdline())
+        )
+    return False
 
 
 def our_namespaces() -> list[str]:
@@ -184,6 +199,8 @@ class Cluster:
             for i, (name, host, args) in enumerate(roles)
         }
         self.redis: RedisServer | None = None
+        # Processes the test process started itself (a restarted GCS): reaped at teardown.
+        self.restarted: list[subprocess.Popen[bytes]] = []
         # The cluster's own token (Ray authenticates every RPC and dashboard call): not the
         # machine's ~/.ray/auth_token, which `ray start --head` would otherwise use or write.
         self.token = secrets.token_hex(32)
@@ -259,6 +276,35 @@ class Cluster:
         """Every process of the node (raylet, workers, EngineCore, ...) SIGKILLed at once."""
         kill_all(node.netns)
 
+    def kill_gcs(self) -> Callable[[], None]:
+        """SIGKILL the head's GCS alone (raylets, workers, Serve and the dashboard run on);
+        returns what starts it again as it was (same command, environment and directory),
+        reading its tables back from Redis."""
+        (gcs,) = [
+            process
+            for process in map(psutil.Process, netns_pids(self.head.netns))
+            if process.name() == "gcs_server"
+        ]
+        argv, env, cwd = gcs.cmdline(), gcs.environ(), gcs.cwd()
+        gcs.kill()
+        gcs.wait(10)
+
+        def restart() -> None:
+            log = self.workdir / "gcs-restarted.log"
+            with log.open("ab") as out:
+                self.restarted.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", self.head.netns, *argv],
+                        env=env,
+                        cwd=cwd,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+
+        return restart
+
     def cut(self, node: Node) -> None:
         """A network partition: the node's link goes down; its processes run on."""
         run_ip("link", "set", node.veth, "down")
@@ -267,10 +313,12 @@ class Cluster:
         run_ip("link", "set", node.veth, "up")
 
     @staticmethod
-    def wait_until_empty(node: Node, timeout_s: float) -> bool:
-        """Whether every process of the node ended within `timeout_s` (without a kill)."""
+    def engines_ended(node: Node, timeout_s: float) -> bool:
+        """Whether the node's engine replicas (Serve replica workers, vLLM's EngineCore and
+        workers) ended within `timeout_s`, without a kill. (Ray's per-node daemons outside
+        the raylet's tree, such as its log monitor, live on until the node is restarted.)"""
         deadline = time.monotonic() + timeout_s
-        while netns_pids(node.netns):
+        while any(map(_is_engine, netns_pids(node.netns))):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.5)
@@ -282,6 +330,8 @@ class Cluster:
             kill_all(node.netns)
             run_ip("netns", "del", node.netns, check=False)
         run_ip("link", "del", self.bridge, check=False)
+        for process in self.restarted:
+            process.wait(10)  # killed with its namespace
         if self.redis is not None:
             self.redis.stop()
 
@@ -325,20 +375,24 @@ class Cluster:
             if row["state"] == "ALIVE" and row["node_ip"] in by_ip
         }
 
-    def deploy(self, redis_url: str, *, engines: int = 2) -> None:
-        """The two-router application (sessions in Redis) with routers and engines placed on
-        their hosts, one replica per node; Serve's one proxy on the head."""
+    def deploy(self, redis_url: str, *, router_memory: int | None = None) -> None:
+        """The two-router application (sessions in Redis) with routers and two engines placed
+        on their hosts, one replica per node; Serve's one proxy on the head. `router_memory`
+        (a router actor option) changes the routers alone: a deploy that replaces them."""
+        router_actor: dict[str, Any] = {"num_cpus": 0, "resources": {ROUTER_HOST: 1}}
+        if router_memory is not None:
+            router_actor["memory"] = router_memory
         config = {
             "proxy_location": "HeadOnly",
             "http_options": {"host": "0.0.0.0", "port": HTTP_PORT},
             "applications": [
                 application(
                     TWO_ROUTERS,
-                    engines,
+                    2,
                     redis_url=redis_url,
                     engine=MULTINODE_ENGINE,
                     router_options={
-                        "ray_actor_options": {"num_cpus": 0, "resources": {ROUTER_HOST: 1}},
+                        "ray_actor_options": router_actor,
                         "max_replicas_per_node": 1,
                     },
                     engine_options={
