@@ -105,6 +105,14 @@ def _live_app(item: pytest.Item) -> str | None:
     return item.module.LIVE_APP.name  # type: ignore[attr-defined]
 
 
+def _stage(item: pytest.Item) -> int:
+    """0: the tests without Ray; 1: the multi-node cluster's (tests/multinode.py), which
+    start and stop their own Ray; 2: the local real stack's."""
+    if _live_app(item) is not None:
+        return 2
+    return 1 if item.get_closest_marker("multinode") else 0
+
+
 def _replica_step(item: pytest.Item) -> int:
     """The `replica_step(n)` of a real-stack test that kills, scales or redeploys replicas
     (n >= 1), else 0."""
@@ -115,7 +123,8 @@ def _replica_step(item: pytest.Item) -> int:
 @pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the real-stack tests last, those of one application one after another (each switch
-    of application restarts the engines), in the shuffled order otherwise.
+    of application restarts the engines), in the shuffled order otherwise; the multi-node
+    tests just before them, in their `replica_step` order (one cluster, faults in turn).
 
     Within an application, tests marked `replica_step(n)` (they kill, scale or redeploy
     replicas) run after the others, by n. A test that leaves an engine replica short (killed,
@@ -134,7 +143,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first_seen.setdefault(_live_app(item), len(first_seen))
     items.sort(
         key=lambda item: (
-            _live_app(item) is not None,
+            _stage(item),
             first_seen[_live_app(item)],
             _replica_step(item),
         )

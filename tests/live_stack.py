@@ -183,6 +183,42 @@ def parse_sse(text: str) -> list[tuple[str, dict]]:
     return events
 
 
+def application(
+    app: LiveApp,
+    engines: int,
+    max_engines: int | None = None,
+    *,
+    redis_url: str | None = None,
+    engine: dict[str, Any] = ENGINE,
+    router_options: dict[str, Any] | None = None,
+    engine_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`app` as one application of a serve config, with `engines` engine replicas (up to
+    `max_engines` by the KV-aware autoscaler); `router_options` and `engine_options` add to
+    the two deployments' settings (actor options, placement)."""
+    engine_deployment = {
+        "name": "EngineReplica",
+        "autoscaling_config": {
+            "min_replicas": engines,
+            "max_replicas": max_engines or engines,
+            **AUTOSCALING,
+        },
+        **(engine_options or {}),
+    }
+    router = {"name": "WiMRouter", "num_replicas": app.routers, **(router_options or {})}
+    env = {"WIM_API_KEYS": keys_json(), **app.env}
+    if redis_url is not None:
+        env["WIM_REDIS_URL"] = redis_url
+    return {
+        "name": "wim",
+        "route_prefix": "/",
+        "import_path": "wim_service.serving.app:build_app",
+        "args": {"engine": engine, "router": app.router},
+        "runtime_env": {"env_vars": env},
+        "deployments": [router, engine_deployment],
+    }
+
+
 class LiveStack:
     """Ray and Ray Serve, started once; `deploy` puts an application on them."""
 
@@ -216,31 +252,11 @@ class LiveStack:
         wanted = (app, engines, max_engines, redis_url, json.dumps(router_actor_options))
         if wanted == self.deployed:
             return
-        engine = {
-            "name": "EngineReplica",
-            "autoscaling_config": {
-                "min_replicas": engines,
-                "max_replicas": max_engines or engines,
-                **AUTOSCALING,
-            },
-        }
-        router: dict[str, Any] = {"name": "WiMRouter", "num_replicas": app.routers}
-        if router_actor_options is not None:
-            router["ray_actor_options"] = router_actor_options
-        env = {"WIM_API_KEYS": keys_json(), **app.env}
-        if redis_url is not None:
-            env["WIM_REDIS_URL"] = redis_url
+        router = {} if router_actor_options is None else {"ray_actor_options": router_actor_options}
         config = {
             "http_options": {"host": "127.0.0.1", "port": PORT},
             "applications": [
-                {
-                    "name": "wim",
-                    "route_prefix": "/",
-                    "import_path": "wim_service.serving.app:build_app",
-                    "args": {"engine": ENGINE, "router": app.router},
-                    "runtime_env": {"env_vars": env},
-                    "deployments": [router, engine],
-                }
+                application(app, engines, max_engines, redis_url=redis_url, router_options=router)
             ],
         }
         _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))

@@ -1,4 +1,5 @@
-"""A real `redis-server` for tests: loopback, a free port, no persistence, stopped after use.
+"""A real `redis-server` for tests: loopback (or a given address), a free port, no
+persistence, stopped after use.
 
 The binary comes from the Debian package `redis-server` (scripts/bootstrap.sh installs it as
 root). Without it the Redis tests skip on a developer machine and fail in CI (`CI=true`):
@@ -34,22 +35,25 @@ def redis_binary() -> str:
     return path
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
 class RedisServer:
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, host: str = "127.0.0.1") -> None:
+        """`host`: the address it listens on (loopback, or a bridge other network
+        namespaces reach it through)."""
         self.binary = binary
         self.workdir = workdir
-        self.port = free_port()
+        self.host = host
+        self.port = free_port(host)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def client(self) -> redis.Redis:
         """A plain synchronous client, to look at raw keys."""
@@ -61,9 +65,12 @@ class RedisServer:
             dies_with_this_thread(
                 [
                     self.binary,
-                    *("--port", str(self.port), "--bind", "127.0.0.1"),
+                    *("--port", str(self.port), "--bind", self.host),
                     *("--save", "", "--appendonly", "no", "--dir", str(self.workdir)),
                     *("--daemonize", "no", "--loglevel", "warning"),
+                    # No password: off loopback (a test bridge, private) Redis would refuse
+                    # every client in its protected mode.
+                    *("--protected-mode", "no" if self.host != "127.0.0.1" else "yes"),
                 ]
             ),
             stdout=subprocess.DEVNULL,

@@ -27,7 +27,7 @@ async def test_an_unclaimed_session_is_reaped_unless_a_query_uses_it() -> None:
     held = HeldDocuments(orphan_timeout_s=60)
     idle, querying, claimed = FakeSession(), FakeSession(busy=True), FakeSession()
     for name, session in (("idle", idle), ("querying", querying), ("claimed", claimed)):
-        held.add(name, session, now=0)  # type: ignore[arg-type]
+        await held.add(name, session, now=0)  # type: ignore[arg-type]
     assert held.claim(["claimed", "elsewhere"], now=50) == 1
     assert held.orphans(now=59) == []
     # Unclaimed past the timeout: only the idle one goes. A query in flight came through a
@@ -42,11 +42,23 @@ async def test_an_unclaimed_session_is_reaped_unless_a_query_uses_it() -> None:
     assert held.orphans(now=161) == ["querying", "claimed"]
 
 
+async def test_a_second_open_of_one_document_closes_the_first() -> None:
+    """Two opens of one document ran at once on this replica (two routers copying a hot
+    document): the one held last stays, the other is closed, not left pinned for nobody."""
+    held = HeldDocuments()
+    first, second = FakeSession(), FakeSession()
+    await held.add("doc", first, now=0)  # type: ignore[arg-type]
+    await held.add("doc", second, now=1)  # type: ignore[arg-type]
+    assert (first.closed, second.closed, len(held)) == (True, False, 1)
+    assert held.use("doc", now=2) is second
+    assert await held.close("doc") and second.closed and len(held) == 0
+
+
 async def test_closing_a_session_under_a_query_ends_the_query_with_not_found(tokenizer) -> None:
     backend = FakeBackend(tokenizer, lambda params, prefix: "YES the harbour.")
     session = await open_document(backend, tokenizer, DOC, options())
     held = HeldDocuments()
-    held.add("doc", session, now=0)
+    await held.add("doc", session, now=0)
     assert not session.busy
     backend.gate.clear()  # the query's margins start, then stall
     events = []

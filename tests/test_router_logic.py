@@ -582,6 +582,40 @@ def test_each_pinned_call_gets_its_own_serve_request_id() -> None:
     assert len(set(ids)) == 3 and "outer-internal" not in ids
 
 
+def test_a_stream_to_a_replica_gone_before_the_call_is_lost_not_failed() -> None:
+    """Serve's `cancel()` of a call that failed raises the call's failure again; the stream's
+    cleanup must not turn the ReplicaLost (fail over) into another error (an engine error,
+    seen when an engine node was killed with queries in flight: tests/test_multinode.py)."""
+    from wim_service.serving.replica.client import ReplicaLost, ServeReplicaClient
+    from wim_service.serving.replica.pinning import ReplicaGone
+
+    class Response:
+        def __aiter__(self) -> Response:
+            return self
+
+        async def __anext__(self) -> Any:
+            raise ReplicaGone("engine replica r1 is no longer serving")
+
+        def cancel(self) -> None:
+            raise ReplicaGone("engine replica r1 is no longer serving")
+
+    class Handle:
+        def options(self, **kwargs: Any) -> Handle:
+            return self
+
+        def remote(self, *args: Any) -> Response:
+            return Response()
+
+    async def stream() -> None:
+        client = ServeReplicaClient(Handle())
+        with pytest.raises(ReplicaLost):
+            async for _ in client.stream("r1", "query_document"):
+                pass
+        assert client.in_flight == {"r1": 0}
+
+    asyncio.run(stream())
+
+
 async def test_the_sizer_sizes_sessions_and_jobs_and_refuses_with_the_errors_status() -> None:
     sizer = JobSizer(EngineConfig(max_model_len=1024))
     options = WiMOptions(segment_tokens=128)

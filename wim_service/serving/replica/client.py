@@ -117,8 +117,12 @@ class ServeReplicaClient(CallsByName):
         except _backpressure() as exc:
             raise _full(replica) from exc
         finally:
-            # A client gone mid-stream cancels the replica's job: it closes its context.
-            response.cancel()
+            # A client gone mid-stream cancels the replica's job: it closes its context. On a
+            # call that failed, Serve's cancel raises that failure again (a replica gone
+            # before the call was sent), which would replace the ReplicaLost raised above:
+            # the job then failed as an engine error instead of failing over.
+            with contextlib.suppress(Exception):
+                response.cancel()
             self.in_flight[replica] -= 1
 
 

@@ -140,7 +140,7 @@ class EngineReplica:
         except WiMError as exc:
             self._check_engine()
             return ErrorEvent.of(exc)
-        self.documents.add(document_id, session, time.monotonic())
+        await self.documents.add(document_id, session, time.monotonic())
         return DocumentOpened(
             context_tokens=session.plan.context_tokens, segments=len(session.plan.segments)
         )

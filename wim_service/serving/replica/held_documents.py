@@ -41,8 +41,15 @@ class HeldDocuments:
     def sessions(self) -> Iterator[WiMSession]:
         return (held.session for held in self._held.values())
 
-    def add(self, document_id: str, session: WiMSession, now: float) -> None:
+    async def add(self, document_id: str, session: WiMSession, now: float) -> None:
+        """Hold `session` as `document_id`'s. A session already held under that id is closed:
+        two opens of one document that ran at once (two routers reading a copy of a hot
+        document at the same moment) would otherwise leave the first one's KV pinned, out of
+        this table, where neither DELETE nor the orphan rule ever reaches it."""
+        replaced = self._held.get(document_id)
         self._held[document_id] = _Held(session, now)
+        if replaced is not None and replaced.session is not session:
+            await replaced.session.close()
 
     def use(self, document_id: str, now: float) -> WiMSession | None:
         """The session, counted as claimed now (a query came for it through a router)."""
