@@ -39,13 +39,15 @@ fi
 # System tools of the test suite, when asked (WIM_INSTALL_SYSTEM_TOOLS=1: ./test.sh asks by
 # default, ./run.sh does not): promtool (Debian package prometheus) for
 # tests/test_deploy_observability.py, redis-server for the Redis session store's tests,
-# chromium for the reading page's browser tests (tests/test_page.py, driven by playwright). Only
+# chromium for the reading page's browser tests (tests/test_page.py, driven by playwright), ip
+# (iproute2) for the multi-node cluster's network namespaces (tests/multinode.py). Only
 # root can install them; without them those tests skip, except in CI (CI=true), where they fail.
 if [ "${WIM_INSTALL_SYSTEM_TOOLS:-0}" = 1 ]; then
   missing=()
   command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
   if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ]; then
     echo "bootstrap: installing ${missing[*]} (Debian packages)" >&2
     { apt-get update -q && DEBIAN_FRONTEND=noninteractive \

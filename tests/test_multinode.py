@@ -43,7 +43,10 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory, shared_engine: SharedEngine
 ) -> Iterator[Cluster]:
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CI runs as root)")
+        reason = "network namespaces need root"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI must run the multi-node tests (it runs as root); {reason}")
+        pytest.skip(f"{reason} (CI runs as root)")
     # Never more than two engines on this machine: the engine tests' one goes first.
     shared_engine.close()
     cluster = Cluster(tmp_path_factory.mktemp("mn"))
