@@ -137,20 +137,26 @@ def test_a_killed_router_loses_no_session(service: httpx.Client, short_report: s
     import ray
 
     document, _ = open_document(service, short_report)
-    # A stream through some router; then that router dies mid-stream.
-    thread, result = start_stream(document["document_id"])
-    ray.kill(_router_actor(result["router"]), no_restart=False)
-    thread.join(600)
-    kinds = [k for k, _ in result["events"]]
-    # The stream that was on the killed router ends without `done` (a clear failure)...
-    assert "done" not in kinds or "error" in result
-    # ... and the client's retry is answered from the pinned session by a live router.
-    retry = service.post("/wim", json=query_body(document["document_id"]))
-    assert retry.status_code == 200, retry.text
-    assert retry.headers["X-WiM-Router"] != result["router"]
-    assert from_pinned_kv(retry.json(), document)
-    assert retry.json()["replica"] == document["replica"]
-    assert service.delete(f"/documents/{document['document_id']}").status_code == 204
+    path = f"/documents/{document['document_id']}"
+    try:
+        # A stream through some router; then that router dies mid-stream.
+        thread, result = start_stream(document["document_id"])
+        ray.kill(_router_actor(result["router"]), no_restart=False)
+        thread.join(600)
+        kinds = [k for k, _ in result["events"]]
+        # The stream that was on the killed router ends without `done` (a clear failure)...
+        assert "done" not in kinds or "error" in result
+        # ... and the client's retry is answered from the session's KV by a live router: on
+        # its replica, or on a copy if the killed router's job still runs there (`wim`
+        # placement); the session itself stays where it was, not rebuilt.
+        retry = service.post("/wim", json=query_body(document["document_id"]))
+        assert retry.status_code == 200, retry.text
+        assert retry.headers["X-WiM-Router"] != result["router"]
+        assert from_pinned_kv(retry.json(), document)
+        assert service.get(path).json()["replica"] == document["replica"]
+    finally:
+        # Whatever failed: a session left open would hold KV under the next tests.
+        assert service.delete(path).status_code == 204
 
 
 # Last in its application: it redeploys the routers with other actor options, which a test
