@@ -69,8 +69,8 @@ POLICIES = ("round_robin", "sticky", "wim")
 REPLICAS = 2
 # Each engine replica on a core of its own (`cpu_threads_bind: rank`): the simulator's replicas
 # are independent machines, and two engines sharing the 2 cores (the serve config's `nobind`)
-# each ran about half as fast while the other worked (4 December: 2.0-2.5x the simulated
-# first-token times while both replicas were busy, as fast as simulated while one was).
+# each ran about half as fast while the other worked (4 December: 1.7-3.5x, median 2.2x, the
+# simulated first-token times while both replicas were busy; docs/routing.md).
 ENGINE = {"cpu_threads_bind": "rank"}
 # The profile of one such engine, measured with `--calibrate` on the 2-core machine.
 ONE_CORE_PROFILE = ROOT / "wim_service" / "placement" / "profiles" / "one-core.json"

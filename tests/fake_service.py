@@ -219,7 +219,9 @@ class ScriptedClient(FakeClient):
     its replica reports `job_s` more seconds of backlog and one more job running, as a real
     replica books each job's expected cost (`serving/replica/backlog.py`)."""
 
-    def __init__(self, *replicas: ScriptedReplica, delay_s: float = 0.0, job_s: float = 5.0):
+    def __init__(
+        self, *replicas: ScriptedReplica, delay_s: float = 0.0, job_s: float = 5.0
+    ) -> None:
         super().__init__(*replicas)
         self.delay_s = delay_s
         self.job_s = job_s

@@ -82,7 +82,10 @@ class Job:
         self.cached_tokens = 0 if self.copy else work.document_tokens
         if self.copy:
             engine.submit(ReadPrefill(self, read), now)
-        engine.submit(MarginsPrefill(self, margins), now)
+        if self.margins:
+            engine.submit(MarginsPrefill(self, margins), now)
+        else:  # every segment skipped: the query follows the document, queued once
+            engine.submit(QueryPrefill(self, self.query_prefill_seconds(profile)), now)
 
     @property
     def margins(self) -> int:
@@ -92,7 +95,7 @@ class Job:
 
     def margins_prefill_seconds(self, profile: EngineProfile) -> float:
         new = self.margins * profile.margin_prompt_tokens
-        return profile.prefill.seconds(new, cached=self.work.document_tokens) if new else 0.0
+        return profile.prefill.seconds(new, cached=self.work.document_tokens)
 
     def query_prefill_seconds(self, profile: EngineProfile) -> float:
         new = self.request.query_tokens + self.margins * self.work.margin_tokens
@@ -168,7 +171,7 @@ class MarginsPrefill:
     def finish(self, engine: Engine, now: float) -> None:
         job, profile = self.job, engine.profile
         steps = job.work.margin_tokens - 1  # the prefill gave each margin its first token
-        if steps <= 0 or not job.margins:
+        if steps <= 0:
             engine.submit(QueryPrefill(job, job.query_prefill_seconds(profile)), now)
             return
         job.margins_left = job.margins
