@@ -115,12 +115,19 @@ def open_client(tenant: str | None = "alpha", timeout: float = 600) -> httpx.Cli
     return httpx.Client(base_url=BASE, timeout=timeout, headers=auth(tenant))
 
 
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 600) -> Any:
+def wait_for(
+    condition: Callable[[], Any],
+    what: str,
+    timeout: float = 600,
+    errors: tuple[type[Exception], ...] = (httpx.TransportError,),
+) -> Any:
+    """`condition()`'s first true result, polled every 0.5 s; `errors` it raises count as
+    "not yet"."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             result = condition()
-        except httpx.TransportError:
+        except errors:
             result = None
         if result:
             return result

@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.live_stack import ENGINE, TWO_ROUTERS, application, auth
+from tests.live_stack import ENGINE, TWO_ROUTERS, application, auth, wait_for
 from tests.process_tree import is_engine_core
 from tests.redis_server import RedisServer
 
@@ -446,16 +446,7 @@ class Cluster:
 
     @staticmethod
     def wait_for(condition: Callable[[], Any], what: str, timeout: float) -> Any:
-        """Like tests.live_stack.wait_for, but any transport error counts as "not yet" (a
-        partition or a restarting GCS fails requests in more ways than a refused
-        connection)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                result = condition()
-            except (httpx.HTTPError, KeyError):
-                result = None
-            if result:
-                return result
-            time.sleep(0.5)
-        raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        """`tests.live_stack.wait_for`, but any HTTP error counts as "not yet" (a partition or
+        a restarting GCS fails requests in more ways than a refused connection), and so does
+        a reply without the fields asked for."""
+        return wait_for(condition, what, timeout, errors=(httpx.HTTPError, KeyError))
