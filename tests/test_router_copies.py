@@ -98,6 +98,16 @@ async def test_with_max_copies_1_or_under_sticky_a_document_is_never_copied() ->
         assert [r.name for r in (a, b) if r.documents] == [home]
 
 
+async def test_round_robin_alternates_a_sessions_queries_between_replicas() -> None:
+    """Round robin takes one turn per query: loads are not asked again before its copy opens
+    (that would take a second turn and send the query back to the primary)."""
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b, placement="round_robin")
+    document_id = await opened(router)
+    assert [await ask(router, document_id) for _ in range(4)] == ["a", "b", "a", "b"]
+    assert document_id in b.texts and counted(router, "wim_document_copies_opened_total") == 1
+
+
 async def test_no_copy_opens_on_a_stale_load() -> None:
     """A report taken while a query ran still counts it after it ended: a copy is decided on
     the replicas' loads asked again, not on the last poll's."""

@@ -17,6 +17,9 @@ from wim_service.placement.state import NoRoom, Placement, ReplicaState, Work
 
 class PlacementPolicy(Protocol):
     name: str
+    # Whether the replicas' loads change its answer: only then is a placement worth making
+    # again on fresher loads (`serving/routing/copies.py`).
+    weighs_loads: bool
 
     def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
         """Where `work` runs; raises `NoRoom` when no replica can take it."""
@@ -92,6 +95,7 @@ class ExpectedWait:
     profile: EngineProfile
     max_copies: int = 4
     name: str = "wim"
+    weighs_loads: bool = True
 
     def start_s(self, work: Work, replica: ReplicaState, *, copy: bool) -> float:
         """Expected seconds until the job's first answer token on `replica`."""
@@ -133,6 +137,7 @@ class Sticky:
     holding its longest cached prefix, the most free KV breaking ties."""
 
     name: str = "sticky"
+    weighs_loads: bool = False
 
     def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
         held = holders(work, replicas)
@@ -158,9 +163,12 @@ class Sticky:
 @dataclass
 class RoundRobin:
     """Each job to the next replica in turn that can take it, whatever it holds: a document
-    job on a replica without a copy reads one there."""
+    job on a replica without a copy reads one there. A new session's read takes no turn: it
+    goes where the session's first query then goes (the simulator's one job that reads and
+    asks), so that the query does not read a second copy at once."""
 
     name: str = "round_robin"
+    weighs_loads: bool = False
     _turn: int = 0
 
     def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
@@ -173,7 +181,8 @@ class RoundRobin:
         if not fitting:
             raise NoRoom(work, len(replicas))
         chosen = fitting[self._turn % len(fitting)]
-        self._turn += 1
+        if not work.reads_only:
+            self._turn += 1
         copy = work.document is not None and chosen.replica not in held
         cached = work.document_tokens if chosen.replica in held else 0
         if work.document is None:

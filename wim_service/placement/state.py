@@ -67,6 +67,11 @@ class Work:
     def cached_tokens(self, blocks: int) -> int:
         return min(self.prompt_tokens, blocks * self.prefix_block_tokens)
 
+    @property
+    def reads_only(self) -> bool:
+        """A document's read without a query (a new session's first read)."""
+        return self.document is not None and self.answer_tokens == 0
+
 
 @dataclass
 class ReplicaState:

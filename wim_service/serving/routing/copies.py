@@ -11,7 +11,8 @@ A copy costs a whole document read, so it is opened on fresh evidence only: the 
 policy weighed may be a poll interval old, and a holder's report taken while a query ran
 (this router's or another's) still counts that query after it ended. Before a copy opens, the
 replicas' loads are asked again (at most once per `FRESH_LOADS_S`, whatever the number of
-queries deciding at once) and the query placed again on them.
+queries deciding at once) and the query placed again on them, by a policy that weighs loads
+(round robin would only take another turn).
 
 Copies are part of the session: DELETE and expiry close every one, and every router claims
 them like the primary, so that no replica reaps one as an orphan. A copy that no query of this
@@ -91,7 +92,7 @@ class DocumentCopies:
             segments=session.segments,
         )
         booking = self._place(work, holders)
-        if booking is not None and booking.placement.open_copy:
+        if booking is not None and booking.placement.open_copy and table.policy.weighs_loads:
             table.done(booking)  # placed on loads that may be stale: weigh fresh ones
             await self._fresh_loads.get()
             holders = [r for r in holders if table.is_live(r)]
