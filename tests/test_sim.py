@@ -23,7 +23,7 @@ from wim_service.sim.generate import GeneratorOptions, generate, write_trace
 from wim_service.sim.replay import RunResult, simulate
 from wim_service.sim.report import KEYS, figures, percentile, summarise, table
 from wim_service.sim.settings import SimSettings
-from wim_service.sim.traces import HASH_BLOCK_TOKENS, Request, Trace, TraceError, read_trace
+from wim_service.sim.traces import DOCUMENT_BLOCK_TOKENS, Request, Trace, TraceError, read_trace
 
 # The tests' own profile: the shipped one is replaced by measurements, which must not change
 # what these tests find (a 135M model on a 2-core CPU, 23,000 KV tokens per replica).
@@ -107,8 +107,8 @@ def test_document_reader_gives_wim_rows_a_session_and_plain_rows_the_documents_b
     wim, plain_a, plain_a2, plain_b = trace.requests
     assert trace.kind == "document"
     assert (wim.document, wim.prefix, wim.prompt_tokens) == ("a", (), 3040)
-    # Only the document's whole 512-token blocks are shared: 3000 // 512 = 5.
-    assert plain_a.document == "a" and len(plain_a.prefix) == 3000 // HASH_BLOCK_TOKENS
+    # Only the document's whole KV blocks are shared: 3000 // 32 = 93.
+    assert plain_a.document == "a" and len(plain_a.prefix) == 3000 // DOCUMENT_BLOCK_TOKENS
     assert plain_a.prefix == plain_a2.prefix
     assert not set(plain_a.prefix) & set(plain_b.prefix)
 
@@ -405,6 +405,16 @@ def test_more_replicas_never_worsen_round_robins_p95_on_a_light_trace() -> None:
     p95 = [summarise(run(trace, "round_robin", n))["ttft_p95_s"] for n in (1, 2, 4, 8)]
     assert p95 == sorted(p95, reverse=True)
     assert p95[0] > p95[-1]
+
+
+def test_a_copy_runs_one_query_at_a_time_as_a_live_session_does(tmp_path: Path) -> None:
+    # Three queries of one document at once on one replica: they take turns on its copy, and
+    # none reserves KV of its own (the copy's reservation holds one query).
+    rows = [doc_row(0.0, "a", wim=True), doc_row(0.0, "a", wim=True), doc_row(0.0, "a", wim=True)]
+    result = run(document_trace(rows, tmp_path), "sticky", 1)
+    first, second, third = sorted(result.outcomes, key=lambda o: o.first_token_s)
+    assert second.first_token_s > first.end_s and third.first_token_s > second.end_s
+    assert (result.copies_opened, result.queued_for_room) == (1, 0)
 
 
 def test_a_job_without_room_waits_and_its_wait_counts_in_its_ttft(tmp_path: Path) -> None:

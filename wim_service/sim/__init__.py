@@ -14,9 +14,9 @@ What the model simplifies, on purpose:
   overlap); it waits only for the decode step under way.
 * KV is reserved per job at placement for its worst case (prompt, margins and answer) and given
   back when it ends; a document copy holds its blocks until retired (idle `copy_idle_s`). Cached
-  prefixes live in the KV no copy holds, as an LRU of 512-token blocks (Mooncake's hash size;
-  document traces hash their documents in blocks of the same size, so prefix reuse means the
-  same for both kinds), and never block a placement: vLLM evicts them on demand.
+  prefixes live in the KV no copy holds, as an LRU of the trace's hash blocks (Mooncake's 512
+  tokens; a document trace's documents in the engine's 32-token KV blocks, as vLLM caches them),
+  and never block a placement: vLLM evicts them on demand.
 * Session slots (the service's max_sessions) are taken by each copy and by each job running
   without one; placement sees free KV, free slots, the backlog of booked prefills and the
   batch's decode left, and each replica's exact prefix cache.

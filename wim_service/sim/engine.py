@@ -21,7 +21,7 @@ from typing import Protocol
 
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import PrefixCache, ReplicaState
-from wim_service.sim.traces import HASH_BLOCK_TOKENS
+from wim_service.sim.traces import MOONCAKE_BLOCK_TOKENS
 
 
 class Prefill(Protocol):
@@ -77,11 +77,28 @@ class DecodeRun:
 
 @dataclass
 class Copy:
-    """A document's KV held on an engine (a document session's copy)."""
+    """A document's KV held on an engine (a document session's copy). It runs one query at a
+    time, as a live session does (the orchestrator's lock): the others wait in turn."""
 
     blocks: int
     active: int = 0  # jobs booked on it and not yet done
     last_used_s: float = 0.0
+    running: bool = False
+    waiting: deque[Callable[[float], None]] = field(default_factory=deque)
+
+    def take(self, start: Callable[[float], None], now: float) -> None:
+        """Run `start(now)` if no query runs on the copy, else once those ahead of it end."""
+        if self.running:
+            self.waiting.append(start)
+            return
+        self.running = True
+        start(now)
+
+    def query_ended(self, now: float) -> None:
+        if self.waiting:
+            self.waiting.popleft()(now)
+        else:
+            self.running = False
 
 
 @dataclass
@@ -98,6 +115,7 @@ class Engine:
     # counting the decode too makes a replica that is decoding look busy (as it is on an
     # engine that interleaves prefill chunks with the batch's steps).
     backlog_decode: bool = True
+    prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS  # tokens per prefix hash (the trace's)
     capacity_blocks: int = 0
     free_blocks: int = 0
     running_jobs: int = 0  # booked jobs without a copy: each holds a session slot
@@ -117,7 +135,7 @@ class Engine:
     def __post_init__(self) -> None:
         self.capacity_blocks = self.profile.kv_capacity_tokens // self.profile.block_tokens
         self.free_blocks = self.capacity_blocks
-        self.cache = PrefixCache(self.profile.kv_capacity_tokens // HASH_BLOCK_TOKENS)
+        self.cache = PrefixCache(self.profile.kv_capacity_tokens // self.prefix_block_tokens)
 
     # -- what placement sees ------------------------------------------------------------
 
@@ -148,21 +166,24 @@ class Engine:
 
     def book(
         self, blocks: int, estimate_s: float, *, document: str | None, copy_blocks: int = 0
-    ) -> None:
+    ) -> Copy | None:
         """Reserve a placed job's KV and session slot, and count its prefills as backlog; with
         `copy_blocks`, open a copy of its document here and reserve its KV at once (the read
-        is queued, and nothing placed meanwhile may count on those blocks)."""
+        is queued, and nothing placed meanwhile may count on those blocks). A document job's
+        copy is returned."""
         self.free_blocks -= blocks
         self._queued_s += estimate_s
         if document is None:
             self.running_jobs += 1
-            return
+            return None
         if copy_blocks:
             self.copies[document] = Copy(blocks=copy_blocks)
             self._documents = frozenset(self.copies)
             self.free_blocks -= copy_blocks
             self._resize_cache()
-        self.copies[document].active += 1
+        copy = self.copies[document]
+        copy.active += 1
+        return copy
 
     def release(self, blocks: int, now: float, *, document: str | None) -> None:
         self.free_blocks += blocks
@@ -172,6 +193,7 @@ class Engine:
         copy = self.copies[document]
         copy.active -= 1
         copy.last_used_s = now
+        copy.query_ended(now)
 
     def retire_if_idle(self, document: str, now: float, idle_s: float) -> bool:
         """Drop a copy no job has used for `idle_s`; whether it was dropped."""
@@ -187,9 +209,8 @@ class Engine:
     def _resize_cache(self) -> None:
         # vLLM keeps cached prefixes in KV blocks no copy holds; eviction happens on insert.
         held = sum(c.blocks for c in self.copies.values()) * self.profile.block_tokens
-        self.cache.capacity_blocks = max(0, self.profile.kv_capacity_tokens - held) // (
-            HASH_BLOCK_TOKENS
-        )
+        free = max(0, self.profile.kv_capacity_tokens - held)
+        self.cache.capacity_blocks = free // self.prefix_block_tokens
 
     # -- work ---------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ past the cached prefix, then decodes its answer. A WiM query on a document sessi
 document first if placement opened a copy for it, writes its margins (one per segment, or the
 trace row's `margins`: one prefill of every margin's prompt over the document's KV, then the
 margins decode side by side in the batch), then prefills the query with the margins and decodes
-the answer. Placement sees one margin per segment, as the router does: which segments a query
+the answer. A copy runs one query at a time, as a live session does: later ones wait for it.
+Placement sees one margin per segment, as the router does: which segments a query
 skips is known only once they are read.
 """
 
@@ -20,11 +21,14 @@ from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import Work
 from wim_service.sim.engine import Engine
 from wim_service.sim.settings import SimSettings
-from wim_service.sim.traces import HASH_BLOCK_TOKENS, Request
+from wim_service.sim.traces import Request
 
 
-def work_for(request: Request, profile: EngineProfile, settings: SimSettings) -> Work:
-    """The request as placement sees it, its KV reservation in the profile's blocks."""
+def work_for(
+    request: Request, profile: EngineProfile, settings: SimSettings, prefix_block_tokens: int
+) -> Work:
+    """The request as placement sees it, its KV reservation in the profile's blocks and its
+    prefix in hashes of `prefix_block_tokens` (its trace's)."""
     block = profile.block_tokens
     if not request.wim:
         return Work(
@@ -32,19 +36,20 @@ def work_for(request: Request, profile: EngineProfile, settings: SimSettings) ->
             answer_tokens=request.answer_tokens,
             kv_blocks=math.ceil((request.prompt_tokens + request.answer_tokens) / block),
             prefix=request.prefix,
-            prefix_block_tokens=HASH_BLOCK_TOKENS,
+            prefix_block_tokens=prefix_block_tokens,
         )
     margins = math.ceil(request.document_tokens / settings.segment_tokens)
     # Its margins (prompt and output) at once, then the query, the margins and the answer.
     own = margins * (profile.margin_prompt_tokens + 2 * settings.margin_tokens)
     own += request.query_tokens + request.answer_tokens
+    # As a live session's: a copy reserves its document and one query (queries take turns on
+    # it), so a query reserves nothing of its own.
     return Work(
         prompt_tokens=request.prompt_tokens,
         answer_tokens=request.answer_tokens,
-        kv_blocks=math.ceil(own / block),
         document=request.document,
         document_tokens=request.document_tokens,
-        document_blocks=math.ceil(request.document_tokens / block),
+        document_blocks=math.ceil((request.document_tokens + own) / block),
         margins=margins,
         margin_tokens=settings.margin_tokens,
     )
@@ -66,7 +71,8 @@ class Job:
     margins_left: int = 0
 
     def start(self, engine: Engine, now: float) -> None:
-        """Book the job on `engine` and queue its first prefill."""
+        """Book the job on `engine` and queue its first prefill (a document job's once the
+        queries ahead of it on the same copy have ended)."""
         profile, work = engine.profile, self.work
         self.placed_s = now
         if not self.request.wim:
@@ -78,12 +84,21 @@ class Job:
         margins = self.margins_prefill_seconds(profile)
         estimate = read + margins + self.query_prefill_seconds(profile)
         copy_blocks = work.document_blocks if self.copy else 0
-        engine.book(work.kv_blocks, estimate, document=work.document, copy_blocks=copy_blocks)
+        copy = engine.book(
+            work.kv_blocks, estimate, document=work.document, copy_blocks=copy_blocks
+        )
+        assert copy is not None
         self.cached_tokens = 0 if self.copy else work.document_tokens
+        copy.take(lambda at: self._run_query(engine, read, at), now)
+
+    def _run_query(self, engine: Engine, read: float, now: float) -> None:
+        """Queue the query's prefills: the copy's read (if placement opened one), then its
+        margins, or the query itself when it writes none."""
+        profile = engine.profile
         if self.copy:
             engine.submit(ReadPrefill(self, read), now)
         if self.margins:
-            engine.submit(MarginsPrefill(self, margins), now)
+            engine.submit(MarginsPrefill(self, self.margins_prefill_seconds(profile)), now)
         else:  # every segment skipped: the query follows the document, queued once
             engine.submit(QueryPrefill(self, self.query_prefill_seconds(profile)), now)
 

@@ -69,7 +69,14 @@ class Replay:
         self.trace, self.profile, self.settings = trace, profile, settings
         self.policy: PlacementPolicy = make_policy(policy, profile, max_copies=settings.max_copies)
         self.engines = [
-            Engine(i, profile, settings.slots, self._schedule, settings.backlog_decode)
+            Engine(
+                i,
+                profile,
+                settings.slots,
+                self._schedule,
+                settings.backlog_decode,
+                prefix_block_tokens=trace.block_tokens,
+            )
             for i in range(replicas)
         ]
         self.by_name = {f"r{i:02d}": engine for i, engine in enumerate(self.engines)}
@@ -106,7 +113,10 @@ class Replay:
 
     def _arrive(self, request: Request, now: float) -> None:
         job = Job(
-            request, work_for(request, self.profile, self.settings), self.settings, self._done
+            request,
+            work_for(request, self.profile, self.settings, self.trace.block_tokens),
+            self.settings,
+            self._done,
         )
         capacity = self.engines[0].capacity_blocks
         if job.work.kv_blocks + job.work.document_blocks > capacity:

@@ -26,9 +26,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Literal
 
-# Mooncake hashes 512-token blocks; a document trace's plain requests get hashes of the same
-# size, so that prefix reuse means the same thing for both kinds of trace.
-HASH_BLOCK_TOKENS = 512
+# Mooncake hashes 512-token blocks. A document trace's plain requests share their document's
+# KV as the engine caches it: in its KV blocks (vLLM's 32 tokens on CPU, the shipped profile's
+# `block_tokens`, the blocks the live router hashes prompts in), so that the reuse simulated is
+# the reuse served (whole 512-token blocks would recompute up to 511 tokens of each document).
+MOONCAKE_BLOCK_TOKENS = 512
+DOCUMENT_BLOCK_TOKENS = 32
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 DOCUMENT_FIELDS = (
     "timestamp_s",
@@ -52,9 +55,10 @@ class Request:
 
     A WiM query (`wim`) runs on a copy of its `document` (`document_tokens` of KV under the
     session's own salt) and prefills only its `query_tokens`; any other request prefills its
-    `prompt_tokens`, of which the leading `prefix` blocks (hashes of 512-token blocks) may be
-    in a replica's prefix cache. A plain row of a document trace names its `document` too
-    (a live replay sends its text), but only a WiM query is placed by it.
+    `prompt_tokens`, of which the leading `prefix` blocks (hashes of the trace's
+    `block_tokens`-token blocks) may be in a replica's prefix cache. A plain row of a
+    document trace names its `document` too (a live replay sends its text), but only a WiM
+    query is placed by it.
     """
 
     index: int  # position in the trace, in timestamp order
@@ -74,6 +78,11 @@ class Request:
 class Trace:
     kind: TraceKind
     requests: tuple[Request, ...]
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per hash of its requests' `prefix`."""
+        return MOONCAKE_BLOCK_TOKENS if self.kind == "mooncake" else DOCUMENT_BLOCK_TOKENS
 
     def scaled(self, time_scale: float) -> Trace:
         """The same requests with every arrival time multiplied by `time_scale` (above 1 a
@@ -150,8 +159,9 @@ def mooncake_request(row: dict[str, Any], where: str) -> Request:
 
 class DocumentHashes:
     """Prefix hashes for the documents of a document trace: a plain request's prompt starts
-    with its document, so its shared prefix is the document's whole 512-token blocks (the
-    block holding the document's end and the query's start differs from query to query)."""
+    with its document, so its shared prefix is the document's whole `DOCUMENT_BLOCK_TOKENS`
+    blocks (the block holding the document's end and the query's start differs from query to
+    query)."""
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
@@ -159,7 +169,7 @@ class DocumentHashes:
     def prefix(self, document: str, tokens: int) -> tuple[int, ...]:
         # Numbered by first appearance, not Python's hash(): str hashes change per process.
         base = self._ids.setdefault(document, len(self._ids)) << 32
-        return tuple(base + block for block in range(tokens // HASH_BLOCK_TOKENS))
+        return tuple(base + block for block in range(tokens // DOCUMENT_BLOCK_TOKENS))
 
 
 def document_request(row: dict[str, Any], where: str, hashes: DocumentHashes) -> Request:
