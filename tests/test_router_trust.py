@@ -33,6 +33,7 @@ from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.ingress import build_http_app, route_edges
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.routing.documents import DocumentTable
+from wim_service.serving.routing.failover import TRANSIENT_RETRIES
 from wim_service.serving.routing.quotas import TenantGate
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable, memory
@@ -492,18 +493,18 @@ def test_a_transient_actor_error_is_retried_without_losing_the_replica() -> None
 
 
 def test_a_replica_unreachable_past_the_retries_is_failed_over() -> None:
-    """Two transient retries on the same replica (TRANSIENT_RETRIES), then it counts as lost."""
+    """TRANSIENT_RETRIES retries on the same replica, then it counts as lost."""
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
     # No load poll during the test: a's load probe succeeds (only its streams fail), so a poll
     # would rightly count it live again, and the check below would race with it.
     client, router = service(
         keys=None,
-        client=TransientlyDown(a, b, failures=3, down="a"),
+        client=TransientlyDown(a, b, failures=TRANSIENT_RETRIES + 2, down="a"),
         load_poll_interval_s=3600,
     )
     answer = client.post("/wim", json={"context": DOCUMENT, "query": "q"})
     assert answer.status_code == 200 and answer.json()["replica"] == "b"
-    assert (a.calls.count("run"), b.calls.count("run")) == (3, 1)
+    assert (a.calls.count("run"), b.calls.count("run")) == (TRANSIENT_RETRIES + 1, 1)
     assert not router.fleet.table.is_live("a")
     assert metric(client, "wim_session_binding_total", result="repin") == 1
 
