@@ -89,18 +89,6 @@ def test_round_robin_cycles_and_reads_copies_where_it_lands() -> None:
     assert [p.open_copy for p in chosen] == [False, True, True, False]
 
 
-def test_round_robin_sends_a_new_sessions_first_query_where_its_read_went() -> None:
-    fleet = replicas(0.0, 0.0)
-    policy = RoundRobin()
-    read = Work(prompt_tokens=3000, answer_tokens=0, document="d", document_tokens=3000)
-    assert read.reads_only and policy.place(read, fleet).replica == "r0"
-    fleet[0].documents = frozenset({"d"})
-    query = Work(prompt_tokens=3100, answer_tokens=16, document="d", document_tokens=3000)
-    first, second = policy.place(query, fleet), policy.place(query, fleet)
-    assert (first.replica, first.open_copy) == ("r0", False)
-    assert (second.replica, second.open_copy) == ("r1", True)
-
-
 @pytest.mark.parametrize("name", ["round_robin", "sticky", "wim"])
 def test_every_policy_refuses_when_nothing_has_room(name: str) -> None:
     fleet = replicas(0.0, 0.0, free=10)

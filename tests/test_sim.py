@@ -320,7 +320,9 @@ def test_a_lone_wim_query_reads_writes_its_margins_then_answers(tmp_path: Path) 
     decode = sum(p.decode.step_seconds(margins, context + margins * j) for j in range(4))
     query = p.prefill.seconds(40 + margins * 5, cached=3000)
     assert outcome.first_token_s == pytest.approx(read + prompts + decode + query)
-    assert (outcome.prompt_tokens, outcome.cached_tokens) == (3040, 0)
+    # The session's read went first, on its own (as the live client opens it): the query then
+    # finds the document in its copy.
+    assert (outcome.prompt_tokens, outcome.cached_tokens) == (3040, 3000)
 
 
 def test_a_wim_query_writes_only_the_margins_its_row_names(tmp_path: Path) -> None:
@@ -417,14 +419,29 @@ def test_a_copy_runs_one_query_at_a_time_as_a_live_session_does(tmp_path: Path) 
     assert (result.copies_opened, result.queued_for_room) == (1, 0)
 
 
+def test_a_session_is_opened_on_its_own_then_asked_as_the_live_client_does(
+    tmp_path: Path,
+) -> None:
+    # Round robin: the session's read takes the first turn (r0); its two queries, which
+    # arrived while it was read, are placed after it, the next turns: r1 (reading a copy),
+    # then r0 (the session's own copy).
+    rows = [doc_row(0.0, "a", wim=True), doc_row(0.1, "a", wim=True)]
+    result = run(document_trace(rows, tmp_path), "round_robin", 2)
+    first, second = sorted(result.outcomes, key=lambda o: o.index)
+    assert (first.replica, first.cached_tokens) == (1, 0)
+    assert (second.replica, second.cached_tokens) == (0, 3000)
+    assert result.copies_opened == 2
+    assert second.first_token_s > PROFILE.prefill.seconds(3000)
+
+
 def test_a_job_without_room_waits_and_its_wait_counts_in_its_ttft(tmp_path: Path) -> None:
-    # One replica, one session slot: b's query waits for a's copy to be retired.
+    # One replica, one session slot: b's session waits for a's copy to be retired.
     trace = document_trace([doc_row(0, "a", wim=True), doc_row(0.5, "b", wim=True)], tmp_path)
     result = run(trace, "wim", 1, slots=1, copy_idle_s=30.0)
     assert (result.queued_for_room, result.copies_opened, result.copies_retired) == (1, 2, 2)
     a, b = sorted(result.outcomes, key=lambda o: o.index)
     assert b.first_token_s > a.end_s + 30.0
-    assert b.cached_tokens == a.cached_tokens == 0  # each read its own copy
+    assert b.cached_tokens == a.cached_tokens == 3000  # each on its session's own copy
 
 
 @pytest.mark.parametrize("backlog_decode", [True, False])

@@ -163,9 +163,7 @@ class Sticky:
 @dataclass
 class RoundRobin:
     """Each job to the next replica in turn that can take it, whatever it holds: a document
-    job on a replica without a copy reads one there. A new session's read takes no turn: it
-    goes where the session's first query then goes (the simulator's one job that reads and
-    asks), so that the query does not read a second copy at once."""
+    job on a replica without a copy reads one there."""
 
     name: str = "round_robin"
     weighs_loads: bool = False
@@ -181,8 +179,7 @@ class RoundRobin:
         if not fitting:
             raise NoRoom(work, len(replicas))
         chosen = fitting[self._turn % len(fitting)]
-        if not work.reads_only:
-            self._turn += 1
+        self._turn += 1
         copy = work.document is not None and chosen.replica not in held
         cached = work.document_tokens if chosen.replica in held else 0
         if work.document is None:

@@ -13,10 +13,14 @@ What the model simplifies, on purpose:
   and between them decode runs of the whole batch. A prefill pauses decoding (no chunked-prefill
   overlap); it waits only for the decode step under way.
 * KV is reserved per job at placement for its worst case (prompt, margins and answer) and given
-  back when it ends; a document copy holds its blocks until retired (idle `copy_idle_s`). Cached
+  back when it ends; a document copy holds its blocks and one query's until retired (idle
+  `copy_idle_s`), and runs its queries one at a time, as a live session does. Cached
   prefixes live in the KV no copy holds, as an LRU of the trace's hash blocks (Mooncake's 512
   tokens; a document trace's documents in the engine's 32-token KV blocks, as vLLM caches them),
   and never block a placement: vLLM evicts them on demand.
+* A document's first WiM row opens its session first: the read is placed on its own, and that
+  row's query and any arriving meanwhile are placed when it ends (as the live client opens a
+  session, then asks).
 * Session slots (the service's max_sessions) are taken by each copy and by each job running
   without one; placement sees free KV, free slots, the backlog of booked prefills and the
   batch's decode left, and each replica's exact prefix cache.
@@ -25,7 +29,8 @@ What the model simplifies, on purpose:
   the batch; no margin is judged or dropped, every answer decodes its full `answer_tokens`, and
   nothing fails or is cancelled.
 * A job no replica has room for waits in one first-come-first-served queue (nothing overtakes
-  it); a request larger than an empty replica's KV is counted as too large, never placed.
+  it), except a query of a document some replica holds, which needs no new room and queues at
+  its copy; a request larger than an empty replica's KV is counted as too large, never placed.
 
 Speed: 64 replicas over the shipped 4,000-request Mooncake trace, all three policies, in a few
 seconds (`scripts/bench_sim.sh`).

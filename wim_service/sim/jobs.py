@@ -2,8 +2,9 @@
 prefills and decodes, stage by stage.
 
 A plain request (a Mooncake request, a document trace's `wim: false` row) prefills its prompt
-past the cached prefix, then decodes its answer. A WiM query on a document session reads the
-document first if placement opened a copy for it, writes its margins (one per segment, or the
+past the cached prefix, then decodes its answer. A session's read (`read_work`) prefills its
+document into a new copy. A WiM query on a document session reads the document first if
+placement opened a copy for it (another replica's), writes its margins (one per segment, or the
 trace row's `margins`: one prefill of every margin's prompt over the document's KV, then the
 margins decode side by side in the batch), then prefills the query with the margins and decodes
 the answer. A copy runs one query at a time, as a live session does: later ones wait for it.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import Work
@@ -55,6 +56,14 @@ def work_for(
     )
 
 
+def read_work(query: Work) -> Work:
+    """The session's first read of a query's document (`POST /documents`): placed on its own,
+    as the live client opens a session before its first query."""
+    return replace(
+        query, prompt_tokens=query.document_tokens, answer_tokens=0, margins=0, margin_tokens=0
+    )
+
+
 @dataclass(eq=False)
 class Job:
     """One request placed on an engine, and what the report reads of it."""
@@ -81,6 +90,11 @@ class Job:
             engine.submit(PlainPrefill(self, estimate), now)
             return
         read = profile.prefill.seconds(work.document_tokens) if self.copy else 0.0
+        if work.reads_only:  # a new copy (no holder had the document)
+            copy = engine.book(0, read, document=work.document, copy_blocks=work.document_blocks)
+            assert copy is not None
+            copy.take(lambda at: engine.submit(ReadPrefill(self, read), at), now)
+            return
         margins = self.margins_prefill_seconds(profile)
         estimate = read + margins + self.query_prefill_seconds(profile)
         copy_blocks = work.document_blocks if self.copy else 0
@@ -172,7 +186,9 @@ class ReadPrefill:
         return engine.profile.prefill.seconds(self.job.work.document_tokens)
 
     def finish(self, engine: Engine, now: float) -> None:
-        pass  # the copy's KV was reserved at booking; its margins come next, already queued
+        # The copy's KV was reserved at booking; a query's margins come next, already queued.
+        if self.job.work.reads_only:
+            self.job.finish(engine, now)
 
 
 @dataclass(eq=False)

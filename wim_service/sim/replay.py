@@ -19,7 +19,7 @@ from wim_service.placement.policy import PlacementPolicy, make_policy
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import NoRoom
 from wim_service.sim.engine import Engine
-from wim_service.sim.jobs import Job, work_for
+from wim_service.sim.jobs import Job, read_work, work_for
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import Request, Trace
 
@@ -84,6 +84,8 @@ class Replay:
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._order = itertools.count()  # ties in time: first scheduled, first handled
         self._waiting: deque[Job] = deque()
+        # Documents whose session is being opened: the queries that wait for it, in order.
+        self._opening: dict[str, list[Job]] = {}
         self._room_freed = False
 
     def _push(self, time: float, kind: int, subject: Any, detail: Any) -> None:
@@ -122,11 +124,35 @@ class Replay:
         if job.work.kv_blocks + job.work.document_blocks > capacity:
             self.result.too_large += 1
             return
-        # First come, first served: nothing overtakes a job waiting for room, so a large job
-        # is not starved by smaller ones.
-        if self._waiting or not self._place(job, now):
-            self._waiting.append(job)
-            self.result.queued_for_room += 1
+        document = job.work.document
+        if document is not None and document in self._opening:
+            self._opening[document].append(job)  # placed once the session is open
+            return
+        if document is not None and not any(document in e.copies for e in self.engines):
+            # As the live client does: open the session (placed on its own), then ask.
+            self._opening[document] = [job]
+            job = Job(request, read_work(job.work), self.settings, self._opened)
+        self._submit(job, now)
+
+    def _submit(self, job: Job, now: float) -> None:
+        document = job.work.document
+        held = document is not None and any(document in e.copies for e in self.engines)
+        # A query of a held document needs no new room: it queues at a copy, as a live query
+        # waits in its holder's admission queue. The others wait for room first come, first
+        # served: nothing overtakes them, so a large job is not starved by smaller ones.
+        if (held or not self._waiting) and self._place(job, now):
+            return
+        self._waiting.append(job)
+        self.result.queued_for_room += 1
+
+    def _opened(self, read: Job, engine: Engine, now: float) -> None:
+        """A session's read ended: its queries are placed now, in their order."""
+        document = read.work.document
+        assert document is not None
+        for job in self._opening.pop(document):
+            self._submit(job, now)
+        if not engine.copies[document].active:  # every query went to another replica
+            self._push(now + self.settings.copy_idle_s, RETIRE, engine, document)
 
     def _place(self, job: Job, now: float) -> bool:
         try:
