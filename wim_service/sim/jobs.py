@@ -102,7 +102,9 @@ class Job:
             work.kv_blocks, estimate, document=work.document, copy_blocks=copy_blocks
         )
         assert copy is not None
-        self.cached_tokens = 0 if self.copy else work.document_tokens
+        # As the live service reports it (the query's `usage`): a copy's read is the router's
+        # own request, counted in the copies opened and in this query's wait, not in its prompt.
+        self.cached_tokens = work.document_tokens
         copy.take(lambda at: self._run_query(engine, read, at), now)
 
     def _run_query(self, engine: Engine, read: float, now: float) -> None:
