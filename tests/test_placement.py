@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from wim_service.placement.policy import ExpectedWait, RoundRobin, Sticky, make_policy
+from wim_service.placement.policy import (
+    DEFAULT_MAX_COPIES,
+    ExpectedWait,
+    RoundRobin,
+    Sticky,
+    make_policy,
+)
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import NoRoom, PrefixCache, ReplicaState, Work
 
@@ -114,4 +120,4 @@ def test_the_router_config_refuses_a_cost_profile_it_cannot_read(tmp_path: Path)
     measured = tmp_path / "measured.json"
     measured.write_text(PROFILE.model_dump_json())
     assert RouterConfig(cost_profile=str(measured)).cost_profile == str(measured)
-    assert RouterConfig().placement == "wim" and RouterConfig().max_copies == 2
+    assert RouterConfig().placement == "wim" and RouterConfig().max_copies == DEFAULT_MAX_COPIES

@@ -62,7 +62,7 @@ async def hot(router: WiMRouter, document_id: str, queries: int = 6) -> list[str
 
 async def test_a_hot_document_gets_a_copy_and_its_queries_are_shared() -> None:
     a, b = ScriptedReplica("a"), ScriptedReplica("b")
-    router = await router_over(a, b)
+    router = await router_over(a, b, max_copies=2)
     document_id = await opened(router)
     assert await ask(router, document_id) == "a"  # alone: where the document is
     assert b.documents == {}
@@ -80,7 +80,7 @@ async def test_a_hot_document_gets_a_copy_and_its_queries_are_shared() -> None:
     # Copies are claimed like the primary: b does not reap it as an orphan.
     await router._claim_documents()
     assert b.claimed == [document_id] and a.claimed == [document_id]
-    # At max_copies (2) no third copy opens, however hot the document.
+    # At max_copies (2 here) no third copy opens, however hot the document.
     c = ScriptedReplica("c")
     router.client.replicas["c"] = c  # type: ignore[attr-defined]
     await router.fleet.refresh_loads()

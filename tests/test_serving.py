@@ -145,7 +145,7 @@ def test_document_session_is_pinned_and_reuses_its_kv(client: httpx.Client, repo
 def test_a_hot_document_is_copied_to_the_second_replica_and_both_answer(
     client: httpx.Client, report: str
 ) -> None:
-    """`placement: wim`, `max_copies: 2` (the defaults): queries at once on one document make
+    """`placement: wim` (the default): queries at once on one document make
     its replica busier than reading a copy on the other; both then answer its queries, and
     DELETE closes both copies."""
     opened = metric(client, "wim_document_copies_opened_total")

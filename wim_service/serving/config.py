@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from wim_service.engine.config import EngineConfig
+from wim_service.placement.policy import DEFAULT_MAX_COPIES
 from wim_service.placement.profile import EngineProfile
 
 
@@ -85,7 +86,7 @@ class RouterConfig(BaseModel):
     placement: Literal["wim", "sticky", "round_robin"] = "wim"
     # Replicas a document session may hold copies on at once, its first one included (1: a
     # document is never copied).
-    max_copies: int = Field(2, ge=1, le=16)
+    max_copies: int = Field(DEFAULT_MAX_COPIES, ge=1, le=64)
     # A copy no query used for this long is closed (never a session's last one).
     copy_idle_s: float = Field(120.0, gt=0)
     # The engine cost profile the `wim` placement and the replicas' backlogs are computed with
