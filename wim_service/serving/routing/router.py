@@ -94,13 +94,11 @@ class WiMRouter:
         self.documents = DocumentTable(
             store, hold_s=router.request_timeout_s, retry_after_s=router.retry_after_s
         )
+        sizer = JobSizer(self.config.engine)
+        # Before Serve routes anything here, not on the first request's time.
+        sizer.warm_up()
         self.dispatcher = Dispatcher(
-            self.client,
-            self.fleet,
-            self.documents,
-            JobSizer(self.config.engine),
-            self.config.router,
-            self.metrics,
+            self.client, self.fleet, self.documents, sizer, self.config.router, self.metrics
         )
         self.pdf = PdfExtractor(self.config.router)
         self._background: asyncio.Task[None] | None = None

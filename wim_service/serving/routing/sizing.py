@@ -8,7 +8,8 @@ long document is CPU work: it runs in a worker thread, off the ingress's event l
 from __future__ import annotations
 
 import asyncio
-from functools import cached_property
+from functools import cache
+from pathlib import Path
 
 from wim_service.engine.config import EngineConfig
 from wim_service.serving.http.errors import HTTPFailure
@@ -28,11 +29,16 @@ class JobSizer:
         self.engine = engine
         self.limits = EngineLimits(engine.max_model_len, engine.block_size, True)
 
-    @cached_property
+    @property
     def tokenizer(self) -> HFTokenizer:
         from wim_service.assets.default_model import default_model_dir
 
-        return HFTokenizer(self.engine.model or default_model_dir())
+        return _tokenizer(Path(self.engine.model or default_model_dir()))
+
+    def warm_up(self) -> None:
+        """Load what the first job would (the tokenizer, the sentence splitter): 7 s of CPU
+        on the development machine, which the first request after a start waited for."""
+        self._shape("A first sentence. A second one.", WiMOptions(), "What is said?")
 
     def _shape(self, text: str, options: WiMOptions, query: str | None) -> JobShape:
         builder = PromptBuilder(self.tokenizer, options.prompts)
@@ -51,3 +57,9 @@ class JobSizer:
         if one_shot:
             return shape.one_shot_blocks(block, window)
         return shape.session_blocks(block, window)
+
+
+@cache
+def _tokenizer(model_dir: Path) -> HFTokenizer:
+    """One tokenizer per model in a process, however many sizers (routers) it holds."""
+    return HFTokenizer(model_dir)
