@@ -1,8 +1,8 @@
 """Check `wim sim` against the real service: one trace replayed live and simulated, per
 placement policy, and their TTFT p50/p95 side by side.
 
-    .venv/bin/python loadtest/compare_sim.py --calibrate --out /tmp/wim-compare
-    .venv/bin/python loadtest/compare_sim.py --profile P.json --policies sticky,wim --out DIR
+    .venv/bin/python loadtest/compare_sim.py --out /tmp/wim-compare
+    .venv/bin/python loadtest/compare_sim.py --calibrate --policies sticky,wim --out DIR
 
 For each policy: start the service on 127.0.0.1:`--port` from deploy/serve_config.yaml with
 2 engine replicas (no autoscaling), each on a core of its own (`cpu_threads_bind: rank`),
@@ -13,11 +13,12 @@ the service with every process it started; then simulate the trace in-process, a
 time scale, segment and margin sizes), and print per policy the live and simulated TTFT p50
 and p95, their relative difference and whether it is within `--tolerance`.
 
-The profile must describe the engines as they run here: one engine on one core.
-`--calibrate` measures it first, with the serve config's engine settings and `rank` binding
-(8.4 minutes with both cores on 4 December, longer on one); `--profile` reuses one. The
-shipped default profile describes one engine with both cores, and two engines sharing both
-cores each ran about half as fast while the other worked.
+The profile must describe the engines as they run here: one engine on one core. The default
+is the one shipped for that (`placement/profiles/one-core.json`, measured on the development
+machine); `--calibrate` measures this machine's first (12 minutes on 4 December), with the
+serve config's engine settings and `rank` binding; `--profile` reuses one. (`wim sim`'s own
+default, `default.json`, describes one engine with both cores: two engines sharing both cores
+each ran about half as fast while the other worked.)
 
 Everything goes to `--out`: the trace, the profile measured, each serve config and service
 log, `live-<policy>.json` (replay.py's report, a record per request), `sim-<policy>.json`
@@ -25,11 +26,11 @@ log, `live-<policy>.json` (replay.py's report, a record per request), `sim-<poli
 `comparison.json` (with `uptime` at the start and end of each live replay).
 
 Budget on the 2-core machine: the default trace (no `--trace`, `DEFAULT_TRACE`) has 15
-queries within 3 minutes: 5 users asking 3 each, 40 s apart on average, over 3 documents of
+requests within 3 minutes: 5 users asking 3 each, 40 s apart on average, over 3 documents of
 1,500-3,000 tokens, a quarter of the queries plain, 24-token queries, 16-token answers. Each
 policy takes the engines' start-up (1-2 min; 120 s at load average 4), the documents'
 preparation (10-20 s), at most `--replay-minutes` (3.5) of replay and the shutdown (~15 s):
-about 12 minutes for the 3 policies (4 December, load average 2-3), plus the
+about 12 minutes for the 3 policies (4 December 08:26-08:38, load average 1-3), plus the
 calibration. Run it on an otherwise idle machine.
 Ctrl-C or SIGTERM stops the replay (its sessions closed) and the service.
 """
