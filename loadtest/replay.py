@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -420,14 +419,19 @@ async def replay(args: argparse.Namespace, rows: list[Request], library: Library
         state.scale = args.time_scale
         main_task = asyncio.current_task()
         assert main_task is not None
-        terminated = asyncio.Event()
+        stopped_by: list[signal.Signals] = []
 
-        def on_sigterm() -> None:
-            terminated.set()
+        def on_stop(signum: signal.Signals) -> None:
+            stopped_by.append(signum)
             if not state.closing:  # a second stop must not cut the sessions' closing short
-                main_task.cancel()  # as asyncio.run does on Ctrl-C: the cleanup runs
+                main_task.cancel()  # the cleanup in run_trace runs
 
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+        # Both handled here, not left to asyncio.run: it handles Ctrl-C only when SIGINT has
+        # Python's default handler, and a process started in the background by a shell
+        # inherits SIGINT ignored.
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, on_stop, signum)
         outcome = await run_trace(state, rows, args.max_minutes * 60)
     records = [vars(record) for record in outcome.records]
     result = summarise_records(records, args.policy_label, replicas, outcome.span_s)
@@ -452,7 +456,7 @@ async def replay(args: argparse.Namespace, rows: list[Request], library: Library
         report = {**result, "span_s": outcome.span_s, "settings": settings, "records": records}
         args.json_out.write_text(json.dumps(report, indent=1) + "\n")
     if outcome.interrupted:
-        return 143 if terminated.is_set() else 130
+        return 128 + stopped_by[0]
     ok = result["completed"] == len(rows) and not outcome.left_open
     return 0 if ok else 1
 
@@ -511,9 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.monotonic() - began:.1f} s; replaying against {args.url}",
         flush=True,
     )
-    with contextlib.suppress(KeyboardInterrupt):  # asyncio.run re-raises Ctrl-C after cleanup
+    try:
         return asyncio.run(replay(args, args.rows, library))
-    return 130
+    except KeyboardInterrupt:  # Ctrl-C before the replay's own handler was installed
+        return 130
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
@@ -275,9 +275,25 @@ def test_past_its_time_a_replay_cancels_what_is_in_flight(
     assert any(c.startswith("DELETE /documents/") for c in stub.calls)
 
 
-@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def ignore_sigint() -> None:
+    """As a shell starts a background job: SIGINT ignored, and inherited so by its children."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("signum", "status", "started"),
+    [
+        (signal.SIGTERM, 143, None),
+        (signal.SIGINT, 130, None),
+        (signal.SIGINT, 130, ignore_sigint),
+    ],
+)
 def test_a_signal_stops_a_replay_and_closes_its_sessions(
-    stub: type[Stub], tmp_path: Path, signum: signal.Signals, status: int
+    stub: type[Stub],
+    tmp_path: Path,
+    signum: signal.Signals,
+    status: int,
+    started: Callable[[], None] | None,
 ) -> None:
     stub.pause_s = 5
     trace = write_rows(tmp_path / "t.jsonl", STUB_TRACE)
@@ -287,6 +303,7 @@ def test_a_signal_stops_a_replay_and_closes_its_sessions(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=started,
     )
     try:
         wait_for(lambda: "POST /wim" in stub.calls, "the first WiM query", timeout=60)
