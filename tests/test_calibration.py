@@ -113,14 +113,12 @@ def kv_tokens(model_dir: Path, gib: float, block: int) -> int:
 
 @pytest.mark.engine
 @pytest.mark.timeout(300)
-async def test_quick_calibration_of_a_real_engine(shared_engine, model_dir) -> None:
-    """`calibrate(TEST_ENGINE, quick=True)` in the tests' event loop (`calibrate` only adds
-    `asyncio.run`). It starts its own engine: the shared one is closed first (one engine at
-    a time on a small machine; the next engine test starts it again)."""
-    from wim_service.engine.calibration import calibrate_async
+async def test_quick_calibration_of_a_real_engine(engine, model_dir) -> None:
+    """The quick plan on the tests' shared engine (`TEST_ENGINE`): what `calibrate` measures
+    after starting one (it only adds the engine's start and `asyncio.run`)."""
+    from wim_service.engine.calibration import calibrate_on
 
-    shared_engine.close()
-    profile = await calibrate_async(TEST_ENGINE, quick=True)
+    profile = await calibrate_on(engine, quick=True)
     assert profile.prefill.per_token_s > 0 and profile.decode.fixed_s > 0
     assert profile.decode.per_context_token_s > 0 or profile.decode.per_sequence_s > 0
     kinds = {s["kind"] for s in profile.samples}

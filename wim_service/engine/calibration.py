@@ -335,17 +335,22 @@ def _max_load(*loads: Sequence[float]) -> list[float]:
     return [max(values) for values in zip(*loads, strict=True)]
 
 
+async def calibrate_on(backend: VLLMBackend, *, quick: bool = False) -> EngineProfile:
+    """Measure and fit the costs of a running engine (it stays up)."""
+    load = os.getloadavg()
+    samples = await measure(backend, QUICK if quick else FULL)
+    return build_profile(backend, samples, _max_load(load, os.getloadavg()))
+
+
 async def calibrate_async(config: EngineConfig, *, quick: bool = False) -> EngineProfile:
     """`calibrate` inside a running event loop."""
     from wim_service.engine.vllm_engine import VLLMBackend
 
-    load = os.getloadavg()
     backend = VLLMBackend.start(config)
     # Always ends the engine: an error, a cancelled task, or the KeyboardInterrupt that the
     # CLI raises on SIGTERM/SIGINT (cli/lifecycle.py) all pass through here.
     try:
-        samples = await measure(backend, QUICK if quick else FULL)
-        return build_profile(backend, samples, _max_load(load, os.getloadavg()))
+        return await calibrate_on(backend, quick=quick)
     finally:
         backend.shutdown()
 
