@@ -128,15 +128,19 @@ class Replay:
         if document is not None and document in self._opening:
             self._opening[document].append(job)  # placed once the session is open
             return
-        if document is not None and not any(document in e.copies for e in self.engines):
+        if document is not None and not self._held(document):
             # As the live client does: open the session (placed on its own), then ask.
             self._opening[document] = [job]
             job = Job(request, read_work(job.work), self.settings, self._opened)
         self._submit(job, now)
 
+    def _held(self, document: str) -> bool:
+        """Whether some engine holds a copy of `document`."""
+        return any(document in engine.copies for engine in self.engines)
+
     def _submit(self, job: Job, now: float) -> None:
         document = job.work.document
-        held = document is not None and any(document in e.copies for e in self.engines)
+        held = document is not None and self._held(document)
         # A query of a held document needs no new room: it queues at a copy, as a live query
         # waits in its holder's admission queue. The others wait for room first come, first
         # served: nothing overtakes them, so a large job is not starved by smaller ones.
