@@ -298,6 +298,14 @@ def test_client_disconnect_cancels_the_job(client: httpx.Client, report: str) ->
     assert metric(client, "vllm:prompt_tokens_total") - prompt_tokens < 4000
 
 
+def router_log() -> str:
+    """What the WiM routers wrote to their Serve logs in this Ray session."""
+    import ray
+
+    serve_logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    return "".join(p.read_text(errors="replace") for p in serve_logs.glob("*WiMRouter*.log"))
+
+
 def _replica_actor(replica: str):
     import ray
     from ray.serve._private.common import DeploymentID, ReplicaID
@@ -344,6 +352,9 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     assert done["answer"] and done["replica"] != document["replica"]
     assert metric(client, "wim_session_failover_total", reason="replica_lost") > failovers
     assert metric(client, "wim_reprefill_tokens_total") >= reprefilled + document["context_tokens"]
+    # The router says so in its Serve log (docs/serving.md, "Logs").
+    move = f"a document session moved {document['replica']} -> {done['replica']} (replica_lost)"
+    wait_for(lambda: move in router_log(), "the move in the router's log", 10)
     # The session now lives on the new replica and is served from its pinned KV there.
     body = query_body(document["document_id"])
     again = client.post("/wim", json=body)

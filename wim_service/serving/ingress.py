@@ -37,6 +37,7 @@ from wim_service.serving.http.edge import (
 from wim_service.serving.http.errors import STATUS, HTTPFailure, install_error_handlers
 from wim_service.serving.http.page import extract_routes, install_page
 from wim_service.serving.http.responses import json_response, sse_response
+from wim_service.serving.observability.logs import log_through_serve
 from wim_service.serving.openai.errors import OpenAIError
 from wim_service.serving.openai.models import ErrorResponse
 from wim_service.serving.openai.routes import openai_routes
@@ -206,6 +207,7 @@ class WiMIngress:
 
     def __init__(self, engine: Any, config: dict[str, Any]) -> None:
         """`engine` is the EngineReplica deployment's handle; `config` a `ServiceConfig`."""
+        log_through_serve()
         self.router = WiMRouter(engine, config)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -24,6 +24,7 @@ from ray import serve
 
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.profile import EngineProfile
+from wim_service.serving.observability.logs import log_through_serve
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
 from wim_service.serving.observability.metrics import event_loop_lag
 from wim_service.serving.replica.backlog import Backlog
@@ -58,6 +59,7 @@ class EngineReplica:
         # engine crawls behind everything else on the node.
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, 0)
+        log_through_serve()
         from wim_service.engine.vllm_engine import VLLMBackend
 
         context = serve.get_replica_context()
