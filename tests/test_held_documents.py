@@ -5,10 +5,13 @@ on the real engine)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+
+import pytest
 
 from tests.test_orchestrator import DOC, FakeBackend, options
 from wim_service.serving.replica.held_documents import HeldDocuments
-from wim_service.wim.errors import ErrorCode
+from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.orchestrator import open_document
 
 QUERY = "Which sentence is about the harbour?"
@@ -27,7 +30,7 @@ async def test_an_unclaimed_session_is_reaped_unless_a_query_uses_it() -> None:
     held = HeldDocuments(orphan_timeout_s=60)
     idle, querying, claimed = FakeSession(), FakeSession(busy=True), FakeSession()
     for name, session in (("idle", idle), ("querying", querying), ("claimed", claimed)):
-        await held.add(name, session, now=0)  # type: ignore[arg-type]
+        await held.open(name, reader(session), lambda: 0)
     assert held.claim(["claimed", "elsewhere"], now=50) == 1
     assert held.orphans(now=59) == []
     # Unclaimed past the timeout: only the idle one goes. A query in flight came through a
@@ -42,23 +45,63 @@ async def test_an_unclaimed_session_is_reaped_unless_a_query_uses_it() -> None:
     assert held.orphans(now=161) == ["querying", "claimed"]
 
 
-async def test_a_second_open_of_one_document_closes_the_first() -> None:
-    """Two opens of one document ran at once on this replica (two routers copying a hot
-    document): the one held last stays, the other is closed, not left pinned for nobody."""
+def reader(session: Any, started: asyncio.Event | None = None) -> Any:
+    """A read of a document that makes `session`, counted in `session.reads`."""
+
+    async def read() -> Any:
+        session.reads = getattr(session, "reads", 0) + 1
+        if started is not None:
+            started.set()
+            await asyncio.sleep(0.05)
+        return session
+
+    return read
+
+
+async def test_a_document_is_read_once_however_many_open_it() -> None:
+    """Two routers failing one session over onto this replica at once, or a copy opened where
+    one is held: one read, one session, and nothing closed under the first one's queries."""
     held = HeldDocuments()
     first, second = FakeSession(), FakeSession()
-    await held.add("doc", first, now=0)  # type: ignore[arg-type]
-    await held.add("doc", second, now=1)  # type: ignore[arg-type]
-    assert (first.closed, second.closed, len(held)) == (True, False, 1)
-    assert held.use("doc", now=2) is second
-    assert await held.close("doc") and second.closed and len(held) == 0
+    both = await asyncio.gather(
+        held.open("doc", reader(first, asyncio.Event()), lambda: 0),
+        held.open("doc", reader(second), lambda: 0),
+    )
+    assert both == [first, first] and first.reads == 1 and not hasattr(second, "reads")
+    # Held already: returned as it is, claimed now, not read again and not closed.
+    assert await held.open("doc", reader(second), lambda: 70) is first
+    assert held.orphans(now=100) == [] and not first.closed and len(held) == 1
+    assert await held.close("doc") and first.closed and len(held) == 0
+
+
+async def test_a_read_its_callers_left_is_held_and_then_reaped() -> None:
+    held = HeldDocuments(orphan_timeout_s=60)
+    session, started = FakeSession(), asyncio.Event()
+    opening = asyncio.create_task(held.open("doc", reader(session, started), lambda: 5))
+    await started.wait()
+    opening.cancel()
+    await asyncio.sleep(0.1)  # the read goes on without its caller
+    assert len(held) == 1 and held.orphans(now=64) == [] and held.orphans(now=66) == ["doc"]
+    assert await held.reap(now=66) == 1 and session.closed
+
+
+async def test_a_failed_read_holds_nothing_and_the_next_open_reads_again() -> None:
+    held = HeldDocuments()
+
+    async def failing() -> Any:
+        raise WiMError(ErrorCode.OVERLOADED, "no room")
+
+    with pytest.raises(WiMError):
+        await held.open("doc", failing, lambda: 0)
+    session = FakeSession()
+    assert len(held) == 0 and await held.open("doc", reader(session), lambda: 0) is session
 
 
 async def test_closing_a_session_under_a_query_ends_the_query_with_not_found(tokenizer) -> None:
     backend = FakeBackend(tokenizer, lambda params, prefix: "YES the harbour.")
     session = await open_document(backend, tokenizer, DOC, options())
     held = HeldDocuments()
-    await held.add("doc", session, now=0)
+    await held.open("doc", reader(session), lambda: 0)
     assert not session.busy
     backend.gate.clear()  # the query's margins start, then stall
     events = []

@@ -46,7 +46,7 @@ from wim_service.serving.replica.work import (
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
-from wim_service.wim.orchestrator import open_document, run_wim
+from wim_service.wim.orchestrator import WiMSession, open_document, run_wim
 
 REAP_INTERVAL_S = 5.0
 
@@ -129,20 +129,21 @@ class EngineReplica:
     async def open_document(
         self, document_id: str, document: str, options: WiMOptions
     ) -> OpenResult:
-        """Read a document into a pinned context; returns its size or an error event."""
+        """Read a document into a pinned context (unless this replica holds or is reading it:
+        `HeldDocuments.open`); returns its size or an error event."""
         self._ensure_reaper()
-        await self.close_document(document_id)  # a re-open (failover) replaces a stale copy
         self._check_engine()
-        read = session_work(document_id, estimated_tokens(document), 0, options)
+
+        async def read() -> WiMSession:
+            work = session_work(document_id, estimated_tokens(document), 0, options)
+            with self.backlog.job(work, copy=True):
+                return await open_document(self.backend, self.backend.tokenizer, document, options)
+
         try:
-            with self.backlog.job(read, copy=True):
-                session = await open_document(
-                    self.backend, self.backend.tokenizer, document, options
-                )
+            session = await self.documents.open(document_id, read, time.monotonic)
         except WiMError as exc:
             self._check_engine()
             return ErrorEvent.of(exc)
-        await self.documents.add(document_id, session, time.monotonic())
         return DocumentOpened(
             context_tokens=session.plan.context_tokens, segments=len(session.plan.segments)
         )

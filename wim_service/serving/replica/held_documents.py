@@ -5,14 +5,16 @@ one that no router claimed for `orphan_timeout_s` belongs to a router that is go
 without a shared store, or with its store lost), and its KV would stay pinned for nobody. A
 session with a query running or waiting is never an orphan: that query came through a router
 that holds the session now, even if that router cannot list its sessions (its store is down).
+A document id names one text read with fixed options: a replica reads it once (`open`).
 
 Free of Ray, so that the rule is tested without a replica (`tests/test_held_documents.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from wim_service.wim.orchestrator import WiMSession
@@ -20,6 +22,8 @@ from wim_service.wim.orchestrator import WiMSession
 logger = logging.getLogger(__name__)
 
 DEFAULT_ORPHAN_TIMEOUT_S = 60.0
+
+Clock = Callable[[], float]  # monotonic seconds
 
 
 @dataclass
@@ -34,6 +38,7 @@ class HeldDocuments:
     def __init__(self, orphan_timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S) -> None:
         self.orphan_timeout_s = orphan_timeout_s
         self._held: dict[str, _Held] = {}
+        self._reading: dict[str, asyncio.Future[WiMSession]] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -41,15 +46,36 @@ class HeldDocuments:
     def sessions(self) -> Iterator[WiMSession]:
         return (held.session for held in self._held.values())
 
-    async def add(self, document_id: str, session: WiMSession, now: float) -> None:
-        """Hold `session` as `document_id`'s. A session already held under that id is closed:
-        two opens of one document that ran at once (two routers reading a copy of a hot
-        document at the same moment) would otherwise leave the first one's KV pinned, out of
-        this table, where neither DELETE nor the orphan rule ever reaches it."""
-        replaced = self._held.get(document_id)
-        self._held[document_id] = _Held(session, now)
-        if replaced is not None and replaced.session is not session:
-            await replaced.session.close()
+    async def open(
+        self, document_id: str, read: Callable[[], Awaitable[WiMSession]], clock: Clock
+    ) -> WiMSession:
+        """`document_id`'s session, read by `read` only if this replica neither holds it nor
+        is reading it. A document id names one text read with options fixed at its upload,
+        so a session held under it is the one a second read would make: two routers failing
+        one session over onto this replica at once (or a copy opened where a stale one is
+        left) share one read. Closing the held one to read it again would end the other
+        router's queries on it, which then took this live replica for a lost one.
+
+        The read runs to its end even if every caller goes away (shielded): its session is
+        then held, claimed when it ended, and reaped as an orphan if no router claims it."""
+        held = self.use(document_id, clock())
+        if held is not None:
+            return held
+        reading = self._reading.get(document_id)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read(document_id, read, clock))
+            self._reading[document_id] = reading
+        return await asyncio.shield(reading)
+
+    async def _read(
+        self, document_id: str, read: Callable[[], Awaitable[WiMSession]], clock: Clock
+    ) -> WiMSession:
+        try:
+            session = await read()
+        finally:
+            del self._reading[document_id]
+        self._held[document_id] = _Held(session, clock())
+        return session
 
     def use(self, document_id: str, now: float) -> WiMSession | None:
         """The session, counted as claimed now (a query came for it through a router)."""
