@@ -211,3 +211,28 @@ async def test_a_copy_opened_through_one_router_is_closed_by_a_delete_through_an
     assert (await second.delete(f"/documents/{document_id}")).status_code == 204
     assert a.documents == {} and b.documents == {}
     assert counted(router, "wim_document_copies_opened_total") == 1
+
+
+@pytest.mark.parametrize("routers", ["memory", "redis"], indirect=True)
+async def test_two_routers_copying_a_document_onto_one_replica_leave_it_open(
+    routers: Routers,  # noqa: F811
+) -> None:
+    """Both read a copy on b at once: b holds one session for the document (a replica reads
+    it once: `HeldDocuments.open`), one router records it, and the other does not close it
+    (it is the copy the first one sends queries to)."""
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    client = ScriptedClient(a, b, delay_s=0.005)
+    first, one = await routers.new(client=client, placement="wim")
+    _, two = await routers.new(client=client, placement="wim")
+    await one.fleet.refresh_loads()
+    await two.fleet.refresh_loads()
+    document_id = (await open_document(first, context=TEXT))["document_id"]
+    session = await one.documents.get(document_id)
+    assert session is not None and session.replica == "a"
+    opened = await asyncio.gather(
+        one.dispatcher.copies._open(session, "b"), two.dispatcher.copies._open(session, "b")
+    )
+    assert sorted(opened) == [False, True]
+    stored = await two.documents.get(document_id)
+    assert stored is not None and stored.copies == ("b",)
+    assert document_id in b.documents

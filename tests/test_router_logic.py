@@ -437,7 +437,24 @@ def test_a_replica_that_forgot_the_session_gets_it_rebuilt() -> None:
     a.documents.clear()  # the replica restarted
     response = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
     assert response.status_code == 200
-    assert b.calls.count("open_document") == 1
+    assert a.calls.count("open_document") + b.calls.count("open_document") == 2
+
+
+def test_a_sole_replica_that_forgot_the_session_rebuilds_it_at_once() -> None:
+    """A replica that answers "not here" (restarted, or another router closed that copy) is
+    alive: the session is read again, there if need be, and the replica keeps taking work.
+    Taken for lost, it was excluded from the rebuild: with no other replica up, the query
+    waited `replica_wait_s` (0 here) for one and then answered 503."""
+    a = FakeReplica("a")
+    client, router = make_service(a)
+    document = client.post("/documents", json={"context": DOCUMENT}).json()
+    a.documents.clear()
+    response = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
+    assert response.status_code == 200, response.text
+    assert response.json()["replica"] == "a" and a.calls.count("open_document") == 2
+    assert router.fleet.table.is_live("a") and router.fleet.ready() == ["a"]
+    assert metric(client, "wim_session_failover_total", reason="session_missing") == 1
+    assert metric(client, "wim_session_failover_total", reason="replica_lost") == 0
 
 
 def test_one_shot_job_fails_over_and_gives_up_after_max_failovers() -> None:

@@ -56,6 +56,17 @@ async def close_on(client: ReplicaClient, replica: str, document_id: str) -> Non
         await client.replica(replica).close_document(document_id)
 
 
+async def close_unless_held(
+    client: ReplicaClient, documents: DocumentTable, replica: str, document_id: str
+) -> None:
+    """Close a read of this router's that it could not record, unless the session store
+    records a holder of the session on that replica: a replica reads a document once
+    (`HeldDocuments.open`), so this read may be the very session another router recorded."""
+    current = await documents.get(document_id)
+    if current is None or replica not in current.holders:
+        await close_on(client, replica, document_id)
+
+
 class DocumentCopies:
     def __init__(
         self,
@@ -141,8 +152,8 @@ class DocumentCopies:
         except HTTPFailure:
             await close_on(self.client, replica, document_id)
             raise
-        if not added:  # another router reached the limit first, or the session ended
-            await close_on(self.client, replica, document_id)
+        if not added:  # another router reached the limit or read it first, or it ended
+            await close_unless_held(self.client, self.documents, replica, document_id)
             return False
         self.metrics.copies_opened.inc()
         self._used[(document_id, replica)] = time.monotonic()

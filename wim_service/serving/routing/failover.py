@@ -23,7 +23,7 @@ from wim_service.serving.replica.contracts import DocumentOpened
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
 from wim_service.serving.replica.work import one_shot_work, plain_work, session_work
 from wim_service.serving.routing.bindings import BindResult, Booking
-from wim_service.serving.routing.copies import DocumentCopies, close_on
+from wim_service.serving.routing.copies import DocumentCopies, close_on, close_unless_held
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.prefixes import prompt_blocks
@@ -42,6 +42,13 @@ logger = logging.getLogger(__name__)
 # purged when it is reachable again (tests/test_multinode.py's partition).
 TRANSIENT_RETRIES = 1
 TRANSIENT_BACKOFF_S = 0.25
+
+
+class SessionMissing(ReplicaLost):
+    """The replica answered that it does not hold the session (it restarted, or another
+    router closed that copy): the session is rebuilt, but the replica is not lost. Taking it
+    for lost would stop placing work there, and with no other replica up a failover would
+    then wait `replica_wait_s` for one."""
 
 
 def _gone(document_id: str) -> HTTPFailure:
@@ -208,11 +215,17 @@ class Dispatcher:
             await self.documents.drop_copy(session.session_id, replica)
         return replace(session, copies=tuple(r for r in session.copies if r not in lost))
 
-    async def _lose(self, session: StoredSession, replica: str, reason: str) -> str | None:
-        """`replica`, holding `session`, is lost: a copy there is dropped; a primary there is
-        replaced by a live copy (no re-read) or the session is rebuilt elsewhere. The new
-        primary, or None if it was a copy, or another router moved or ended the session."""
-        self.fleet.lost(replica, reason)
+    async def _lose(
+        self, session: StoredSession, replica: str, reason: str, *, alive: bool = False
+    ) -> str | None:
+        """`replica` no longer holds `session` (lost, or `alive` but without it): a copy there
+        is dropped; a primary there is replaced by a live copy (no re-read) or the session is
+        rebuilt (elsewhere, unless the replica is alive). The new primary, or None if it was a
+        copy, or another router moved or ended the session."""
+        if alive:
+            self.metrics.failover.labels(reason).inc()
+        else:
+            self.fleet.lost(replica, reason)
         document_id = session.session_id
         if replica != session.replica:
             await self.documents.drop_copy(document_id, replica)
@@ -220,30 +233,33 @@ class Dispatcher:
         table = self.fleet.table
         copy = next((r for r in session.copies if r != replica and table.is_live(r)), None)
         if copy is None:
-            return await self._repin(session, reason)
+            return await self._repin(session, reason, exclude=set() if alive else {replica})
         if not await self.documents.rebind(document_id, replica, copy):
             return None
         self.metrics.binding.labels(BindResult.REPIN).inc()
         logger.info("a document session's copy on %s took over from %s (%s)", copy, replica, reason)
         return copy
 
-    async def _repin(self, session: StoredSession, reason: str) -> str | None:
-        """Rebuild the session on another replica, then bind it there by compare-and-set; None
-        if another router moved or ended it first (the copy made here is closed again)."""
+    async def _repin(
+        self, session: StoredSession, reason: str, exclude: set[str] | None = None
+    ) -> str | None:
+        """Rebuild the session on a replica (not one in `exclude`; by default not its own),
+        then bind it there by compare-and-set; None if another router moved or ended it first
+        (the copy read here is closed again, unless the session is held there)."""
         old, document_id = session.replica, session.session_id
         text = await self.documents.text(document_id)
         if text is None:
             raise _gone(document_id)
-        replica, _, _ = await self._read(session, text, {old} if old else set())
+        if exclude is None:
+            exclude = {old} if old else set()
+        replica, _, _ = await self._read(session, text, exclude)
         try:
             moved = await self.documents.rebind(document_id, old, replica)
         except HTTPFailure:
             await self._close_on(replica, document_id)
             raise
         if not moved:
-            current = await self.documents.get(document_id)
-            if current is None or current.replica != replica:
-                await self._close_on(replica, document_id)
+            await close_unless_held(self.client, self.documents, replica, document_id)
             return None
         self.metrics.binding.labels(BindResult.REPIN).inc()
         self.metrics.reprefill_tokens.inc(session.context_tokens)
@@ -375,8 +391,9 @@ class Dispatcher:
         if job.record is not None and (
             isinstance(event, ErrorEvent) and event.code == ErrorCode.NOT_FOUND.value
         ):
-            # The replica no longer has this session (restarted): rebuild it.
-            raise ReplicaLost(replica, LookupError(event.message))
+            # The replica no longer has this session (restarted, or another router closed
+            # that copy): rebuild it.
+            raise SessionMissing(replica, LookupError(event.message))
         if isinstance(event, ErrorEvent) and event.code == ErrorCode.ENGINE_ERROR:
             # The replica logged the failure under the incident id its message names; this
             # line ties that id to the job and the replica.
@@ -399,12 +416,17 @@ class Dispatcher:
                 exc,
                 job.subject,
             ) from exc
-        logger.warning("replica %s lost mid-request (%s); failing over", replica, exc)
+        missing = isinstance(exc, SessionMissing)
+        if missing:
+            logger.warning("replica %s does not hold the session; rebuilding it", replica)
+        else:
+            logger.warning("replica %s lost mid-request (%s); failing over", replica, exc)
         if job.record is not None:
             async with self.documents.lock(job.session_id):
                 current = await self.documents.get(job.session_id)
                 if current is not None and replica in current.holders:
-                    await self._lose(current, replica, "replica_lost")
+                    reason = "session_missing" if missing else "replica_lost"
+                    await self._lose(current, replica, reason, alive=missing)
         else:
             self.fleet.lost(replica, "replica_lost")
             job.exclude.add(replica)
