@@ -6,8 +6,8 @@ The cluster starts once for the module and the scenarios run on it in order (`re
 tests/conftest.py), each leaving it whole again: the lost node is started anew, as a cloud
 would replace it. Each scenario opens a document session, keeps a fixed count of questions in
 flight through the fault and after it, and prints what issue #29 asks of it: requests lost,
-the longest request during the fault against the same load without one, and the time until
-the cluster was whole again.
+the longest request during the fault against the same load without one (`normal_s`, once for
+the module), and the time until the cluster was whole again.
 
 A client retries a request that failed with a 5xx or a cut connection (as a client following
 `Retry-After` does); a request is lost when it has no answer after `RETRIES` attempts.
@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,7 @@ class Answer:
     attempts: int
     body: dict
     router: str
+    ended: float  # monotonic seconds
 
 
 def ask(cluster: Cluster, document_id: str) -> Answer:
@@ -87,12 +89,15 @@ def ask(cluster: Cluster, document_id: str) -> Answer:
             if status == 200 or 0 < status < 500:
                 break
             time.sleep(1.0)
-    return Answer(status, time.monotonic() - started, attempts, body, router)
+    ended = time.monotonic()
+    return Answer(status, ended - started, attempts, body, router, ended)
 
 
 @dataclass
 class Outcome:
     answers: list[Answer]
+    fault_s: float  # how long striking the fault took (a node's processes all stopped)
+    struck: float  # monotonic seconds when the fault had struck
     fault_to_whole_s: float
 
     @property
@@ -103,20 +108,26 @@ class Outcome:
     def longest_s(self) -> float:
         return max(a.seconds for a in self.answers)
 
+    def replicas_after(self) -> set[str]:
+        """The replicas that answered the questions ending once the fault had struck (one that
+        ended while it was striking may still come from the replica it took)."""
+        return {a.body["replica"] for a in self.answers if a.ended > self.struck}
+
 
 def load(
     cluster: Cluster, document_id: str, fault: Callable[[], None]
-) -> tuple[list[Answer], float]:
+) -> tuple[list[Answer], float, float]:
     """`IN_FLIGHT` questions running when `fault` strikes, `AFTER` more sent right after it;
-    their answers, and when the fault struck."""
+    their answers, when the fault began to strike and when it had struck."""
     with ThreadPoolExecutor(IN_FLIGHT + AFTER) as pool:
         running = [pool.submit(ask, cluster, document_id) for _ in range(IN_FLIGHT)]
         # Mid-query: the engines are busy with them (one alone takes a second or more).
         time.sleep(1.0)
-        struck = time.monotonic()
+        striking = time.monotonic()
         fault()
+        struck = time.monotonic()
         later = [pool.submit(ask, cluster, document_id) for _ in range(AFTER)]
-        return [future.result() for future in running + later], struck
+        return [future.result() for future in running + later], striking, struck
 
 
 def under_fault(
@@ -124,17 +135,10 @@ def under_fault(
 ) -> Outcome:
     """The questions of `load` through `fault`; then `heal` and wait until the cluster is
     whole."""
-    answers, struck = load(cluster, document_id, fault)
+    answers, striking, struck = load(cluster, document_id, fault)
     heal()
     cluster.wait_for(cluster.whole, "the cluster whole again", 600)
-    return Outcome(answers, time.monotonic() - struck)
-
-
-def baseline_s(cluster: Cluster, document_id: str) -> float:
-    """The longest question of the same load with no fault: the normal figure."""
-    answers, _ = load(cluster, document_id, fault=lambda: None)
-    assert all(a.status == 200 and a.attempts == 1 for a in answers), answers
-    return max(a.seconds for a in answers)
+    return Outcome(answers, struck - striking, struck, time.monotonic() - striking)
 
 
 def report(
@@ -146,22 +150,41 @@ def report(
         print(
             f"\n[multinode] {scenario}: lost {len(outcome.lost)}/{len(outcome.answers)} "
             f"(retried {retried}), longest {outcome.longest_s:.1f} s vs {normal_s:.1f} s "
-            f"normal, whole again after {outcome.fault_to_whole_s:.1f} s"
+            f"normal, whole again after {outcome.fault_to_whole_s:.1f} s (the fault took "
+            f"{outcome.fault_s:.1f} s to strike)"
         )
 
 
-@pytest.fixture
-def document(cluster: Cluster, short_report: str) -> Iterator[dict]:
-    """A document session, opened (and timed: `open_s`) before the test, ended after it; then
-    no session and no KV reservation may be left on any replica."""
+@contextmanager
+def session_on(cluster: Cluster, text: str) -> Iterator[dict]:
+    """A document session, opened (and timed: `open_s`) and ended; then no session and no KV
+    reservation may be left on any replica."""
     with cluster.client() as client:
         started = time.monotonic()
-        response = client.post("/documents", json={"context": short_report, "options": OPTIONS})
+        response = client.post("/documents", json={"context": text, "options": OPTIONS})
         assert response.status_code == 201, response.text
         opened = {**response.json(), "open_s": time.monotonic() - started}
         yield opened
         assert client.delete(f"/documents/{opened['document_id']}").status_code == 204
         cluster.wait_for(lambda: settled(client), "no session or reservation left", 120)
+
+
+@pytest.fixture
+def document(cluster: Cluster, short_report: str) -> Iterator[dict]:
+    """A session of its own for each test, read just before it: no copy of it yet."""
+    with session_on(cluster, short_report) as opened:
+        yield opened
+
+
+@pytest.fixture(scope="module")
+def normal_s(cluster: Cluster, short_report: str) -> float:
+    """The longest question of the scenarios' load with no fault: the normal figure, measured
+    once, on a session read just before it as each scenario's is (a session copied by an
+    earlier load would let a fault skip the rebuild it is there to measure)."""
+    with session_on(cluster, short_report) as opened:
+        answers, _, _ = load(cluster, opened["document_id"], fault=lambda: None)
+    assert all(a.status == 200 and a.attempts == 1 for a in answers), answers
+    return max(a.seconds for a in answers)
 
 
 def from_pinned_kv(body: dict, document: dict) -> bool:
@@ -191,9 +214,8 @@ def test_routers_and_engines_run_on_their_own_nodes(cluster: Cluster, document: 
 
 @pytest.mark.replica_step(2)
 def test_router_node_loss_loses_no_request(
-    cluster: Cluster, document: dict, capsys: pytest.CaptureFixture[str]
+    cluster: Cluster, normal_s: float, document: dict, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    normal_s = baseline_s(cluster, document["document_id"])
     replicas = cluster.replicas()
     engines = {replica for replica, _ in replicas["EngineReplica"]}
     (_, node_name), (survivor, _) = replicas["WiMRouter"]
@@ -216,9 +238,8 @@ def test_router_node_loss_loses_no_request(
 
 @pytest.mark.replica_step(4)
 def test_engine_node_loss_loses_no_request(
-    cluster: Cluster, document: dict, capsys: pytest.CaptureFixture[str]
+    cluster: Cluster, normal_s: float, document: dict, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    normal_s = baseline_s(cluster, document["document_id"])
     lost_replica = document["replica"]
     node = cluster.nodes[cluster.node_of("EngineReplica", lost_replica)]
     outcome = under_fault(
@@ -229,8 +250,8 @@ def test_engine_node_loss_loses_no_request(
     )
     report(capsys, "engine node loss", outcome, normal_s)
     assert not outcome.lost, outcome.lost
-    # Every answer after the loss came from the session rebuilt on the surviving engine.
-    survivors = {a.body["replica"] for a in outcome.answers}
+    # Every answer after the loss came from the session on the surviving engine.
+    survivors = outcome.replicas_after()
     assert lost_replica not in survivors and len(survivors) == 1, survivors
     # Issue #29's goal, the longest at most the session's rebuild plus one normal job, is
     # reported, not asserted: met in some runs, missed by ~1 s in others (docs/reliability.md).
@@ -240,9 +261,8 @@ def test_engine_node_loss_loses_no_request(
 
 @pytest.mark.replica_step(3)
 def test_engine_node_partition_loses_no_request(
-    cluster: Cluster, document: dict, capsys: pytest.CaptureFixture[str]
+    cluster: Cluster, normal_s: float, document: dict, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    normal_s = baseline_s(cluster, document["document_id"])
     cut_replica = document["replica"]
     node = cluster.nodes[cluster.node_of("EngineReplica", cut_replica)]
     ended: dict[str, bool] = {}
@@ -260,7 +280,7 @@ def test_engine_node_partition_loses_no_request(
     )
     report(capsys, "engine node partition", outcome, normal_s)
     assert not outcome.lost, outcome.lost
-    survivors = {a.body["replica"] for a in outcome.answers}
+    survivors = outcome.replicas_after()
     assert cut_replica not in survivors and len(survivors) == 1, survivors
     assert ended["by_itself"], "the partitioned node's engine outlived its return"
     # One binding: the session is on the survivor alone, and answered from its KV there.
@@ -274,9 +294,8 @@ def test_engine_node_partition_loses_no_request(
 
 @pytest.mark.replica_step(5)
 def test_head_loss_keeps_answering_and_the_cluster_deploys_again(
-    cluster: Cluster, document: dict, capsys: pytest.CaptureFixture[str]
+    cluster: Cluster, normal_s: float, document: dict, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    normal_s = baseline_s(cluster, document["document_id"])
     routers = {replica for replica, _ in cluster.replicas()["WiMRouter"]}
     restart: list[Callable[[], None]] = []
     # The GCS stays down while the questions run: the data plane (proxy, routers, engines,
