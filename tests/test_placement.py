@@ -50,8 +50,14 @@ def test_expected_wait_prefers_a_cached_prefix_unless_its_replica_is_busier() ->
     policy = ExpectedWait(PROFILE)
     chosen = policy.place(work, fleet)
     assert (chosen.replica, chosen.cached_tokens) == ("r1", 4096)
-    # Busier than recomputing the whole prompt elsewhere: the idle replica wins.
-    fleet[1].backlog_s = PROFILE.prefill.seconds(4096) + 1.0
+    # Busier than recomputing the whole prompt elsewhere, but not by twice that: it stays (a
+    # recompute is engine time that delays whatever queues behind it on the other replica).
+    recompute = PROFILE.prefill.seconds(4096)
+    fleet[1].backlog_s = recompute + 1.0
+    stay = policy.place(work, fleet)
+    assert (stay.replica, stay.expected_wait_s) == ("r1", pytest.approx(recompute + 1.0, abs=1))
+    # Busier by more than twice the recompute: the idle replica wins.
+    fleet[1].backlog_s = 2 * recompute + 1.0
     assert policy.place(work, fleet).replica == "r0"
 
 

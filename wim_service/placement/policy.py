@@ -107,25 +107,36 @@ class ExpectedWait:
         """Expected seconds until the job's first answer token on `replica`."""
         return replica.backlog_s + first_token_s(self.profile, work, replica, copy=copy)
 
+    def cost_s(self, work: Work, replica: ReplicaState, *, copy: bool) -> float:
+        """What placing the job on `replica` costs: its expected wait, and for a request
+        without a document the prefill of the prompt tokens that replica does not cache, once
+        more: engine time that serves this request alone and delays all work queued behind
+        it there. (A copy's read is charged once: it serves every later query of its document.
+        Charged twice, `wim sim` of routing.md's document trace at 32 replicas doubled p95.)"""
+        seconds = self.start_s(work, replica, copy=copy)
+        if work.document is None:
+            cached = work.cached_tokens(replica.cached_blocks(work))
+            seconds += self.profile.prefill.seconds(work.prompt_tokens - cached, cached=cached)
+        return seconds
+
     def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
         held = holders(work, replicas)
-        # (expected seconds, whether a copy is read first, replica): a holder wins a tie, then
-        # the replica with the most free KV (idle replicas tie: new sessions still spread).
+        # (cost, whether a copy is read first, replica): a holder wins a tie, then the replica
+        # with the most free KV (idle replicas tie: new sessions still spread).
         options = [
-            (self.start_s(work, r, copy=False), False, r) for r in held if fits_holder(work, r)
+            (self.cost_s(work, r, copy=False), False, r) for r in held if fits_holder(work, r)
         ]
         if work.document is None or len(held) < self.max_copies:
             copy = work.document is not None
             options += [
-                (self.start_s(work, r, copy=copy), copy, r)
+                (self.cost_s(work, r, copy=copy), copy, r)
                 for r in with_room(work, replicas)
                 if r not in held
             ]
         if not options:
             raise NoRoom(work, len(replicas))
-        seconds, copy, best = min(
-            options, key=lambda o: (o[0], o[1], -o[2].free_blocks, o[2].replica)
-        )
+        _, copy, best = min(options, key=lambda o: (o[0], o[1], -o[2].free_blocks, o[2].replica))
+        seconds = self.start_s(work, best, copy=copy)
         if work.document is not None:
             cached = 0 if copy else work.document_tokens
         else:
