@@ -64,6 +64,8 @@ class HeldDocuments:
         reading = self._reading.get(document_id)
         if reading is None:
             reading = asyncio.ensure_future(self._read(document_id, read, clock))
+            # A failed read whose callers all left is not an "exception never retrieved".
+            reading.add_done_callback(lambda done: done.cancelled() or done.exception())
             self._reading[document_id] = reading
         return await asyncio.shield(reading)
 
