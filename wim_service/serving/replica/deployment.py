@@ -169,8 +169,8 @@ class EngineReplica:
         self.documents.use(document_id, time.monotonic())
 
     async def close_document(self, document_id: str) -> bool:
-        """Close a session (DELETE, expiry, re-open); a query running on it ends with
-        `not_found` once the engine has let go of its blocks."""
+        """Close a session (DELETE, expiry, a retired copy, a read no router recorded); a query
+        running on it ends with `not_found` once the engine has let go of its blocks."""
         return await self.documents.close(document_id)
 
     # -- reporting -------------------------------------------------------------------------
