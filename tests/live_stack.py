@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -161,15 +162,17 @@ def settled(client: httpx.Client) -> bool:
     )
 
 
+def session_logs() -> Path:
+    """This Ray cluster's own session's log folder (not Ray's newest session's)."""
+    import ray
+
+    return Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+
+
 def serve_log_failures(limit: int = 40) -> str:
     """The last failure lines of this Ray session's Serve logs (controller, proxy, replicas):
     why a request got a bare 500 from Serve's proxy (an actor that died, a health check)."""
-    from pathlib import Path
-
-    import ray
-
-    # This cluster's own session (as the log-hygiene test reads it), not Ray's newest one.
-    serve_logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    serve_logs = session_logs() / "serve"
     marks = ("Request failed", "Traceback", "ERROR", "died", "unhealthy", "Error")
     lines = [
         f"{path.name}: {line.rstrip()}"

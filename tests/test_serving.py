@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,6 +34,7 @@ from tests.live_stack import (
     parse_sse,
     query_body,
     ready_replicas,
+    session_logs,
     settled,
     wait_for,
 )
@@ -300,10 +300,8 @@ def test_client_disconnect_cancels_the_job(client: httpx.Client, report: str) ->
 
 def router_log() -> str:
     """What the WiM routers wrote to their Serve logs in this Ray session."""
-    import ray
-
-    serve_logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
-    return "".join(p.read_text(errors="replace") for p in serve_logs.glob("*WiMRouter*.log"))
+    routers = (session_logs() / "serve").glob("*WiMRouter*.log")
+    return "".join(path.read_text(errors="replace") for path in routers)
 
 
 def _replica_actor(replica: str):
@@ -470,8 +468,6 @@ def test_a_replica_started_while_calls_run_is_used_within_seconds(
 
 
 def test_no_document_text_or_id_reaches_the_logs(client: httpx.Client, report: str) -> None:
-    import ray
-
     text = report.replace("Section 2.", MARKER + " Section 2.")
     document = open_document(client, text)
     query = "Where is the brass key?"
@@ -480,9 +476,8 @@ def test_no_document_text_or_id_reaches_the_logs(client: httpx.Client, report: s
     )
     assert response.status_code == 200
     assert client.delete(f"/documents/{document['document_id']}").status_code == 204
-    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
     found = []
-    for path in logs.rglob("*"):
+    for path in session_logs().rglob("*"):
         if path.is_file():
             content = path.read_bytes()
             for needle in (MARKER.encode(), b"brass key", document["document_id"].encode()):
