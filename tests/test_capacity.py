@@ -110,6 +110,49 @@ async def test_session_queries_larger_than_reserved_take_more_and_give_it_back(
     assert engine.load().reserved_blocks == 0
 
 
+@pytest.mark.engine
+async def test_session_queries_at_once_run_side_by_side_as_each_alone(
+    engine, short_report, monkeypatch
+):
+    """Three queries at once on one document session: the two the session's own blocks do
+    not hold reserve blocks of their own and run beside it, within the reservations, and
+    each answers exactly as it does alone (float32)."""
+    spy = _Spy(engine)
+    monkeypatch.setattr(engine, "open_context", spy.open_context)
+    options = WiMOptions(segment_tokens=64)
+    session = await open_document(engine, engine.tokenizer, short_report, options)
+    (context,) = spy.contexts
+    reserved = engine.load().reserved_blocks
+    queries = (QUERY, "Who keeps the harbour's boats?", "When does the day gate open?")
+
+    async def answer(query: str) -> tuple[str, list[int]]:
+        events = [e async for e in session.query(query)]
+        assert events[-1].type == "done", events[-1]
+        return events[-1].answer, events[-1].notes
+
+    try:
+        alone = [await answer(query) for query in queries]
+        assert context.most_reserved_blocks == reserved  # one at a time: the session's own
+        together = await asyncio.gather(*(answer(query) for query in queries))
+        assert list(together) == alone
+        # The first ran in the session's blocks; the other two, beside it at the same time,
+        # each in the blocks its own shape needs.
+        limits = engine.limits
+        own = [
+            session.plan.shape(session.builder, options, q).query_blocks(
+                limits.block_size, limits.max_model_len
+            )
+            for q in queries[1:]
+        ]
+        assert context.most_reserved_blocks == reserved + sum(own)
+        peak = await engine.peak_blocks(context.salt)
+        assert peak <= context.most_reserved_blocks, (peak, context.most_reserved_blocks)
+        assert engine.load().reserved_blocks == reserved
+    finally:
+        await session.close()
+    assert engine.load().reserved_blocks == 0
+
+
 def test_the_window_check_ignores_notes_but_counts_margins_and_answers(tokenizer) -> None:
     builder = PromptBuilder(tokenizer, WiMOptions().prompts)
     options = WiMOptions(margin_max_tokens=48, answer_max_tokens=64)

@@ -113,11 +113,15 @@ class FakeContext:
         return self._stream(params, 0, len(prompt_ids))
 
     @contextlib.asynccontextmanager
-    async def reserve_more(self, blocks: int) -> AsyncIterator[None]:
+    async def reserve_more(self, blocks: int, *, wait: bool = True) -> AsyncIterator[bool]:
+        capacity = self.backend.capacity_blocks
+        if not wait and capacity is not None and self.backend.reserved_blocks + blocks > capacity:
+            yield False
+            return
         self.backend.reserved_blocks += blocks
         self.extra_reserved.append(blocks)
         try:
-            yield
+            yield True
         finally:
             self.backend.reserved_blocks -= blocks
 
@@ -139,6 +143,7 @@ class FakeBackend:
     # Generations emit tokens only while the gate is open (a closed gate stalls them).
     gate: asyncio.Event = field(default_factory=_open_gate)
     reserved_blocks: int = 0  # what open contexts hold, like an engine's admission control
+    capacity_blocks: int | None = None  # what `reserve_more(wait=False)` may fill (None: all)
 
     @property
     def limits(self) -> EngineLimits:
@@ -414,6 +419,70 @@ async def test_document_session_margins_one_at_a_time_without_concurrent_branche
     # gets every margin at once.
     assert max_in_flight(margins) == (len(margins) if concurrent else 1)
     assert backend.reserved_blocks == 0
+
+
+@pytest.mark.parametrize("room_for_both", [True, False])
+async def test_queries_on_one_session_run_side_by_side_when_the_engine_has_room(
+    tokenizer, room_for_both: bool
+) -> None:
+    """Two queries at once on one document session: the second runs beside the first in
+    blocks of its own if the engine has them free, else it waits for the session's."""
+    backend = FakeBackend(tokenizer, lambda p, prefix: "YES a fact about boats.")
+    session = await open_document(backend, tokenizer, DOC, options())
+    context = backend.contexts[0]
+    if not room_for_both:
+        backend.capacity_blocks = backend.reserved_blocks  # the session's own, nothing more
+    try:
+        results = await asyncio.gather(
+            *(collect_query(session, q) for q in ("Where is the gate?", "Who keeps the boats?"))
+        )
+        assert [events[-1].type for events in results] == ["done", "done"], results
+        margins = requests(backend.log, RequestKind.MARGIN)
+        answers = requests(backend.log, RequestKind.ANSWER)
+        per_query = len(margins) // 2
+        first, second = margins[:per_query], margins[per_query:]
+        if room_for_both:
+            # The second query's margins start while the first's still run, in blocks of
+            # its own (what it needs, less than the session's worst case); the first fits the
+            # session's, so it reserves nothing more.
+            assert second[0].start < max(m.end for m in first)
+            assert context.extra_reserved[0] == 0 < context.extra_reserved[1]
+            assert context.extra_reserved[1] <= session.query_blocks
+        else:
+            # In turn: the second's margins start after the first's last answer ends.
+            assert second[0].start > max(a.end for a in answers[: len(answers) // 2])
+            assert context.extra_reserved == [0, 0]
+        assert backend.reserved_blocks == context.reserved_blocks
+    finally:
+        await session.close()
+    assert backend.reserved_blocks == 0
+
+
+async def test_closing_a_session_ends_every_query_on_it(tokenizer) -> None:
+    """DELETE with two queries running side by side and one waiting: all three end with
+    NOT_FOUND and every block comes back."""
+    backend = FakeBackend(tokenizer, lambda p, prefix: "YES a fact about boats.")
+    session = await open_document(backend, tokenizer, DOC, options())
+    held = backend.reserved_blocks
+    # Room beside the session's own for one of these short queries, not for two.
+    backend.capacity_blocks = held + session.query_blocks // 2
+    backend.gate.clear()  # generations stall: the queries stay running
+    queries = [asyncio.create_task(collect_query(session, f"Question {i}?")) for i in range(3)]
+    await steps(50)
+    # One runs in the session's blocks, one beside it in its own, the third waits.
+    assert session.busy and context_extra(backend) == [0, backend.reserved_blocks - held]
+    await session.close()
+    for events in await asyncio.gather(*queries):
+        assert [(e.type, e.code) for e in events] == [("error", ErrorCode.NOT_FOUND.value)]
+    assert not session.busy and backend.reserved_blocks == 0
+
+
+def context_extra(backend: FakeBackend) -> list[int]:
+    return backend.contexts[0].extra_reserved
+
+
+async def collect_query(session, query: str) -> list:
+    return [e async for e in session.query(query)]
 
 
 @pytest.mark.parametrize(

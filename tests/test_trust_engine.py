@@ -72,10 +72,10 @@ class FaultyContext(FakeContext):
         return self._checked(params.kind.value, super().generate(prompt_ids, params))
 
     @contextlib.asynccontextmanager
-    async def reserve_more(self, blocks: int):
-        async with super().reserve_more(blocks):
+    async def reserve_more(self, blocks: int, *, wait: bool = True):
+        async with super().reserve_more(blocks, wait=wait) as reserved:
             await self.backend.checkpoint("reserve_more")
-            yield
+            yield reserved
 
     async def close(self) -> None:
         # Like an engine context: whatever happens while closing, the reservation comes back.
@@ -136,6 +136,20 @@ async def document_session(backend: FaultyBackend) -> list:
         await session.close()
 
 
+async def two_queries_at_once(backend: FaultyBackend) -> list:
+    """Open, two queries side by side (the second in blocks of its own), close."""
+    session = await open_document(backend, backend.tokenizer, DOC, options())
+
+    async def ask() -> list:
+        return [e async for e in session.query(QUERY, FAULT_OPTIONS)]
+
+    try:
+        first, second = await asyncio.gather(ask(), ask())
+        return second if first[-1].type == "done" else first
+    finally:
+        await session.close()
+
+
 async def run_with_fault(flow, tokenizer, fail_at: int | None, cancel: bool) -> FaultyBackend:
     backend = FaultyBackend(tokenizer, script, fail_at=fail_at, cancel=cancel)
     task = asyncio.create_task(flow(backend))
@@ -153,7 +167,7 @@ async def run_with_fault(flow, tokenizer, fail_at: int | None, cancel: bool) -> 
     return backend
 
 
-@pytest.mark.parametrize("flow", [one_shot, document_session])
+@pytest.mark.parametrize("flow", [one_shot, document_session, two_queries_at_once])
 @pytest.mark.parametrize("cancel", [False, True], ids=["raise", "cancel"])
 async def test_a_fault_at_every_await_point_gives_the_reservation_back(
     tokenizer, flow, cancel: bool
@@ -162,7 +176,7 @@ async def test_a_fault_at_every_await_point_gives_the_reservation_back(
     points = clean.checkpoints
     # Every kind of await point is reached (and so gets its turn to fail).
     expected = {"extend", "margin", "classifier", "answer", "close"}
-    if flow is document_session:
+    if flow is not one_shot:
         expected.add("reserve_more")
     assert expected <= set(points), points
     assert clean.reserved_blocks == 0

@@ -57,6 +57,14 @@ class KVAdmission:
         self.sessions += session
         self.reserved_blocks += blocks
 
+    def acquire_now(self, blocks: int) -> bool:
+        """Reserve `blocks` more for a running session if they are free now and nobody waits
+        for room (never ahead of a waiting session); False if not."""
+        if self._waiters or not self._fits(blocks, session=False):
+            return False
+        self.reserved_blocks += blocks
+        return True
+
     async def _wait_turn(self, blocks: int, session: bool) -> None:
         """Queue in arrival order until this request is first in line and fits."""
         deadline = time.monotonic() + self.timeout_s

@@ -163,8 +163,8 @@ class HFContext:
             yield chunk
 
     @contextlib.asynccontextmanager
-    async def reserve_more(self, blocks: int) -> AsyncIterator[None]:
-        yield  # the reference backend has no shared KV pool to reserve from
+    async def reserve_more(self, blocks: int, *, wait: bool = True) -> AsyncIterator[bool]:
+        yield True  # the reference backend has no shared KV pool to reserve from
 
     async def close(self) -> None:
         self.cache = None  # frees the KV; the context is over

@@ -91,7 +91,8 @@ class VLLMContext:
         # the close gives them back with its own, once the engine freed them (`_end`).
         self._left_to_close = 0
         self._ended = False
-        # The most this context ever had reserved (its reservation plus a query's extra).
+        self._more_blocks = 0  # what its running queries hold beyond the reservation
+        # The most this context ever had reserved (its reservation plus its queries' extra).
         self.most_reserved_blocks = reserved_blocks
         self._ids: list[int] = []
         self._inputs: asyncio.Queue[Any] = asyncio.Queue()
@@ -258,17 +259,26 @@ class VLLMContext:
         return self._request(prompt_ids, params, "gen", 0)
 
     @contextlib.asynccontextmanager
-    async def reserve_more(self, blocks: int) -> AsyncIterator[None]:
+    async def reserve_more(self, blocks: int, *, wait: bool = True) -> AsyncIterator[bool]:
         if blocks <= 0:
-            yield
+            yield True
             return
-        await self.backend.admission.acquire(blocks, session=False)
-        self.most_reserved_blocks = max(self.most_reserved_blocks, self._reserved_blocks + blocks)
+        if not wait:
+            if not self.backend.admission.acquire_now(blocks):
+                yield False
+                return
+        else:
+            await self.backend.admission.acquire(blocks, session=False)
+        self._more_blocks += blocks
+        self.most_reserved_blocks = max(
+            self.most_reserved_blocks, self._reserved_blocks + self._more_blocks
+        )
         try:
             if self._closed:  # closed while this waited for room
                 raise WiMError(ErrorCode.INVALID_INPUT, "the context is closed")
-            yield
+            yield True
         finally:
+            self._more_blocks -= blocks
             if self._closed and not self._ended:
                 # The close is aborting the query's requests: their blocks are not free until
                 # the engine says so, which the close waits for.

@@ -84,9 +84,11 @@ class ContextSession(Protocol):
         self, prompt_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[GenerationChunk]: ...
 
-    def reserve_more(self, blocks: int) -> AbstractAsyncContextManager[None]:
+    def reserve_more(self, blocks: int, *, wait: bool = True) -> AbstractAsyncContextManager[bool]:
         """Hold `blocks` more KV for this session while the block is entered (a query that
-        may need more than the session reserved); may wait, or raise `WiMError(OVERLOADED)`."""
+        may need more than the session reserved); yields whether they are held. It may wait,
+        or raise `WiMError(OVERLOADED)`; with `wait=False` it holds them only if the engine
+        has them free at once and nothing waits for room before them, else yields False."""
         ...
 
     async def close(self) -> None:

@@ -60,9 +60,9 @@ class WiMSession:
             backend.limits.block_size, backend.limits.max_model_len
         )
         self._closed = False
-        self._lock = asyncio.Lock()  # one query at a time per session
-        self._queries = 0  # queries running or waiting for the lock
-        self._running: asyncio.Task[None] | None = None  # the task of the query holding it
+        # The session's own query blocks: one query at a time runs in them.
+        self._own_room = asyncio.Lock()
+        self._queries: set[asyncio.Task[None]] = set()  # queries running or waiting for room
 
     # What the session pins, as its document holds them (read by the serving layer too).
     @property
@@ -80,7 +80,7 @@ class WiMSession:
     @property
     def busy(self) -> bool:
         """Whether a query runs or waits on this session (an idle one may be reaped)."""
-        return self._queries > 0
+        return bool(self._queries)
 
     # -- steps -------------------------------------------------------------------------
 
@@ -239,12 +239,34 @@ class WiMSession:
         if self._closed:
             return
         self._closed = True
-        running = self._running
-        if running is not None:
-            running.cancel()
+        queries = list(self._queries)
+        for task in queries:
+            task.cancel()
         await self.context.close()
-        if running is not None:
-            await asyncio.wait([running])
+        if queries:
+            await asyncio.wait(queries)
+
+    @contextlib.asynccontextmanager
+    async def _room(self, needed: int) -> AsyncIterator[int]:
+        """The KV a query of up to `needed` blocks runs in: yields how many blocks it holds.
+
+        The session reserved one query's blocks beside its document: the first query takes
+        those (and reserves what it needs beyond them). While they are taken, another query
+        runs side by side in blocks of its own if the engine has them free at once, so the
+        questions of a hot document on one replica need not take turns; if it has not, the
+        query waits for the session's blocks rather than for the engine's (queued there, it
+        would hold up new sessions, and could be refused after the admission timeout).
+        """
+        if self._own_room.locked() and self.backend.limits.concurrent_branches:
+            async with self.context.reserve_more(needed, wait=False) as reserved:
+                if reserved:
+                    yield needed
+                    return
+        async with self._own_room:
+            if self._closed:
+                raise _closed_under_query()
+            async with self.context.reserve_more(max(0, needed - self.query_blocks)):
+                yield max(needed, self.query_blocks)
 
     # -- public entry points -----------------------------------------------------------
 
@@ -253,32 +275,29 @@ class WiMSession:
         options = options or self.options
 
         async def job(emit: Emit) -> None:
-            self._queries += 1
+            if self._closed:
+                raise _closed_under_query()
+            task = asyncio.current_task()
+            assert task is not None
+            self._queries.add(task)
             try:
-                async with self._lock:
-                    if self._closed:
-                        raise _closed_under_query()
-                    self._running = asyncio.current_task()
-                    try:
-                        await answer_query(emit)
-                    except asyncio.CancelledError:
-                        if not self._closed:
-                            raise
-                        # `close` stopped it (DELETE, expiry, reap): the client is told why its
-                        # stream ends, instead of seeing it cut off.
-                        asyncio.current_task().uncancel()
-                        raise _closed_under_query() from None
-                    finally:
-                        self._running = None
+                await answer_query(emit)
+            except asyncio.CancelledError:
+                if not self._closed:
+                    raise
+                # `close` stopped it (DELETE, expiry, reap): the client is told why its
+                # stream ends, instead of seeing it cut off.
+                task.uncancel()
+                raise _closed_under_query() from None
             finally:
-                self._queries -= 1
+                self._queries.discard(task)
 
         async def answer_query(emit: Emit) -> None:
             limits = self.backend.limits
             shape = check_query(self.plan, self.builder, limits, query, options)
             needed = shape.query_blocks(limits.block_size, limits.max_model_len)
-            room = QueryRoom(shape, max(needed, self.query_blocks))
-            async with self.context.reserve_more(max(0, needed - self.query_blocks)):
+            async with self._room(needed) as blocks:
+                room = QueryRoom(shape, blocks)
                 run = QueryRun(query, options, emit, room, started=time.perf_counter())
                 margins = await self.ask_margins(run)
                 await self.answer(run, margins, conclude=False)
