@@ -20,6 +20,7 @@ from wim_service.cli import main
 from wim_service.placement.profile import EngineProfile
 from wim_service.sim.engine import DecodeRun
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
+from wim_service.sim.jobs import work_for
 from wim_service.sim.replay import RunResult, simulate
 from wim_service.sim.report import KEYS, figures, percentile, summarise, table
 from wim_service.sim.settings import SimSettings
@@ -409,13 +410,25 @@ def test_more_replicas_never_worsen_round_robins_p95_on_a_light_trace() -> None:
     assert p95[0] > p95[-1]
 
 
-def test_a_copy_runs_one_query_at_a_time_as_a_live_session_does(tmp_path: Path) -> None:
-    # Three queries of one document at once on one replica: they take turns on its copy, and
-    # none reserves KV of its own (the copy's reservation holds one query).
+@pytest.mark.parametrize("room_beside", [True, False])
+def test_queries_on_one_copy_run_beside_each_other_if_the_engine_has_room(
+    tmp_path: Path, room_beside: bool
+) -> None:
+    # Three queries of one document at once on one replica, as on a live session: one runs in
+    # the copy's own query blocks, the others beside it in blocks of their own if the engine
+    # has them free; on an engine that holds the copy and nothing more, they take turns.
     rows = [doc_row(0.0, "a", wim=True), doc_row(0.0, "a", wim=True), doc_row(0.0, "a", wim=True)]
-    result = run(document_trace(rows, tmp_path), "sticky", 1)
+    trace = document_trace(rows, tmp_path)
+    settings = SimSettings()
+    copy_blocks = work_for(trace.requests[0], PROFILE, settings, 32).document_blocks
+    tokens = PROFILE.kv_capacity_tokens if room_beside else copy_blocks * PROFILE.block_tokens
+    profile = PROFILE.model_copy(update={"kv_capacity_tokens": tokens})
+    result = simulate(trace, "sticky", 1, profile, settings)
     first, second, third = sorted(result.outcomes, key=lambda o: o.first_token_s)
-    assert second.first_token_s > first.end_s and third.first_token_s > second.end_s
+    if room_beside:
+        assert second.first_token_s < first.end_s and third.first_token_s < first.end_s
+    else:
+        assert second.first_token_s > first.end_s and third.first_token_s > second.end_s
     assert (result.copies_opened, result.queued_for_room) == (1, 0)
 
 

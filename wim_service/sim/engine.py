@@ -77,12 +77,14 @@ class DecodeRun:
 
 @dataclass
 class Copy:
-    """A document's KV held on an engine (a document session's copy). It runs one query at a
-    time, as a live session does (the orchestrator's lock): the others wait in turn."""
+    """A document's KV held on an engine (a document session's copy), with one query's blocks
+    beside it: one query at a time runs in those, the others wait their turn, as on a live
+    session (`WiMSession._room`), unless the engine runs them beside it (`Engine.run_query`)."""
 
     blocks: int
     active: int = 0  # jobs booked on it and not yet done
     last_used_s: float = 0.0
+    read: bool = False  # its document is in (queries may run beside the one in turn)
     running: bool = False
     waiting: deque[Callable[[float], None]] = field(default_factory=deque)
 
@@ -185,7 +187,21 @@ class Engine:
         copy.active += 1
         return copy
 
-    def release(self, blocks: int, now: float, *, document: str | None) -> None:
+    def run_query(self, copy: Copy, blocks: int, start: Callable[[float], None], now: float) -> int:
+        """Start a query on `copy`: in its turn (`Copy.take`), or at once beside the query
+        in turn, in `blocks` of its own, if the copy is read and the engine has them free (as
+        a live session does). Returns the blocks it holds beside (0: it runs in turn)."""
+        if copy.running and copy.read and blocks <= self.free_blocks:
+            self.free_blocks -= blocks
+            start(now)
+            return blocks
+        copy.take(start, now)
+        return 0
+
+    def release(
+        self, blocks: int, now: float, *, document: str | None, in_turn: bool = True
+    ) -> None:
+        """Give back a job's KV (and, `in_turn`, its copy's turn to the next query)."""
         self.free_blocks += blocks
         if document is None:
             self.running_jobs -= 1
@@ -193,7 +209,8 @@ class Engine:
         copy = self.copies[document]
         copy.active -= 1
         copy.last_used_s = now
-        copy.query_ended(now)
+        if in_turn:
+            copy.query_ended(now)
 
     def retire_if_idle(self, document: str, now: float, idle_s: float) -> bool:
         """Drop a copy no job has used for `idle_s`; whether it was dropped."""

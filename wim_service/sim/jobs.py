@@ -7,7 +7,9 @@ document into a new copy. A WiM query on a document session reads the document f
 placement opened a copy for it (another replica's), writes its margins (one per segment, or the
 trace row's `margins`: one prefill of every margin's prompt over the document's KV, then the
 margins decode side by side in the batch), then prefills the query with the margins and decodes
-the answer. A copy runs one query at a time, as a live session does: later ones wait for it.
+the answer. A copy runs one query at a time in the blocks it holds for one; a query arriving
+while that runs starts at once beside it in blocks of its own if the engine has them free (as a
+live session does), else waits its turn.
 Placement sees one margin per segment, as the router does: which segments a query
 skips is known only once they are read.
 """
@@ -40,20 +42,27 @@ def work_for(
             prefix_block_tokens=prefix_block_tokens,
         )
     margins = math.ceil(request.document_tokens / settings.segment_tokens)
-    # Its margins (prompt and output) at once, then the query, the margins and the answer.
-    own = margins * (profile.margin_prompt_tokens + 2 * settings.margin_tokens)
-    own += request.query_tokens + request.answer_tokens
-    # As a live session's: a copy reserves its document and one query (queries take turns on
-    # it), so a query reserves nothing of its own.
+    # As a live session's: a copy reserves its document and one query (queries take turns in
+    # that), so a query reserves nothing of its own at placement.
     return Work(
         prompt_tokens=request.prompt_tokens,
         answer_tokens=request.answer_tokens,
         document=request.document,
         document_tokens=request.document_tokens,
-        document_blocks=math.ceil((request.document_tokens + own) / block),
+        document_blocks=math.ceil(request.document_tokens / block)
+        + query_blocks(request, profile, settings),
         margins=margins,
         margin_tokens=settings.margin_tokens,
     )
+
+
+def query_blocks(request: Request, profile: EngineProfile, settings: SimSettings) -> int:
+    """The KV of one WiM query over its document: its margins (prompt and output) at once,
+    then the query, the margins and the answer."""
+    margins = math.ceil(request.document_tokens / settings.segment_tokens)
+    own = margins * (profile.margin_prompt_tokens + 2 * settings.margin_tokens)
+    own += request.query_tokens + request.answer_tokens
+    return math.ceil(own / profile.block_tokens)
 
 
 def read_work(query: Work) -> Work:
@@ -78,6 +87,7 @@ class Job:
     end_s: float | None = None
     cached_tokens: int = 0
     margins_left: int = 0
+    beside_blocks: int = 0  # KV of its own, if it runs beside the query in its copy's turn
 
     def start(self, engine: Engine, now: float) -> None:
         """Book the job on `engine` and queue its first prefill (a document job's once the
@@ -105,7 +115,10 @@ class Job:
         # As the live service reports it (the query's `usage`): a copy's read is the router's
         # own request, counted in the copies opened and in this query's wait, not in its prompt.
         self.cached_tokens = work.document_tokens
-        copy.take(lambda at: self._run_query(engine, read, at), now)
+        own = query_blocks(self.request, profile, self.settings)
+        self.beside_blocks = engine.run_query(
+            copy, own, lambda at: self._run_query(engine, read, at), now
+        )
 
     def _run_query(self, engine: Engine, read: float, now: float) -> None:
         """Queue the query's prefills: the copy's read (if placement opened one), then its
@@ -150,7 +163,12 @@ class Job:
 
     def finish(self, engine: Engine, now: float) -> None:
         self.end_s = now
-        engine.release(self.work.kv_blocks, now, document=self.work.document)
+        engine.release(
+            self.work.kv_blocks + self.beside_blocks,
+            now,
+            document=self.work.document,
+            in_turn=not self.beside_blocks,
+        )
         self.on_done(self, engine, now)
 
 
@@ -189,6 +207,9 @@ class ReadPrefill:
 
     def finish(self, engine: Engine, now: float) -> None:
         # The copy's KV was reserved at booking; a query's margins come next, already queued.
+        document = self.job.work.document
+        assert document is not None
+        engine.copies[document].read = True
         if self.job.work.reads_only:
             self.job.finish(engine, now)
 
