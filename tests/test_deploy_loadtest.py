@@ -596,8 +596,15 @@ def test_measure_runs_locust_into_its_folder_and_summarizes(
     """measure.py's whole run, with a stub in place of the service it would start."""
     with serve(StubService) as (url, served):
         monkeypatch.setattr(measure, "port_taken", lambda port: False)
+        # A stand-in that stops on SIGINT as `wim serve` does, whatever the suite inherited: a
+        # shell's background job (`./test.sh &`) ignores SIGINT, and so would a plain `sleep`.
+        stand_in = (
+            "import signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); time.sleep(60)"
+        )
         monkeypatch.setattr(
-            measure, "start_service", lambda config, log: subprocess.Popen(["sleep", "60"])
+            measure,
+            "start_service",
+            lambda config, log: subprocess.Popen([sys.executable, "-c", stand_in]),
         )
         monkeypatch.setattr(measure, "wait_ready", lambda client, replicas, timeout_s: None)
         monkeypatch.setattr(measure, "SETTLE_TIMEOUT_S", 1)
