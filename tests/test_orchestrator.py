@@ -489,6 +489,7 @@ async def collect_query(session, query: str) -> list:
     ("document", "query", "code"),
     [
         ("   ", "q?", ErrorCode.INVALID_INPUT),
+        ("\x14", "q?", ErrorCode.INVALID_INPUT),  # no token: schemathesis found it a 500
         (DOC, " ", ErrorCode.INVALID_INPUT),
         (DOC * 5, "q?", ErrorCode.TOO_LONG),
     ],

@@ -56,6 +56,8 @@ def plan_document(
     if not document.strip():
         raise WiMError(ErrorCode.INVALID_INPUT, "the document is empty")
     encoded = builder.tokenizer.encode_user_text(document)
+    if not encoded.ids:  # characters the tokenizer drops (some control characters) only
+        raise WiMError(ErrorCode.INVALID_INPUT, "the document has no text the model reads")
     prefix = builder.context_prefix
     if len(prefix) + len(encoded.ids) >= limits.max_model_len:
         raise WiMError(
