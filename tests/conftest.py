@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.live_stack import LiveStack
+from tests.live_stack import MAIN, TWO_ROUTERS, LiveStack
 from tests.redis_server import RedisServer, redis_binary
 from wim_service.assets.default_model import default_model_dir
 from wim_service.engine.config import EngineConfig
@@ -90,10 +90,11 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture(scope="session")
-def live_stack(shared_engine: SharedEngine) -> Iterator[LiveStack]:
-    """Local Ray Serve on 127.0.0.1:8765 for every real-stack test (`tests/live_stack.py`)."""
+def live_stack(shared_engine: SharedEngine, redis_server: RedisServer) -> Iterator[LiveStack]:
+    """Local Ray Serve on 127.0.0.1:8765 for every real-stack test, its sessions in the
+    session's redis-server (`tests/live_stack.py`)."""
     shared_engine.close()
-    stack = LiveStack()
+    stack = LiveStack(redis_server.url)
     yield stack
     stack.shutdown()
 
@@ -103,6 +104,11 @@ def _live_app(item: pytest.Item) -> str | None:
     if "live_stack" not in getattr(item, "fixturenames", ()):
         return None
     return item.module.LIVE_APP.name  # type: ignore[attr-defined]
+
+
+# The real-stack applications in the order their tests run: `TWO_ROUTERS`'s leave both engine
+# replicas running (they replace routers only), `MAIN`'s replica steps leave one.
+LIVE_APP_ORDER = (None, TWO_ROUTERS.name, MAIN.name)
 
 
 def _stage(item: pytest.Item) -> int:
@@ -122,29 +128,26 @@ def _replica_step(item: pytest.Item) -> int:
 
 @pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the real-stack tests last, those of one application one after another (each switch
-    of application restarts the engines), in the shuffled order otherwise; the multi-node
-    tests just before them, in their `replica_step` order (one cluster, faults in turn).
+    """Run the real-stack tests last, those of one application one after another, in
+    `LIVE_APP_ORDER` (a switch of application changes the router count), in the shuffled
+    order otherwise; the multi-node tests just before them, in their `replica_step` order
+    (one cluster, faults in turn).
 
     Within an application, tests marked `replica_step(n)` (they kill, scale or redeploy
     replicas) run after the others, by n. A test that leaves an engine replica short (killed,
     scaled away) is followed by one that starts from one replica: on a downscale Serve stops
     a replacement that is still starting first, so no test waits a minute for an engine that
-    the next one removes. The last of them leaves its changes to the next application, whose
-    deploy replaces every replica anyway. Each test still sets up the replicas it needs; the
-    order saves time, not correctness.
+    the next one removes. Each test still sets up the replicas it needs; the order saves
+    time, not correctness.
 
     Leave out tests marked `quarantine` (written, never yet seen passing on this machine)
     unless WIM_RUN_QUARANTINED=1; they are reported as deselected, never silently skipped."""
     import os
 
-    first_seen: dict[str | None, int] = {}
-    for item in items:
-        first_seen.setdefault(_live_app(item), len(first_seen))
     items.sort(
         key=lambda item: (
             _stage(item),
-            first_seen[_live_app(item)],
+            LIVE_APP_ORDER.index(_live_app(item)),
             _replica_step(item),
         )
     )

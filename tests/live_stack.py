@@ -3,11 +3,12 @@ for the whole test session, on which each test module deploys the application it
 
 Ray Serve restarts every replica of an application when its `args` or `runtime_env` change
 (they are the application's code version), and nothing when only a deployment's replica count
-changes. So the test modules share as few applications as possible: `MAIN` (one router with
-the in-process session store and three tenants' API keys) serves `test_serving.py`,
-`test_hostile.py` and the page's real-stack test; `TWO_ROUTERS` (two routers over Redis) serves
-`test_serving_store.py`. A module names its application in `LIVE_APP`, and `tests/conftest.py`
-runs the tests of each application one after another, so engines start once per application.
+changes. So the two applications differ in their router count alone, and the engines start
+once for the session: `MAIN` (one router; sessions in the session's real redis-server, three
+tenants' API keys) serves `test_serving.py`, `test_hostile.py`, the replay's and the page's
+real-stack tests; `TWO_ROUTERS` (two routers over the same store) serves
+`test_serving_store.py`. A module names its application in `LIVE_APP`, and
+`tests/conftest.py` runs the tests of each application one after another.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ ROUTER = {
     "replica_wait_s": 240,
     "max_body_bytes": 2**20,
     "max_document_chars": 200_000,
+    # Every application's sessions in Redis (`LiveStack`'s server): switching between one
+    # router and two is then a change of replica count, not of the application's args.
+    "store": {"backend": "redis", "key_prefix": "wim-e2e:", "timeout_s": 1.0},
 }
 # alpha: every capability, limits high enough that only the engines' capacity refuses work.
 # beta: small documents only, no document session of its own. gamma: one-shot jobs only.
@@ -100,11 +104,7 @@ class LiveApp:
 
 
 MAIN = LiveApp("main", ROUTER)
-TWO_ROUTERS = LiveApp(
-    "two-routers",
-    {**ROUTER, "store": {"backend": "redis", "key_prefix": "wim-e2e:", "timeout_s": 1.0}},
-    routers=2,
-)
+TWO_ROUTERS = LiveApp("two-routers", ROUTER, routers=2)
 
 
 def query_body(document_id: str) -> dict[str, Any]:
@@ -230,9 +230,11 @@ def application(
 
 
 class LiveStack:
-    """Ray and Ray Serve, started once; `deploy` puts an application on them."""
+    """Ray and Ray Serve, started once; `deploy` puts an application on them, its sessions in
+    the redis-server at `redis_url`."""
 
-    def __init__(self) -> None:
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
         os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
         # Ray kills actors when the *machine* passes 95% memory; on a shared machine other
         # processes' memory would kill the controller and proxy mid-test.
@@ -250,7 +252,6 @@ class LiveStack:
         engines: int,
         max_engines: int | None = None,
         router_actor_options: dict[str, Any] | None = None,
-        redis_url: str | None = None,
     ) -> None:
         """Deploy `app` as `serve deploy` would, unless it is what runs already, with `engines`
         engine replicas (up to `max_engines` by the KV-aware autoscaler). Engines always run
@@ -259,14 +260,16 @@ class LiveStack:
         from ray.serve.context import _get_global_client
         from ray.serve.schema import ServeDeploySchema
 
-        wanted = (app, engines, max_engines, redis_url, json.dumps(router_actor_options))
+        wanted = (app, engines, max_engines, json.dumps(router_actor_options))
         if wanted == self.deployed:
             return
         router = {} if router_actor_options is None else {"ray_actor_options": router_actor_options}
         config = {
             "http_options": {"host": "127.0.0.1", "port": PORT},
             "applications": [
-                application(app, engines, max_engines, redis_url=redis_url, router_options=router)
+                application(
+                    app, engines, max_engines, redis_url=self.redis_url, router_options=router
+                )
             ],
         }
         _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))

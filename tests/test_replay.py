@@ -424,9 +424,9 @@ LIVE_TRACE = [
 def test_a_replay_answers_every_row_and_closes_its_sessions(
     live_stack: LiveStack, replay: ModuleType, tmp_path: Path
 ) -> None:
-    live_stack.deploy(MAIN, engines=1)
+    live_stack.deploy(MAIN, engines=2)  # as the other tests of MAIN: no engine restarts
     with open_client() as service:
-        wait_for(lambda: ready_replicas(service), "a ready engine replica")
+        wait_for(lambda: len(ready_replicas(service)) == 2, "two ready engine replicas")
         wait_for(lambda: settled(service), "no session or reservation left over", timeout=120)
     trace = write_rows(tmp_path / "trace.jsonl", LIVE_TRACE)
     out = tmp_path / "replay.json"

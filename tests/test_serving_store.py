@@ -51,8 +51,8 @@ def ready(client: httpx.Client) -> bool:
 
 
 @pytest.fixture
-def service(live_stack: LiveStack, redis_server: RedisServer) -> Iterator[httpx.Client]:
-    live_stack.deploy(TWO_ROUTERS, engines=2, redis_url=redis_server.url)
+def service(live_stack: LiveStack) -> Iterator[httpx.Client]:
+    live_stack.deploy(TWO_ROUTERS, engines=2)
     with open_client() as client:
         wait_for(lambda: ready(client), "two routers and two engine replicas", 900)
         yield client
@@ -163,7 +163,7 @@ def test_a_killed_router_loses_no_session(service: httpx.Client, short_report: s
 # after it would have to redeploy back.
 @pytest.mark.replica_step(1)
 def test_a_router_redeploy_keeps_every_session(
-    live_stack: LiveStack, service: httpx.Client, short_report: str, redis_server: RedisServer
+    live_stack: LiveStack, service: httpx.Client, short_report: str
 ) -> None:
     documents = [open_document(service, short_report)[0] for _ in range(2)]
     before = {r for r in (service.get("/healthz").headers["X-WiM-Router"] for _ in range(8))}
@@ -174,7 +174,6 @@ def test_a_router_redeploy_keeps_every_session(
     live_stack.deploy(
         TWO_ROUTERS,
         engines=2,
-        redis_url=redis_server.url,
         # Not a CPU: the two engines hold both of the cluster's CPUs.
         router_actor_options={"num_cpus": 0, "memory": 2**20},
     )
