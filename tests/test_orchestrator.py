@@ -470,15 +470,12 @@ async def test_closing_a_session_ends_every_query_on_it(tokenizer) -> None:
     queries = [asyncio.create_task(collect_query(session, f"Question {i}?")) for i in range(3)]
     await steps(50)
     # One runs in the session's blocks, one beside it in its own, the third waits.
-    assert session.busy and context_extra(backend) == [0, backend.reserved_blocks - held]
+    extra = backend.contexts[0].extra_reserved
+    assert session.busy and extra == [0, backend.reserved_blocks - held]
     await session.close()
     for events in await asyncio.gather(*queries):
         assert [(e.type, e.code) for e in events] == [("error", ErrorCode.NOT_FOUND.value)]
     assert not session.busy and backend.reserved_blocks == 0
-
-
-def context_extra(backend: FakeBackend) -> list[int]:
-    return backend.contexts[0].extra_reserved
 
 
 async def collect_query(session, query: str) -> list:

@@ -263,12 +263,11 @@ class VLLMContext:
         if blocks <= 0:
             yield True
             return
-        if not wait:
-            if not self.backend.admission.acquire_now(blocks):
-                yield False
-                return
-        else:
+        if wait:
             await self.backend.admission.acquire(blocks, session=False)
+        elif not self.backend.admission.acquire_now(blocks):
+            yield False
+            return
         self._more_blocks += blocks
         self.most_reserved_blocks = max(
             self.most_reserved_blocks, self._reserved_blocks + self._more_blocks

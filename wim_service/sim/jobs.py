@@ -50,17 +50,16 @@ def work_for(
         document=request.document,
         document_tokens=request.document_tokens,
         document_blocks=math.ceil(request.document_tokens / block)
-        + query_blocks(request, profile, settings),
+        + query_blocks(request, profile, margins, settings.margin_tokens),
         margins=margins,
         margin_tokens=settings.margin_tokens,
     )
 
 
-def query_blocks(request: Request, profile: EngineProfile, settings: SimSettings) -> int:
-    """The KV of one WiM query over its document: its margins (prompt and output) at once,
+def query_blocks(request: Request, profile: EngineProfile, margins: int, margin_tokens: int) -> int:
+    """The KV of one WiM query over its document: its `margins` (prompt and output) at once,
     then the query, the margins and the answer."""
-    margins = math.ceil(request.document_tokens / settings.segment_tokens)
-    own = margins * (profile.margin_prompt_tokens + 2 * settings.margin_tokens)
+    own = margins * (profile.margin_prompt_tokens + 2 * margin_tokens)
     own += request.query_tokens + request.answer_tokens
     return math.ceil(own / profile.block_tokens)
 
@@ -115,7 +114,7 @@ class Job:
         # As the live service reports it (the query's `usage`): a copy's read is the router's
         # own request, counted in the copies opened and in this query's wait, not in its prompt.
         self.cached_tokens = work.document_tokens
-        own = query_blocks(self.request, profile, self.settings)
+        own = query_blocks(self.request, profile, work.margins, work.margin_tokens)
         self.beside_blocks = engine.run_query(
             copy, own, lambda at: self._run_query(engine, read, at), now
         )
