@@ -10,7 +10,9 @@ WIM_INSTALL_SYSTEM_TOOLS="${WIM_INSTALL_SYSTEM_TOOLS:-1}" scripts/bootstrap.sh
 # Types: strict for wim_service/wim and wim_service/serving (pyproject's [tool.mypy]).
 .venv/bin/mypy wim_service
 status=0
-.venv/bin/python -m pytest -p no:cacheprovider "$@" || status=$?
+# Two workers: the multi-node cluster's tests beside the engines' (tests/conftest.py); -n 0
+# after them runs everything in one process.
+.venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadgroup "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "test.sh: pytest collected no tests; that is a failure" >&2
   exit 1

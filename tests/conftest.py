@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.live_stack import MAIN, TWO_ROUTERS, LiveStack
@@ -126,6 +130,62 @@ def _replica_step(item: pytest.Item) -> int:
     return marker.args[0] if marker else 0
 
 
+# `./test.sh` runs the suite on two xdist workers (`-n 2 --dist loadgroup`): the multi-node
+# cluster's tests on one, the tests of real engines (the engine tests' shared engine, then the
+# local real stack) on the other, and the fast tests on whichever is free. A group runs on one
+# worker, in the order below; the two groups overlap, as the cluster's faults mostly wait and
+# most engine tests run on one core (docs/testing.md).
+WORKER_GROUPS = (
+    ("multinode", "multinode"),
+    ("engine", "engines"),
+    ("serving", "engines"),
+    ("reference", "engines"),
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, a SIGTERM to the controller alone (not its process group) reaches the
+    workers first, so each ends as a run without xdist would: the cluster's teardown
+    (tests/multinode.py) and the fixtures' finalizers run before the controller ends."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+
+    def end_workers_first(signum: int, frame: FrameType | None) -> None:
+        workers = psutil.Process().children()
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        psutil.wait_procs(workers, timeout=120)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, end_workers_first)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Give a test of real engines or of the cluster its worker group (before xdist reads it)."""
+    for marker, group in WORKER_GROUPS:
+        if item.get_closest_marker(marker):
+            item.add_marker(pytest.mark.xdist_group(group))
+            return
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The figures tests recorded (`record_property("figure", line)`), after the results:
+    printed by the controller, so they show under xdist too."""
+    lines = [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, value in report.user_properties
+        if name == "figure"
+    ]
+    if lines:
+        terminalreporter.section("figures")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the real-stack tests last, those of one application one after another, in
@@ -142,7 +202,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     Leave out tests marked `quarantine` (written, never yet seen passing on this machine)
     unless WIM_RUN_QUARANTINED=1; they are reported as deselected, never silently skipped."""
-    import os
 
     items.sort(
         key=lambda item: (

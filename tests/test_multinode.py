@@ -142,17 +142,22 @@ def under_fault(
 
 
 def report(
-    capsys: pytest.CaptureFixture[str], scenario: str, outcome: Outcome, normal_s: float
+    record_property: Callable[[str, object], None],
+    scenario: str,
+    outcome: Outcome,
+    normal_s: float,
+    more: str = "",
 ) -> None:
-    """The scenario's figures on the terminal, also without -s (docs/reliability.md)."""
+    """The scenario's figures, printed at the end of the run (`figure` properties:
+    tests/conftest.py), also under xdist and without -s (docs/reliability.md)."""
     retried = sum(a.attempts > 1 for a in outcome.answers)
-    with capsys.disabled():
-        print(
-            f"\n[multinode] {scenario}: lost {len(outcome.lost)}/{len(outcome.answers)} "
-            f"(retried {retried}), longest {outcome.longest_s:.1f} s vs {normal_s:.1f} s "
-            f"normal, whole again after {outcome.fault_to_whole_s:.1f} s (the fault took "
-            f"{outcome.fault_s:.1f} s to strike)"
-        )
+    record_property(
+        "figure",
+        f"[multinode] {scenario}: lost {len(outcome.lost)}/{len(outcome.answers)} "
+        f"(retried {retried}), longest {outcome.longest_s:.1f} s vs {normal_s:.1f} s "
+        f"normal, whole again after {outcome.fault_to_whole_s:.1f} s (the fault took "
+        f"{outcome.fault_s:.1f} s to strike){more}",
+    )
 
 
 @contextmanager
@@ -214,7 +219,10 @@ def test_routers_and_engines_run_on_their_own_nodes(cluster: Cluster, document: 
 
 @pytest.mark.replica_step(2)
 def test_router_node_loss_loses_no_request(
-    cluster: Cluster, normal_s: float, document: dict, capsys: pytest.CaptureFixture[str]
+    cluster: Cluster,
+    normal_s: float,
+    document: dict,
+    record_property: Callable[[str, object], None],
 ) -> None:
     replicas = cluster.replicas()
     engines = {replica for replica, _ in replicas["EngineReplica"]}
@@ -226,7 +234,7 @@ def test_router_node_loss_loses_no_request(
         fault=lambda: cluster.kill_node(node),
         heal=lambda: cluster.start_node(node),
     )
-    report(capsys, "router node loss", outcome, normal_s)
+    report(record_property, "router node loss", outcome, normal_s)
     assert not outcome.lost, outcome.lost
     # The engines were untouched: every answer came from a KV copy of the session on one of
     # them (its primary, or a copy the policy read for the load: `routing/copies.py`).
@@ -238,7 +246,10 @@ def test_router_node_loss_loses_no_request(
 
 @pytest.mark.replica_step(4)
 def test_engine_node_loss_loses_no_request(
-    cluster: Cluster, normal_s: float, document: dict, capsys: pytest.CaptureFixture[str]
+    cluster: Cluster,
+    normal_s: float,
+    document: dict,
+    record_property: Callable[[str, object], None],
 ) -> None:
     lost_replica = document["replica"]
     node = cluster.nodes[cluster.node_of("EngineReplica", lost_replica)]
@@ -248,20 +259,22 @@ def test_engine_node_loss_loses_no_request(
         fault=lambda: cluster.kill_node(node),
         heal=lambda: cluster.start_node(node),
     )
-    report(capsys, "engine node loss", outcome, normal_s)
+    # Issue #29's goal, the longest at most the session's rebuild plus one normal job, is
+    # reported, not asserted: a timing on a shared machine (docs/reliability.md).
+    more = f"; the session's first read {document['open_s']:.1f} s"
+    report(record_property, "engine node loss", outcome, normal_s, more)
     assert not outcome.lost, outcome.lost
     # Every answer after the loss came from the session on the surviving engine.
     survivors = outcome.replicas_after()
     assert lost_replica not in survivors and len(survivors) == 1, survivors
-    # Issue #29's goal, the longest at most the session's rebuild plus one normal job, is
-    # reported, not asserted: a timing on a shared machine (docs/reliability.md).
-    with capsys.disabled():
-        print(f"[multinode] engine node loss: the session's first read {document['open_s']:.1f} s")
 
 
 @pytest.mark.replica_step(3)
 def test_engine_node_partition_loses_no_request(
-    cluster: Cluster, normal_s: float, document: dict, capsys: pytest.CaptureFixture[str]
+    cluster: Cluster,
+    normal_s: float,
+    document: dict,
+    record_property: Callable[[str, object], None],
 ) -> None:
     cut_replica = document["replica"]
     node = cluster.nodes[cluster.node_of("EngineReplica", cut_replica)]
@@ -278,7 +291,7 @@ def test_engine_node_partition_loses_no_request(
     outcome = under_fault(
         cluster, document["document_id"], fault=lambda: cluster.cut(node), heal=heal
     )
-    report(capsys, "engine node partition", outcome, normal_s)
+    report(record_property, "engine node partition", outcome, normal_s)
     assert not outcome.lost, outcome.lost
     survivors = outcome.replicas_after()
     assert cut_replica not in survivors and len(survivors) == 1, survivors
@@ -294,7 +307,10 @@ def test_engine_node_partition_loses_no_request(
 
 @pytest.mark.replica_step(5)
 def test_head_loss_keeps_answering_and_the_cluster_deploys_again(
-    cluster: Cluster, normal_s: float, document: dict, capsys: pytest.CaptureFixture[str]
+    cluster: Cluster,
+    normal_s: float,
+    document: dict,
+    record_property: Callable[[str, object], None],
 ) -> None:
     routers = {replica for replica, _ in cluster.replicas()["WiMRouter"]}
     restart: list[Callable[[], None]] = []
@@ -306,7 +322,7 @@ def test_head_loss_keeps_answering_and_the_cluster_deploys_again(
         fault=lambda: restart.append(cluster.kill_gcs()),
         heal=lambda: restart[0](),
     )
-    report(capsys, "head (GCS) loss", outcome, normal_s)
+    report(record_property, "head (GCS) loss", outcome, normal_s)
     assert not outcome.lost, outcome.lost
     assert all(a.attempts == 1 for a in outcome.answers), outcome.answers
     # Afterwards the control plane works again: a new deploy replaces the routers.
