@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-import psutil
 import pytest
 
+from tests.interrupt import leave_if_terminated, stop_run_on_sigterm, workers_end_first_on_sigterm
 from tests.live_stack import MAIN, TWO_ROUTERS, LiveStack
 from tests.redis_server import RedisServer, redis_binary
 from wim_service.assets.default_model import default_model_dir
@@ -144,21 +142,17 @@ WORKER_GROUPS = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under xdist, a SIGTERM to the controller alone (not its process group) reaches the
-    workers first, so each ends as a run without xdist would: the cluster's teardown
-    (tests/multinode.py) and the fixtures' finalizers run before the controller ends."""
-    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
-        return
+    """A SIGTERM ends the run as Ctrl-C does (tests/interrupt.py); under xdist the controller
+    passes it on to the workers."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        workers_end_first_on_sigterm()
+    else:
+        stop_run_on_sigterm()
 
-    def end_workers_first(signum: int, frame: FrameType | None) -> None:
-        workers = psutil.Process().children()
-        for worker in workers:
-            worker.send_signal(signal.SIGTERM)
-        psutil.wait_procs(workers, timeout=120)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, end_workers_first)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        leave_if_terminated(config.workeroutput["exitstatus"])  # type: ignore[attr-defined]
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
@@ -210,6 +204,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             _replica_step(item),
         )
     )
+    grouped = [item for item in items if item.get_closest_marker("xdist_group")]
+    if getattr(config.option, "loadgroup", False) and grouped and "@" not in grouped[0].nodeid:
+        # pytest 9.2 names a test by a field xdist 3.8 does not set: every group would be
+        # split over the workers, and two real stacks would start at once.
+        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not apply its groups")
     if os.environ.get("WIM_RUN_QUARANTINED") == "1":
         return
     kept = [item for item in items if item.get_closest_marker("quarantine") is None]

@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.interrupt import stop_run_on_sigterm
+
 PORT = 8765
 BASE = f"http://127.0.0.1:{PORT}"
 QUERY = "What is the access code for the night gate?"
@@ -243,6 +245,7 @@ class LiveStack:
         from ray import serve
 
         ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
+        stop_run_on_sigterm()  # ray.init put its own SIGTERM handler in
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         self.deployed: tuple[Any, ...] | None = None
 

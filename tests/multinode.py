@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -345,23 +345,6 @@ class Cluster:
         if self.redis is not None and self.redis.process is not None:
             left.append(f"redis-server {self.redis.process.pid}")
         return left
-
-    @contextlib.contextmanager
-    def torn_down_on_sigterm(self) -> Iterator[None]:
-        """SIGTERM (CI cancelling the job) tears the cluster down before the process ends;
-        SIGINT raises KeyboardInterrupt, after which pytest runs the fixture's teardown."""
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            self.teardown()
-            signal.signal(signal.SIGTERM, previous)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
 
     # -- the cluster's state, through the dashboard --------------------------------------
 

@@ -51,15 +51,15 @@ def cluster(
     # Never more than two engines on this machine: the engine tests' one goes first.
     shared_engine.close()
     cluster = Cluster(tmp_path_factory.mktemp("mn"))
-    with cluster.torn_down_on_sigterm():
-        try:
-            cluster.start(redis_binary())
-            assert cluster.redis is not None
-            cluster.deploy(cluster.redis.url)
-            cluster.wait_for(cluster.whole, "two routers and two engines on their nodes", 600)
-            yield cluster
-        finally:
-            cluster.teardown()
+    # A SIGTERM stops the run as Ctrl-C does (tests/interrupt.py): this teardown runs then too.
+    try:
+        cluster.start(redis_binary())
+        assert cluster.redis is not None
+        cluster.deploy(cluster.redis.url)
+        cluster.wait_for(cluster.whole, "two routers and two engines on their nodes", 600)
+        yield cluster
+    finally:
+        cluster.teardown()
 
 
 @dataclass
