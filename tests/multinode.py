@@ -30,6 +30,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,6 +145,10 @@ def sweep_stale() -> None:
             kill_all(netns)
             run_ip("netns", "del", netns, check=False)
             run_ip("link", "del", f"{PREFIX}{match[1]}b", check=False)
+    for link in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        match = re.fullmatch(rf"{PREFIX}(\d+)", link.name)
+        if match and link.is_symlink() and not Path(f"/proc/{match[1]}").exists():
+            link.unlink()
 
 
 def free_subnet() -> str:
@@ -175,6 +180,9 @@ class Cluster:
     def __init__(self, workdir: Path) -> None:
         self.tag = f"{PREFIX}{os.getpid()}"
         self.workdir = workdir
+        # Ray's temp dir, through a short link: its AF_UNIX sockets sit deep in it and may not
+        # pass 107 bytes, which pytest's temp path under xdist (`popen-gw1/`) already did.
+        self.ray_dir = Path(tempfile.gettempdir()) / self.tag
         self.bridge = f"{self.tag}b"
         self.subnet = free_subnet()
         self.bridge_ip = f"{self.subnet}.254"
@@ -239,6 +247,8 @@ class Cluster:
             run_ip("-n", node.netns, "link", "set", "eth0", "up")
             run_ip("-n", node.netns, "link", "set", "lo", "up")
         self.redis = RedisServer(redis_binary, self.workdir, host=self.bridge_ip).start()
+        (self.workdir / "ray").mkdir()
+        self.ray_dir.symlink_to(self.workdir / "ray")
         # One after another: started side by side, two of four workers timed out joining the
         # head (their node info never came back within Ray's 30 s; 4 December 16:40).
         for node in self.nodes.values():
@@ -262,7 +272,7 @@ class Cluster:
         the node's daemons run."""
         argv = [
             *("ip", "netns", "exec", node.netns, RAY, "start"),
-            *("--node-ip-address", node.ip, "--temp-dir", str(self.workdir / "ray")),
+            *("--node-ip-address", node.ip, "--temp-dir", str(self.ray_dir)),
             *("--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats"),
             *node.ray_args,
         ]
@@ -336,6 +346,7 @@ class Cluster:
             process.wait(10)  # killed with its namespace
         if self.redis is not None:
             self.redis.stop()
+        self.ray_dir.unlink(missing_ok=True)
 
     def leftovers(self) -> list[str]:
         """What of this cluster still exists (nothing after `teardown`)."""
@@ -344,6 +355,8 @@ class Cluster:
             left.append(f"bridge {self.bridge}")
         if self.redis is not None and self.redis.process is not None:
             left.append(f"redis-server {self.redis.process.pid}")
+        if self.ray_dir.is_symlink():
+            left.append(f"link {self.ray_dir}")
         return left
 
     # -- the cluster's state, through the dashboard --------------------------------------
