@@ -24,6 +24,10 @@ _terminated = False
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     global _terminated
+    if _terminated:
+        # Already stopping; a second SIGTERM would cut the finalizers short. Under xdist one
+        # always comes: a signal to the process group reaches a worker, then its controller's.
+        return
     _terminated = True
     raise KeyboardInterrupt(f"signal {signum}")
 
