@@ -19,7 +19,9 @@ from wim_service.engine.calibration import (
     margin_prompt_tokens,
     nonnegative_lstsq,
     predicted,
+    refit,
 )
+from wim_service.engine.query_samples import QUERY, QUERY_PLACES, query_document
 from wim_service.placement.profile import DecodeCost, EngineProfile, PrefillCost
 from wim_service.wim.capacity import JobShape
 from wim_service.wim.options import WiMOptions
@@ -92,6 +94,40 @@ def test_the_profile_reports_its_fit_over_its_samples() -> None:
     assert predicted(profile, samples[0]) == pytest.approx(samples[0]["seconds"])
 
 
+def query_samples(extra_s: float, profile: EngineProfile) -> list[dict[str, float]]:
+    shapes = [(1200, 12, 1, 16.0), (2400, 12, 1, 14.0), (3600, 13, 2, 15.5), (3600, 13, 0, 0)]
+    return [
+        {"kind": QUERY, "document": d, "query": q, "margins": m, "margin_tokens": t, "seconds": 0}
+        | {"seconds": profile.lone_query_seconds(d, q, m, round(t)) + (extra_s if m else 0)}
+        for d, q, m, t in shapes
+    ]
+
+
+def test_the_query_extra_is_what_queries_with_margins_take_beyond_the_costs() -> None:
+    base = EngineProfile.load().model_copy(
+        update={"prefill": PREFILL_COST, "decode": DECODE_COST, "query_extra_s": 0.0}
+    )
+    samples = prefill_samples() + decode_samples() + query_samples(0.3, base)
+    profile = refit(base.model_copy(update={"samples": samples}))
+    # A query without margins (every segment skipped) answers at once: no extra to fit.
+    assert profile.query_extra_s == pytest.approx(0.3, rel=1e-6)
+    assert fit_errors(profile)["query"] == pytest.approx(0.0, abs=1e-9)
+    # Never below zero: queries quicker than the costs say add nothing.
+    quick = base.model_copy(update={"samples": samples[:-4] + query_samples(-0.1, base)})
+    assert refit(quick).query_extra_s == 0.0
+
+
+def test_the_calibration_document_puts_each_code_in_a_segment_of_its_own(tokenizer) -> None:
+    text = query_document(tokenizer, 2400)
+    tokens = len(tokenizer.encode_user_text(text).ids)
+    assert 2200 < tokens < 2600
+    starts = [text.index(f"for the {place} is") for place in QUERY_PLACES]
+    assert starts == sorted(starts)
+    # 1/6, 1/2 and 5/6 of the way in: 512-token segments apart (WiM's default segment).
+    for start, depth in zip(starts, (1 / 6, 1 / 2, 5 / 6), strict=True):
+        assert abs(start / len(text) - depth) < 0.02
+
+
 def test_margin_prompt_tokens_are_the_job_shapes(tokenizer) -> None:
     builder = PromptBuilder(tokenizer, WiMOptions().prompts)
     tokens = margin_prompt_tokens(builder)
@@ -122,7 +158,12 @@ async def test_quick_calibration_of_a_real_engine(engine, model_dir) -> None:
     assert profile.prefill.per_token_s > 0 and profile.decode.fixed_s > 0
     assert profile.decode.per_context_token_s > 0 or profile.decode.per_sequence_s > 0
     kinds = {s["kind"] for s in profile.samples}
-    assert kinds == {PREFILL, DECODE}
+    assert kinds == {PREFILL, DECODE, QUERY}
+    # Each calibration query asked for one place's code: one margin written, the rest skipped.
+    queries = [s for s in profile.samples if s["kind"] == QUERY]
+    assert [s["margins"] for s in queries] == [1, 1]
+    assert all(0 < s["margin_tokens"] <= 16 and s["document"] > 1000 for s in queries)
+    assert profile.query_extra_s >= 0
     # The cached samples were served from the cache (block-aligned prefixes).
     assert {s["cached"] for s in profile.samples if s["kind"] == PREFILL} == {0, 1024}
     for sample in profile.samples:

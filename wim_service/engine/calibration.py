@@ -13,7 +13,9 @@ what a sample means it to):
   their document) each with its own short suffix, forced to `decode_tokens` tokens; the step
   time is the time between output tokens once every sequence decodes (counted in tokens, so
   outputs the engine merged still count). Fitted to `fixed_s + batch * per_sequence_s +
-  total_context * per_context_token_s`, where total_context is what the batch attends to.
+  total_context * per_context_token_s`, where total_context is what the batch attends to;
+* WiM queries on a document session (`engine/query_samples.py`): what they take beyond
+  those two fits is `query_extra_s`.
 
 Both fits are least squares of the relative errors (samples span 0.1 s to a minute; plain
 least squares fits the longest and misses short prefills by 2-3x). A coefficient that comes
@@ -39,11 +41,18 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from wim_service.engine.config import EngineConfig
+from wim_service.engine.query_samples import (
+    QUERY,
+    QUERY_PLACES,
+    fit_query_extra,
+    lone_query_seconds,
+    measure_queries,
+)
 from wim_service.engine.request_params import PRIORITY, sampling_params
 from wim_service.placement.profile import DecodeCost, EngineProfile, PrefillCost
 from wim_service.wim.backend import RequestKind
@@ -80,6 +89,9 @@ class Plan:
     # Prefill samples past this many tokens (cached and new) are left out: on 2 cores a
     # 6,000-token prefill after 3,000 cached tokens alone takes a minute.
     prefill_max_tokens: int = 6144
+    # Documents (tokens) read for the WiM queries, and the queries asked of each.
+    query_documents: tuple[int, ...] = (1200, 2400, 3600)
+    queries_per_document: int = len(QUERY_PLACES)
 
 
 FULL = Plan(
@@ -99,6 +111,8 @@ QUICK = Plan(
     decode_contexts=(200, 1000),
     decode_repeats=1,
     decode_tokens=24,
+    query_documents=(1200,),
+    queries_per_document=2,
 )
 
 
@@ -130,9 +144,10 @@ def relative_lstsq(columns: np.ndarray, seconds: Sequence[float]) -> np.ndarray:
 def refit(profile: EngineProfile) -> EngineProfile:
     """`profile` with its costs fitted again to its own samples."""
     samples = profile.samples
-    return profile.model_copy(
+    fitted = profile.model_copy(
         update={"prefill": fit_prefill(samples), "decode": fit_decode(samples)}
     )
+    return fitted.model_copy(update={"query_extra_s": fit_query_extra(fitted)})
 
 
 def prefill_columns(new: float, cached: float) -> list[float]:
@@ -166,15 +181,21 @@ def predicted(profile: EngineProfile, sample: dict[str, float]) -> float:
     """What `profile` predicts for one sample."""
     if sample["kind"] == PREFILL:
         return profile.prefill.seconds(int(sample["new"]), int(sample["cached"]))
+    if sample["kind"] == QUERY:
+        return lone_query_seconds(profile, sample)
     return profile.decode.step_seconds(int(sample["batch"]), int(sample["context"]))
 
 
+KIND_NAMES = {PREFILL: "prefill", DECODE: "decode", QUERY: "query"}
+
+
 def fit_errors(profile: EngineProfile) -> dict[str, float]:
-    """Mean absolute relative error of the profile's prefill and decode over its samples."""
-    errors: dict[str, list[float]] = {"prefill": [], "decode": []}
+    """Mean absolute relative error of the profile's prefill, decode and WiM query
+    predictions over its samples."""
+    errors: dict[str, list[float]] = {name: [] for name in KIND_NAMES.values()}
     for sample in profile.samples:
-        kind = "prefill" if sample["kind"] == PREFILL else "decode"
-        errors[kind].append(abs(predicted(profile, sample) / sample["seconds"] - 1))
+        error = abs(predicted(profile, sample) / sample["seconds"] - 1)
+        errors[KIND_NAMES[sample["kind"]]].append(error)
     return {kind: float(np.mean(values)) for kind, values in errors.items() if values}
 
 
@@ -314,7 +335,7 @@ def build_profile(
     config = backend.engine.vllm_config
     cache = config.cache_config
     builder = PromptBuilder(backend.tokenizer, WiMOptions().prompts)
-    return EngineProfile(
+    profile = EngineProfile(
         model=model_name(backend.config),
         dtype=str(config.model_config.dtype).removeprefix("torch."),
         machine=machine(),
@@ -329,6 +350,7 @@ def build_profile(
         decode=fit_decode(samples),
         samples=samples,
     )
+    return profile.model_copy(update={"query_extra_s": fit_query_extra(profile)})
 
 
 def _max_load(*loads: Sequence[float]) -> list[float]:
@@ -338,7 +360,9 @@ def _max_load(*loads: Sequence[float]) -> list[float]:
 async def calibrate_on(backend: VLLMBackend, *, quick: bool = False) -> EngineProfile:
     """Measure and fit the costs of a running engine (it stays up)."""
     load = os.getloadavg()
-    samples = await measure(backend, QUICK if quick else FULL)
+    plan = QUICK if quick else FULL
+    queries = await measure_queries(backend, plan.query_documents, plan.queries_per_document)
+    samples = await measure(backend, plan) + queries
     return build_profile(backend, samples, _max_load(load, os.getloadavg()))
 
 
@@ -368,14 +392,16 @@ def describe(profile: EngineProfile) -> list[str]:
     """One line per sample, predicted against measured, then the fit's errors."""
     lines = []
     for s in profile.samples:
-        shape: Any = (
-            f"prefill new={s['new']:.0f} cached={s['cached']:.0f}"
-            if s["kind"] == PREFILL
-            else f"decode batch={s['batch']:.0f} context={s['context']:.0f}"
-        )
+        if s["kind"] == PREFILL:
+            shape = f"prefill new={s['new']:.0f} cached={s['cached']:.0f}"
+        elif s["kind"] == DECODE:
+            shape = f"decode batch={s['batch']:.0f} context={s['context']:.0f}"
+        else:
+            shape = f"WiM query document={s['document']:.0f} margins={s['margins']:.0f}"
         lines.append(
             f"{shape}: measured {s['seconds']:.4f} s, predicted {predicted(profile, s):.4f} s"
         )
     errors = fit_errors(profile)
     lines.append(", ".join(f"{kind} MARE {error:.1%}" for kind, error in errors.items()))
+    lines.append(f"query_extra_s {profile.query_extra_s:.3f}")
     return lines

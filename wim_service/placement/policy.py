@@ -72,6 +72,7 @@ def first_token_s(
         margins = p.prefill.seconds(work.margins * p.margin_prompt_tokens, cached=context)
         batch = replica.running + work.margins
         margins += p.decode_seconds(work.margin_tokens, batch, context * work.margins)
+        margins += p.query_extra_s  # the answers started beside the last margins
     return prefill + margins
 
 

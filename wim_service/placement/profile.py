@@ -68,6 +68,11 @@ class EngineProfile(BaseModel):
     margin_prompt_tokens: int = Field(ge=0)
     prefill: PrefillCost
     decode: DecodeCost
+    # Engine seconds a WiM query that writes margins takes beyond the prefills and decode
+    # steps costed by `prefill` and `decode` (`lone_query_seconds`): mostly the answers WiM
+    # starts beside its last margins (`answer_early`), whose prefills pause the margins'
+    # decode. Fitted to real queries by calibration; 0 in a profile measured before that.
+    query_extra_s: float = Field(0.0, ge=0)
     # The measurements the costs were fitted to, kept so that a fit can be checked.
     samples: list[dict[str, float]] = Field(default_factory=list)
 
@@ -83,3 +88,32 @@ class EngineProfile(BaseModel):
     def decode_seconds(self, tokens: int, batch: int, context_tokens: int) -> float:
         """`tokens` decode steps at a steady `batch` over `context_tokens` of KV."""
         return tokens * self.decode.step_seconds(max(1, batch), context_tokens)
+
+    # -- a WiM query on a read document, step by step (the simulator queues each step) ----
+
+    def margins_prefill_seconds(self, margins: int, document_tokens: int) -> float:
+        """The prompts of `margins` margins, prefilled together after the document's KV."""
+        return self.prefill.seconds(margins * self.margin_prompt_tokens, cached=document_tokens)
+
+    def answer_prefill_seconds(
+        self, query_tokens: int, margins: int, margin_tokens: int, document_tokens: int
+    ) -> float:
+        """The query and its margins' notes after the document's KV, and `query_extra_s`
+        when margins were written."""
+        new = query_tokens + margins * margin_tokens
+        extra = self.query_extra_s if margins else 0.0
+        return self.prefill.seconds(new, cached=document_tokens) + extra
+
+    def lone_query_seconds(
+        self, document_tokens: int, query_tokens: int, margins: int, margin_tokens: int
+    ) -> float:
+        """Seconds to a WiM query's first answer token on a read document, alone on its
+        engine: its margins' prompts, their other tokens decoded side by side (the first
+        comes with the prefill), then the answer's prefill."""
+        seconds = self.answer_prefill_seconds(query_tokens, margins, margin_tokens, document_tokens)
+        if margins:
+            seconds += self.margins_prefill_seconds(margins, document_tokens)
+            steps = margin_tokens - 1
+            context = margins * (document_tokens + self.margin_prompt_tokens + margin_tokens / 2)
+            seconds += self.decode_seconds(steps, margins, round(context))
+        return seconds

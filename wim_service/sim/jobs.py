@@ -6,8 +6,9 @@ past the cached prefix, then decodes its answer. A session's read (`read_work`) 
 document into a new copy. A WiM query on a document session reads the document first if
 placement opened a copy for it (another replica's), writes its margins (one per segment, or the
 trace row's `margins`: one prefill of every margin's prompt over the document's KV, then the
-margins decode side by side in the batch), then prefills the query with the margins and decodes
-the answer. A copy runs one query at a time in the blocks it holds for one; a query arriving
+margins decode side by side in the batch), then prefills the query with the margins (and the
+profile's `query_extra_s`, what answering early beside the margins costs) and decodes the
+answer. A copy runs one query at a time in the blocks it holds for one; a query arriving
 while that runs starts at once beside it in blocks of its own if the engine has them free (as a
 live session does), else waits its turn.
 Placement sees one margin per segment, as the router does: which segments a query
@@ -137,12 +138,15 @@ class Job:
         return self.work.margins if written is None else written
 
     def margins_prefill_seconds(self, profile: EngineProfile) -> float:
-        new = self.margins * profile.margin_prompt_tokens
-        return profile.prefill.seconds(new, cached=self.work.document_tokens)
+        return profile.margins_prefill_seconds(self.margins, self.work.document_tokens)
 
     def query_prefill_seconds(self, profile: EngineProfile) -> float:
-        new = self.request.query_tokens + self.margins * self.work.margin_tokens
-        return profile.prefill.seconds(new, cached=self.work.document_tokens)
+        return profile.answer_prefill_seconds(
+            self.request.query_tokens,
+            self.margins,
+            self.work.margin_tokens,
+            self.work.document_tokens,
+        )
 
     def first_token(self, engine: Engine, now: float, context: int) -> None:
         """The prefill that ends now gave the answer's first token; decode the rest."""
