@@ -11,7 +11,9 @@ replicas are ready, replay the trace (loadtest/replay.py, at most `--replay-minu
 the service with every process it started; then simulate the trace in-process, as
 `wim sim --trace FILE --replicas 2 --policies <policy> --profile P.json` does (the replay's
 time scale, segment and margin sizes), and print per policy the live and simulated TTFT p50
-and p95, their relative difference and whether it is within `--tolerance`.
+and p95, their relative difference, whether it is within `--tolerance`, and the median live
+over simulated time of the trace's plain rows (about 1 when the engines ran at the profile's
+speed: this VM's speed moved by 1.5-2.4x between hours on 4 December).
 
 The profile must describe the engines as they run here: one engine on one core. The default
 is the one shipped for that (`placement/profiles/one-core.json`, measured on the development
@@ -240,7 +242,7 @@ def comparison_table(rows: list[dict[str, Any]], tolerance: float) -> str:
         return f"{value:+.0%}" if percent else f"{value:.2f}"
 
     header = ["policy", "live p50", "live p95", "sim p50", "sim p95", "diff p50", "diff p95"]
-    header.append(f"within {tolerance:.0%}?")
+    header += [f"within {tolerance:.0%}?", "plain rows live/sim"]
     lines = [header]
     for row in rows:
         lines.append(
@@ -250,6 +252,7 @@ def comparison_table(rows: list[dict[str, Any]], tolerance: float) -> str:
                 cell(row["rel_diff_p50"], True),
                 cell(row["rel_diff_p95"], True),
                 within(row, tolerance),
+                cell(row.get("plain_live_over_sim")),
             ]
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -329,10 +332,33 @@ def prepare_trace(args: argparse.Namespace) -> Trace:
     return trace
 
 
+def plain_speed(args: argparse.Namespace, trace: Trace, policy: str) -> float | None:
+    """The median of live over simulated first-token time of the trace's plain rows: a
+    prefill and little else, so about 1 when the engines ran at the profile's speed (this VM's
+    speed has moved by 1.5-2.4x between hours). None without live figures."""
+    live_file, sim_file = args.out / f"live-{policy}.json", args.out / f"sim-{policy}.json"
+    if not live_file.exists() or not sim_file.exists():
+        return None
+    simulated_s = json.loads(sim_file.read_text())["ttft_s_by_row"]
+    ratios = sorted(
+        record["ttft_s"] / simulated_s[record["row"]]
+        for record in json.loads(live_file.read_text())["records"]
+        if record["ttft_s"] and simulated_s[record["row"]] and not trace.requests[record["row"]].wim
+    )
+    return ratios[len(ratios) // 2] if ratios else None
+
+
 def run_policy(args: argparse.Namespace, trace: Trace, policy: str) -> dict[str, Any]:
     live_run = None if args.skip_live else live(args, policy)
     sim = simulated(args, trace, policy)
-    return {"policy": policy, "live": live_run, "sim": sim, **compare(policy, live_run, sim)}
+    speed = None if args.skip_live else plain_speed(args, trace, policy)
+    return {
+        "policy": policy,
+        "live": live_run,
+        "sim": sim,
+        **compare(policy, live_run, sim),
+        "plain_live_over_sim": speed,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

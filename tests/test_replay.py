@@ -4,6 +4,7 @@ end, the document's KV reused by its second WiM query, every session closed."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import signal
@@ -30,6 +31,7 @@ from tests.live_stack import (
     wait_for,
 )
 from wim_service.sim.report import HEADERS, KEYS
+from wim_service.sim.traces import read_trace
 
 LOADTEST = Path(__file__).resolve().parent.parent / "loadtest"
 LIVE_APP = MAIN
@@ -390,10 +392,28 @@ def test_the_comparison_flags_differences_past_the_tolerance(compare_sim: Module
     assert compare_sim.within(close, 0.25) == "yes"
     assert compare_sim.within(far, 0.25) == "no"
     assert compare_sim.within(missing, 0.25) == "-"
+    close["plain_live_over_sim"] = 0.55
     lines = compare_sim.comparison_table([close, far, missing], 0.25).splitlines()
-    assert lines[0].split()[-2:] == ["within", "25%?"]
-    assert lines[1].split() == ["wim", "10.00", "20.00", "12.00", "16.00", "+20%", "-20%", "yes"]
-    assert lines[3].split()[3:] == ["-"] * 5
+    assert lines[0].split()[-5:] == ["within", "25%?", "plain", "rows", "live/sim"]
+    assert lines[1].split() == [
+        *("wim", "10.00", "20.00", "12.00", "16.00", "+20%", "-20%", "yes", "0.55")
+    ]
+    assert lines[3].split()[3:] == ["-"] * 6
+
+
+def test_the_plain_rows_tell_how_fast_the_engines_ran_against_the_profile(
+    compare_sim: ModuleType, tmp_path: Path
+) -> None:
+    """The median live/simulated first-token time of the plain rows (WiM rows left out)."""
+    rows = [row(t, "alpha-report", wim) for t, wim in ((0, False), (1, True), (2, False))]
+    rows.append(row(3, "alpha-report", False))
+    trace = read_trace(write_rows(tmp_path / "trace.jsonl", rows))
+    records = [{"row": i, "ttft_s": live} for i, live in enumerate((1.0, 9.0, 3.0, 0.5))]
+    (tmp_path / "live-wim.json").write_text(json.dumps({"records": records}))
+    (tmp_path / "sim-wim.json").write_text(json.dumps({"ttft_s_by_row": [2.0, 1.0, 2.0, 1.0]}))
+    args = argparse.Namespace(out=tmp_path)
+    assert compare_sim.plain_speed(args, trace, "wim") == 0.5  # of 0.5, 0.5 and 1.5
+    assert compare_sim.plain_speed(args, trace, "sticky") is None  # not replayed live
 
 
 def test_compare_sim_refuses_an_unknown_policy(
