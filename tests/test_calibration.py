@@ -94,27 +94,30 @@ def test_the_profile_reports_its_fit_over_its_samples() -> None:
     assert predicted(profile, samples[0]) == pytest.approx(samples[0]["seconds"])
 
 
-def query_samples(extra_s: float, profile: EngineProfile) -> list[dict[str, float]]:
+def query_samples(profile: EngineProfile, scale: float = 1.0) -> list[dict[str, float]]:
+    """WiM query samples as `profile` predicts them, times `scale`."""
     shapes = [(1200, 12, 1, 16.0), (2400, 12, 1, 14.0), (3600, 13, 2, 15.5), (3600, 13, 0, 0)]
     return [
-        {"kind": QUERY, "document": d, "query": q, "margins": m, "margin_tokens": t, "seconds": 0}
-        | {"seconds": profile.lone_query_seconds(d, q, m, round(t)) + (extra_s if m else 0)}
+        {"kind": QUERY, "document": d, "query": q, "margins": m, "margin_tokens": t}
+        | {"seconds": profile.lone_query_seconds(d, q, m, round(t)) * scale}
         for d, q, m, t in shapes
     ]
 
 
-def test_the_query_extra_is_what_queries_with_margins_take_beyond_the_costs() -> None:
+def test_the_query_extra_is_what_queries_with_margins_prefill_beyond_their_own() -> None:
     base = EngineProfile.load().model_copy(
-        update={"prefill": PREFILL_COST, "decode": DECODE_COST, "query_extra_s": 0.0}
+        update={"prefill": PREFILL_COST, "decode": DECODE_COST, "query_extra_tokens": 0}
     )
-    samples = prefill_samples() + decode_samples() + query_samples(0.3, base)
-    profile = refit(base.model_copy(update={"samples": samples}))
-    # A query without margins (every segment skipped) answers at once: no extra to fit.
-    assert profile.query_extra_s == pytest.approx(0.3, rel=1e-6)
+    costs = prefill_samples() + decode_samples()
+    made = query_samples(base.model_copy(update={"query_extra_tokens": 120}))
+    profile = refit(base.model_copy(update={"samples": costs + made}))
+    assert profile.query_extra_tokens == 120
     assert fit_errors(profile)["query"] == pytest.approx(0.0, abs=1e-9)
+    # A query without margins (every segment skipped) answers at once: nothing extra.
+    assert predicted(profile, made[-1]) == pytest.approx(predicted(base, made[-1]))
     # Never below zero: queries quicker than the costs say add nothing.
-    quick = base.model_copy(update={"samples": samples[:-4] + query_samples(-0.1, base)})
-    assert refit(quick).query_extra_s == 0.0
+    quick = refit(base.model_copy(update={"samples": costs + query_samples(base, 0.8)}))
+    assert quick.query_extra_tokens == 0
 
 
 def test_the_calibration_document_puts_each_code_in_a_segment_of_its_own(tokenizer) -> None:
@@ -163,7 +166,7 @@ async def test_quick_calibration_of_a_real_engine(engine, model_dir) -> None:
     queries = [s for s in profile.samples if s["kind"] == QUERY]
     assert [s["margins"] for s in queries] == [1, 1]
     assert all(0 < s["margin_tokens"] <= 16 and s["document"] > 1000 for s in queries)
-    assert profile.query_extra_s >= 0
+    assert 0 <= profile.query_extra_tokens <= 2048
     # The cached samples were served from the cache (block-aligned prefixes).
     assert {s["cached"] for s in profile.samples if s["kind"] == PREFILL} == {0, 1024}
     for sample in profile.samples:

@@ -41,7 +41,7 @@ PROFILE = EngineProfile.model_validate(
         "margin_prompt_tokens": 60,
         "prefill": {"fixed_s": 0.02, "per_token_s": 3e-4, "per_token_context_s": 1e-8},
         "decode": {"fixed_s": 0.02, "per_sequence_s": 1e-3, "per_context_token_s": 1e-7},
-        "query_extra_s": 0.25,
+        "query_extra_tokens": 50,
     }
 )
 POLICIES = ("round_robin", "sticky", "wim")
@@ -320,9 +320,9 @@ def test_a_lone_wim_query_reads_writes_its_margins_then_answers(tmp_path: Path) 
     prompts = p.prefill.seconds(margins * p.margin_prompt_tokens, cached=3000)
     context = margins * (3000 + p.margin_prompt_tokens + 1)
     decode = sum(p.decode.step_seconds(margins, context + margins * j) for j in range(4))
-    query = p.prefill.seconds(40 + margins * 5, cached=3000) + p.query_extra_s
+    query = p.prefill.seconds(40 + margins * 5 + p.query_extra_tokens, cached=3000)
     assert outcome.first_token_s == pytest.approx(read + prompts + decode + query)
-    # What calibration fits `query_extra_s` with: the same steps, the decode's context taken
+    # What calibration fits `query_extra_tokens` with: the same steps, the decode's context taken
     # at its mean.
     alone = p.lone_query_seconds(3000, 40, margins, 5)
     assert outcome.first_token_s - read == pytest.approx(alone, rel=1e-4)
@@ -345,9 +345,9 @@ def test_a_wim_query_writes_only_the_margins_its_row_names(tmp_path: Path) -> No
     p = PROFILE
     prompt = p.prefill.seconds(p.margin_prompt_tokens, cached=3000)
     decode = sum(p.decode.step_seconds(1, 3000 + p.margin_prompt_tokens + 1 + j) for j in range(4))
-    query = p.prefill.seconds(40 + 5, cached=3000) + p.query_extra_s
+    query = p.prefill.seconds(40 + 5 + p.query_extra_tokens, cached=3000)
     assert one.first_token_s - 100 == pytest.approx(prompt + decode + query)
-    # Without margins nothing is answered early: no `query_extra_s`.
+    # Without margins nothing is answered early: no `query_extra_tokens`.
     assert none.first_token_s - 200 == pytest.approx(p.prefill.seconds(40, cached=3000))
     assert every.first_token_s - 0 > p.prefill.seconds(3000) + one.first_token_s - 100
     bad = {**doc_row(0, "a", wim=True), "margins": -1}

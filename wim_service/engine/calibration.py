@@ -15,7 +15,7 @@ what a sample means it to):
   outputs the engine merged still count). Fitted to `fixed_s + batch * per_sequence_s +
   total_context * per_context_token_s`, where total_context is what the batch attends to;
 * WiM queries on a document session (`engine/query_samples.py`): what they take beyond
-  those two fits is `query_extra_s`.
+  those two fits is `query_extra_tokens`.
 
 Both fits are least squares of the relative errors (samples span 0.1 s to a minute; plain
 least squares fits the longest and misses short prefills by 2-3x). A coefficient that comes
@@ -147,7 +147,7 @@ def refit(profile: EngineProfile) -> EngineProfile:
     fitted = profile.model_copy(
         update={"prefill": fit_prefill(samples), "decode": fit_decode(samples)}
     )
-    return fitted.model_copy(update={"query_extra_s": fit_query_extra(fitted)})
+    return fitted.model_copy(update={"query_extra_tokens": fit_query_extra(fitted)})
 
 
 def prefill_columns(new: float, cached: float) -> list[float]:
@@ -350,7 +350,7 @@ def build_profile(
         decode=fit_decode(samples),
         samples=samples,
     )
-    return profile.model_copy(update={"query_extra_s": fit_query_extra(profile)})
+    return profile.model_copy(update={"query_extra_tokens": fit_query_extra(profile)})
 
 
 def _max_load(*loads: Sequence[float]) -> list[float]:
@@ -403,5 +403,5 @@ def describe(profile: EngineProfile) -> list[str]:
         )
     errors = fit_errors(profile)
     lines.append(", ".join(f"{kind} MARE {error:.1%}" for kind, error in errors.items()))
-    lines.append(f"query_extra_s {profile.query_extra_s:.3f}")
+    lines.append(f"query_extra_tokens {profile.query_extra_tokens}")
     return lines

@@ -58,21 +58,21 @@ def first_token_s(
     queued ahead of it: the prefill still to do (the tokens not already in its cache; a whole
     document on a replica without a copy, `copy`), then the job's margins."""
     p = profile
+    extra = p.query_extra_tokens if work.margins else 0  # the answers started early
     if work.document is not None:
         read = p.prefill.seconds(work.document_tokens) if copy else 0.0
         query = work.prompt_tokens - work.document_tokens
-        prefill = read + p.prefill.seconds(query, cached=work.document_tokens)
+        prefill = read + p.prefill.seconds(query + extra, cached=work.document_tokens)
         context = work.document_tokens
     else:
         cached = work.cached_tokens(replica.cached_blocks(work))
-        prefill = p.prefill.seconds(work.prompt_tokens - cached, cached=cached)
+        prefill = p.prefill.seconds(work.prompt_tokens - cached + extra, cached=cached)
         context = work.prompt_tokens
     margins = 0.0
     if work.margins:
         margins = p.prefill.seconds(work.margins * p.margin_prompt_tokens, cached=context)
         batch = replica.running + work.margins
         margins += p.decode_seconds(work.margin_tokens, batch, context * work.margins)
-        margins += p.query_extra_s  # the answers started beside the last margins
     return prefill + margins
 
 

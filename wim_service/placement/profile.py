@@ -68,11 +68,12 @@ class EngineProfile(BaseModel):
     margin_prompt_tokens: int = Field(ge=0)
     prefill: PrefillCost
     decode: DecodeCost
-    # Engine seconds a WiM query that writes margins takes beyond the prefills and decode
-    # steps costed by `prefill` and `decode` (`lone_query_seconds`): mostly the answers WiM
-    # starts beside its last margins (`answer_early`), whose prefills pause the margins'
-    # decode. Fitted to real queries by calibration; 0 in a profile measured before that.
-    query_extra_s: float = Field(0.0, ge=0)
+    # Tokens a WiM query that writes margins prefills after its document besides its margins'
+    # prompts and its answer's query and notes (`lone_query_seconds`): the answers WiM starts
+    # beside its last margins (`answer_early`), one per guess at the notes, whose prefills
+    # attend to the whole document and pause the margins' decode. Fitted to real queries by
+    # calibration; 0 in a profile measured before that.
+    query_extra_tokens: int = Field(0, ge=0)
     # The measurements the costs were fitted to, kept so that a fit can be checked.
     samples: list[dict[str, float]] = Field(default_factory=list)
 
@@ -98,11 +99,12 @@ class EngineProfile(BaseModel):
     def answer_prefill_seconds(
         self, query_tokens: int, margins: int, margin_tokens: int, document_tokens: int
     ) -> float:
-        """The query and its margins' notes after the document's KV, and `query_extra_s`
-        when margins were written."""
+        """The query and its margins' notes after the document's KV, and when margins were
+        written the answers started beside them (`query_extra_tokens`)."""
         new = query_tokens + margins * margin_tokens
-        extra = self.query_extra_s if margins else 0.0
-        return self.prefill.seconds(new, cached=document_tokens) + extra
+        if margins:
+            new += self.query_extra_tokens
+        return self.prefill.seconds(new, cached=document_tokens)
 
     def lone_query_seconds(
         self, document_tokens: int, query_tokens: int, margins: int, margin_tokens: int

@@ -28,8 +28,9 @@ What the model simplifies, on purpose:
   batch's decode left, and each replica's exact prefix cache.
 * A WiM query's margins (one per segment, or its trace row's `margins`: the others skipped)
   are one prefill of every margin prompt over the document's KV, then decode side by side in
-  the batch; no margin is judged or dropped, every answer decodes its full `answer_tokens`, and
-  nothing fails or is cancelled.
+  the batch; the answers WiM starts beside them (`answer_early`) are the profile's
+  `query_extra_tokens`, prefilled with the answer after the margins; no margin is judged or
+  dropped, every answer decodes its full `answer_tokens`, and nothing fails or is cancelled.
 * A job no replica has room for waits in one first-come-first-served queue (nothing overtakes
   it), except a query of a document some replica holds, which needs no new room and queues at
   its copy; a request larger than an empty replica's KV is counted as too large, never placed.

@@ -7,7 +7,7 @@ document into a new copy. A WiM query on a document session reads the document f
 placement opened a copy for it (another replica's), writes its margins (one per segment, or the
 trace row's `margins`: one prefill of every margin's prompt over the document's KV, then the
 margins decode side by side in the batch), then prefills the query with the margins (and the
-profile's `query_extra_s`, what answering early beside the margins costs) and decodes the
+profile's `query_extra_tokens`: the answers started early beside the margins) and decodes the
 answer. A copy runs one query at a time in the blocks it holds for one; a query arriving
 while that runs starts at once beside it in blocks of its own if the engine has them free (as a
 live session does), else waits its turn.
