@@ -16,6 +16,7 @@ from tests.fake_service import ScriptedClient, ScriptedReplica
 from tests.test_router_store import Routers, open_document, query, routers  # noqa: F401
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import StoredSession
+from wim_service.wim.events import ErrorEvent
 from wim_service.wim.options import WiMOptions
 
 TEXT = "The night gate code is 4417. Ask Marta at the harbour office about it. " * 30
@@ -107,6 +108,53 @@ async def test_round_robin_alternates_a_sessions_queries_between_replicas() -> N
     # The session's read took the first turn (a).
     assert [await ask(router, document_id) for _ in range(4)] == ["b", "a", "b", "a"]
     assert document_id in b.texts and counted(router, "wim_document_copies_opened_total") == 1
+
+
+async def test_a_sessions_queries_go_on_on_its_holder_while_a_copy_is_read() -> None:
+    """A copy's read takes seconds on a real engine: meanwhile the session's other queries
+    start on the replica that holds it (they waited for the read when it ran under the
+    session's lock), and none of them opens a second copy."""
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b, placement="round_robin")
+    document_id = await opened(router)  # read on a: round robin's first turn
+    reading, read_may_end = asyncio.Event(), asyncio.Event()
+    read = b.open_document
+
+    async def slow_read(*args: Any) -> Any:
+        reading.set()
+        await read_may_end.wait()
+        return await read(*args)
+
+    b.open_document = slow_read  # type: ignore[method-assign]
+    copying = asyncio.create_task(ask(router, document_id))  # b's turn: a copy is read there
+    await asyncio.wait_for(reading.wait(), 5)
+    # a's turn, then b's again: b's copy is still being read, so that query stays on a too.
+    during = [await asyncio.wait_for(ask(router, document_id), 5) for _ in range(2)]
+    assert during == ["a", "a"] and not copying.done()
+    read_may_end.set()
+    assert await copying == "b"
+    assert counted(router, "wim_document_copies_opened_total") == 1
+    assert counted(router, "wim_copy_queries_total", role="copy") == 1
+    session = await router.documents.get(document_id)
+    assert session is not None and session.copies == ("b",)
+    # Every booking given back: the read's when it ended, each query's when it answered.
+    loads = router.fleet.table.loads
+    assert [(loads[r].running, round(loads[r].backlog_s, 6)) for r in "ab"] == [(0, 0), (0, 0)]
+
+
+async def test_a_copy_that_cannot_be_read_leaves_the_query_on_the_primary() -> None:
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b, placement="round_robin")
+    document_id = await opened(router)
+
+    async def full(*args: Any) -> Any:
+        return ErrorEvent(code="overloaded", message="no KV free")
+
+    b.open_document = full  # type: ignore[method-assign]
+    assert await ask(router, document_id) == "a"
+    assert counted(router, "wim_copy_queries_total", role="primary") == 1
+    assert counted(router, "wim_document_copies_opened_total") == 0
+    assert b.documents == {} and not router.dispatcher.copies._opening
 
 
 async def test_no_copy_opens_on_a_stale_load() -> None:

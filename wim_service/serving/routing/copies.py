@@ -7,6 +7,13 @@ holders are busy; reading another copy is quicker), the router reads a copy ther
 cache salt), records it in the session store (`add_copy`, within `max_copies` holders) and
 sends the query there. Later queries go to the holder with the least expected wait.
 
+The read takes seconds on a real engine, and it happens outside the session's lock
+(`HolderChoice.copy`, then `read_copy`): the session's other queries start on its holders
+meanwhile. Held under the lock, it kept them all waiting for the read, on exactly the documents
+copies are for (4 December 22:07: a round-robin query on the primary waited 9.3 s where 2.6 s
+was expected). While this router reads a copy of a document, its other queries do not open a
+second one (`_opening`); across routers the store's `add_copy` bounds the holders.
+
 A copy costs a whole document read, so it is opened on fresh evidence only: the loads the
 policy weighed may be a poll interval old, and a holder's report taken while a query ran
 (this router's or another's) still counts that query after it ended. Before a copy opens, the
@@ -28,6 +35,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from wim_service.placement.state import NoRoom, Work
 from wim_service.serving.config import RouterConfig
@@ -67,6 +75,18 @@ async def close_unless_held(
         await close_on(client, replica, document_id)
 
 
+@dataclass(frozen=True)
+class HolderChoice:
+    """Where a query of a document session runs, and what it booked there."""
+
+    replica: str
+    booking: Booking | None
+    # `replica` holds no copy yet: read one there first (`DocumentCopies.read_copy`, outside
+    # the session's lock), or run on `fallback` if that fails.
+    copy_of: StoredSession | None = None
+    fallback: str = ""
+
+
 class DocumentCopies:
     def __init__(
         self,
@@ -85,13 +105,13 @@ class DocumentCopies:
         self._running: Counter[tuple[str, str]] = Counter()
         self._used: dict[tuple[str, str], float] = {}
         self._fresh_loads = Recent(fleet.refresh_loads, FRESH_LOADS_S)
+        # Documents this router is reading a copy of (see above).
+        self._opening: set[str] = set()
 
-    async def holder(
-        self, session: StoredSession, query: str, options: WiMOptions
-    ) -> tuple[str, Booking | None]:
-        """The holder a query of `session` (its primary live) runs on, by the policy: a new
-        copy's replica if the policy opens one and the copy could be read and recorded; with
-        the query's booking there (`BindingTable.done` once it ends)."""
+    async def holder(self, session: StoredSession, query: str, options: WiMOptions) -> HolderChoice:
+        """The holder a query of `session` (its primary live) runs on, by the policy, with
+        the query's booking there (`BindingTable.done` once it ends); or a replica to read a
+        new copy on first (`copy_of`). Called under the session's lock."""
         table = self.fleet.table
         holders = [r for r in session.holders if table.is_live(r)]
         work = session_work(
@@ -108,21 +128,46 @@ class DocumentCopies:
             await self._fresh_loads.get()
             holders = [r for r in holders if table.is_live(r)]
             booking = self._place(work, holders) if holders else None
+        home = session.replica or holders[0]
         if booking is None:
             # The holders' admission control queues a query; only new copies need room.
-            return session.replica or holders[0], None
+            return HolderChoice(home, None)
         if not booking.placement.open_copy:
-            return booking.replica, booking
+            return HolderChoice(booking.replica, booking)
         # A copy only beside holders whose loads are known (the policy weighed them), within
-        # the limit (a policy other than `wim` may ask for more).
+        # the limit (a policy other than `wim` may ask for more), one read at a time.
         known = all(r in table.loads for r in holders)
         room = len(holders) < self.config.max_copies
-        if known and room and await self._open(session, booking.replica):
+        if known and room and session.session_id not in self._opening:
+            self._opening.add(session.session_id)
+            return HolderChoice(booking.replica, booking, copy_of=session, fallback=home)
+        table.done(booking)  # nothing runs there after all
+        return HolderChoice(home, None)
+
+    async def read_copy(self, choice: HolderChoice) -> HolderChoice:
+        """Read the copy `choice` asks for and record it (without the session's lock: the
+        session's other queries start on its holders meanwhile); the choice settled on the
+        copy, or on its fallback if the copy could not be read or recorded, and the query
+        counted as running there (`begin`)."""
+        session, booking, table = choice.copy_of, choice.booking, self.fleet.table
+        assert session is not None and booking is not None
+        try:
+            opened = await self._open(session, choice.replica)
+        except BaseException:
+            table.done(booking)
+            raise
+        finally:
+            self._opening.discard(session.session_id)
+        if opened:
             # Read: the query's own part of the booking stays.
             table.done(booking, table.profile.prefill.seconds(session.context_tokens))
-            return booking.replica, booking
-        table.done(booking)  # nothing runs there after all
-        return session.replica or holders[0], None
+            settled = HolderChoice(choice.replica, booking)
+        else:
+            table.done(booking)  # nothing runs there after all
+            settled = HolderChoice(choice.fallback, None)
+        primary = settled.replica == session.replica
+        self.begin(session.session_id, settled.replica, primary=primary)
+        return settled
 
     def _place(self, work: Work, holders: list[str]) -> Booking | None:
         """The query's placement, booked; None if no replica has room for it."""

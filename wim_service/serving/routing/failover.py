@@ -23,7 +23,12 @@ from wim_service.serving.replica.contracts import DocumentOpened
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
 from wim_service.serving.replica.work import one_shot_work, plain_work, session_work
 from wim_service.serving.routing.bindings import BindResult, Booking
-from wim_service.serving.routing.copies import DocumentCopies, close_on, close_unless_held
+from wim_service.serving.routing.copies import (
+    DocumentCopies,
+    HolderChoice,
+    close_on,
+    close_unless_held,
+)
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.prefixes import prompt_blocks
@@ -183,10 +188,11 @@ class Dispatcher:
 
     async def document_replica(
         self, document_id: str, query: str, options: WiMOptions
-    ) -> tuple[str, Booking | None]:
+    ) -> HolderChoice:
         """The replica a query of the document runs on (its primary, or a copy: `copies.py`),
-        counted as running there until `copies.end`, and what it booked there. A session
-        whose primary is gone is taken over by a live copy, or rebuilt elsewhere. The store
+        counted as running there until `copies.end`, and what it booked there; or a new copy
+        to read first (`HolderChoice.copy_of`: `DocumentCopies.read_copy`). A session whose
+        primary is gone is taken over by a live copy, or rebuilt elsewhere. The store
         decides: another router may have moved or ended the session. Called under the
         session's lock."""
         while True:
@@ -199,14 +205,17 @@ class Dispatcher:
             booking = None
             if primary is not None and self.fleet.table.is_live(primary):
                 self.metrics.binding.labels(BindResult.HIT).inc()
-                replica, booking = await self.copies.holder(session, query, options)
+                choice = await self.copies.holder(session, query, options)
+                if choice.copy_of is not None:
+                    return choice
+                replica, booking = choice.replica, choice.booking
             elif primary is None:
                 replica = await self._repin(session, "session_lost")
             else:
                 replica = await self._lose(session, primary, "replica_left")
             if replica is not None:
                 self.copies.begin(document_id, replica, primary=replica == primary)
-                return replica, booking
+                return HolderChoice(replica, booking)
 
     async def _drop_lost_copies(self, session: StoredSession) -> StoredSession:
         """`session` without its copies on replicas that are gone (dropped from the store)."""
@@ -375,7 +384,10 @@ class Dispatcher:
         if it was lost), or the one-shot job's, placed anew after a failover."""
         if job.record is not None:
             async with self.documents.lock(job.session_id):
-                replica, job.booking = await self.document_replica(job.session_id, query, options)
+                choice = await self.document_replica(job.session_id, query, options)
+            if choice.copy_of is not None:
+                choice = await self.copies.read_copy(choice)
+            replica, job.booking = choice.replica, choice.booking
             events = self.client.replica(replica).query_document(job.session_id, query, options)
             return replica, events
         if job.replica is None:
