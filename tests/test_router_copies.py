@@ -14,6 +14,7 @@ import pytest
 
 from tests.fake_service import ScriptedClient, ScriptedReplica
 from tests.test_router_store import Routers, open_document, query, routers  # noqa: F401
+from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import StoredSession
 from wim_service.wim.events import ErrorEvent
@@ -140,6 +141,33 @@ async def test_a_sessions_queries_go_on_on_its_holder_while_a_copy_is_read() -> 
     # Every booking given back: the read's when it ended, each query's when it answered.
     loads = router.fleet.table.loads
     assert [(loads[r].running, round(loads[r].backlog_s, 6)) for r in "ab"] == [(0, 0), (0, 0)]
+
+
+async def test_a_session_deleted_while_its_copy_is_read_leaves_nothing_open() -> None:
+    """The read runs without the session's lock, so a DELETE may come first: the copy is not
+    recorded, it is closed, and its query ends with the session's error."""
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b, placement="round_robin")
+    document_id = await opened(router)
+    reading, read_may_end = asyncio.Event(), asyncio.Event()
+    read = b.open_document
+
+    async def slow_read(*args: Any) -> Any:
+        reading.set()
+        await read_may_end.wait()
+        return await read(*args)
+
+    b.open_document = slow_read  # type: ignore[method-assign]
+    copying = asyncio.create_task(ask(router, document_id))
+    await asyncio.wait_for(reading.wait(), 5)
+    assert await router.dispatcher.close_document(document_id)
+    read_may_end.set()
+    with pytest.raises(HTTPFailure) as failure:
+        await copying
+    assert failure.value.status == 404
+    assert a.documents == {} and b.documents == {}
+    assert counted(router, "wim_document_copies_opened_total") == 0
+    assert await router.documents.get(document_id) is None
 
 
 async def test_a_copy_that_cannot_be_read_leaves_the_query_on_the_primary() -> None:
