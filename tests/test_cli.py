@@ -168,8 +168,17 @@ async def command(wait):
             await asyncio.sleep(60)
     finally:
         print("cleaned up", flush=True)
-        if wait == "hung cleanup":
+        if wait in ("hung cleanup", "slow walk"):
             time.sleep(60)
+
+if sys.argv[1] == "slow walk":  # a walk of /proc by the stopping threads takes seconds
+    import threading, psutil
+    walk = psutil.Process.children
+    def slow_walk(self, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(3)
+        return walk(self, *args, **kwargs)
+    psutil.Process.children = slow_walk
 
 if sys.argv[1] == "subprocess":  # a child that ignores Ctrl-C, started by `wim serve`'s way
     code = (
@@ -220,6 +229,34 @@ def test_a_signal_stops_the_command_and_kills_what_it_started(
         for process in descendants:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
+
+def test_the_watchdog_kills_what_it_recorded_however_slow_a_walk_of_proc_is() -> None:
+    """On a starved machine a walk of /proc took seconds: the watchdog then still kills the
+    processes it recorded at `GRACE_S`, before its last walk and faulthandler's deadline
+    (`GRACE_S` + 2), which used to strike first and leave the tree running."""
+    command = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_COMMAND, "slow walk"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    child: psutil.Process | None = None
+    try:
+        assert command.stdout is not None
+        child = psutil.Process(int(command.stdout.readline()))
+        started = time.monotonic()
+        command.send_signal(signal.SIGTERM)
+        while not ended(child) and time.monotonic() - started < GRACE_S + 10:
+            time.sleep(0.05)
+        took = time.monotonic() - started
+        assert ended(child) and took < GRACE_S + 1.5, took
+        command.communicate(timeout=10)
+    finally:
+        command.kill()
+        if child is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
 
 
 def test_serve_says_when_the_service_is_ready(capsys) -> None:
