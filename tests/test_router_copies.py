@@ -111,6 +111,20 @@ async def test_round_robin_alternates_a_sessions_queries_between_replicas() -> N
     assert document_id in b.texts and counted(router, "wim_document_copies_opened_total") == 1
 
 
+def held_reads(replica: ScriptedReplica) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make `replica`'s document reads wait: (set once a read waits, set to let it end)."""
+    reading, read_may_end = asyncio.Event(), asyncio.Event()
+    read = replica.open_document
+
+    async def held_read(*args: Any) -> Any:
+        reading.set()
+        await read_may_end.wait()
+        return await read(*args)
+
+    replica.open_document = held_read  # type: ignore[method-assign]
+    return reading, read_may_end
+
+
 async def test_a_sessions_queries_go_on_on_its_holder_while_a_copy_is_read() -> None:
     """A copy's read takes seconds on a real engine: meanwhile the session's other queries
     start on the replica that holds it (they waited for the read when it ran under the
@@ -118,15 +132,7 @@ async def test_a_sessions_queries_go_on_on_its_holder_while_a_copy_is_read() -> 
     a, b = ScriptedReplica("a"), ScriptedReplica("b")
     router = await router_over(a, b, placement="round_robin")
     document_id = await opened(router)  # read on a: round robin's first turn
-    reading, read_may_end = asyncio.Event(), asyncio.Event()
-    read = b.open_document
-
-    async def slow_read(*args: Any) -> Any:
-        reading.set()
-        await read_may_end.wait()
-        return await read(*args)
-
-    b.open_document = slow_read  # type: ignore[method-assign]
+    reading, read_may_end = held_reads(b)
     copying = asyncio.create_task(ask(router, document_id))  # b's turn: a copy is read there
     await asyncio.wait_for(reading.wait(), 5)
     # a's turn, then b's again: b's copy is still being read, so that query stays on a too.
@@ -149,15 +155,7 @@ async def test_a_session_deleted_while_its_copy_is_read_leaves_nothing_open() ->
     a, b = ScriptedReplica("a"), ScriptedReplica("b")
     router = await router_over(a, b, placement="round_robin")
     document_id = await opened(router)
-    reading, read_may_end = asyncio.Event(), asyncio.Event()
-    read = b.open_document
-
-    async def slow_read(*args: Any) -> Any:
-        reading.set()
-        await read_may_end.wait()
-        return await read(*args)
-
-    b.open_document = slow_read  # type: ignore[method-assign]
+    reading, read_may_end = held_reads(b)
     copying = asyncio.create_task(ask(router, document_id))
     await asyncio.wait_for(reading.wait(), 5)
     assert await router.dispatcher.close_document(document_id)
