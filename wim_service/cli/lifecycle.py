@@ -98,11 +98,6 @@ class _Stop:
         faulthandler.dump_traceback_later(GRACE_S + 2, exit=True)
         threading.Thread(target=self._recorder, name="wim-stop-record", daemon=True).start()
         time.sleep(GRACE_S)
-        # What is recorded dies now, before any new walk of /proc: one can take seconds on a
-        # starved machine, and when `finish` walked first, faulthandler's deadline struck
-        # before it had killed anything and the tree outlived the command (`wim eval` beside
-        # the multi-node tests, 4 December 22:48).
-        self.kill_recorded()
         print(f"wim: not stopped {GRACE_S:g} s after the signal; where it was:", file=sys.stderr)
         faulthandler.dump_traceback(sys.stderr)
         self.finish()
@@ -121,7 +116,11 @@ class _Stop:
         """Kill what is left of the tree and exit with 128 + the signal."""
         assert self.signum is not None
         self._finishing.acquire()
-        self.kill_recorded()  # first, then what a last walk finds
+        # What is recorded dies first, then what a last walk of /proc finds: a walk can take
+        # seconds on a starved machine, and when `finish` walked first, faulthandler's deadline
+        # struck before it had killed anything and the tree outlived the command (`wim eval`
+        # beside the multi-node tests, 4 December 22:48).
+        self.kill_recorded()
         self.record()
         self.kill_recorded()
         print(f"wim: stopped by {self.signum.name}", file=sys.stderr)

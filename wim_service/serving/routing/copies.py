@@ -8,7 +8,7 @@ cache salt), records it in the session store (`add_copy`, within `max_copies` ho
 sends the query there. Later queries go to the holder with the least expected wait.
 
 The read takes seconds on a real engine, and it happens outside the session's lock
-(`HolderChoice.copy`, then `read_copy`): the session's other queries start on its holders
+(`HolderChoice.copy_of`, then `read_copy`): the session's other queries start on its holders
 meanwhile. Held under the lock, it kept them all waiting for the read, on exactly the documents
 copies are for (4 December 22:07: a round-robin query on the primary waited 9.3 s where 2.6 s
 was expected). While this router reads a copy of a document, its other queries do not open a
