@@ -13,11 +13,13 @@ the service with every process it started; then simulate the trace in-process, a
 time scale, segment and margin sizes), and print per policy the live and simulated TTFT p50
 and p95, their relative difference, whether it is within `--tolerance`, and the median live
 over simulated time of the trace's plain rows (about 1 when the engines ran at the profile's
-speed: this VM's speed moved by 1.5-2.4x between hours on 4 December).
+speed: on 4 December the VM came up on a CPU with AVX-512 BF16, `dtype: auto` ran bfloat16
+there, and the engines ran 2.4x faster than the float32 profile measured before).
 
-The profile must describe the engines as they run here: one engine on one core. The default
-is the one shipped for that (`placement/profiles/one-core.json`, measured on the development
-machine); `--calibrate` measures this machine's first (12 minutes on 4 December), with the
+The profile must describe the engines as they run here: one engine on one core, in the dtype
+the serve config's `dtype: auto` picks on this CPU. The default is the one shipped for that
+(`placement/profiles/one-core.json`, measured on the development machine in bfloat16, on a CPU
+with AVX-512 BF16); `--calibrate` measures this machine's first (12 minutes on 4 December), with the
 serve config's engine settings and `rank` binding; `--profile` reuses one. (`wim sim`'s own
 default, `default.json`, describes one engine with both cores: two engines sharing both cores
 each ran about half as fast while the other worked.)
@@ -334,8 +336,9 @@ def prepare_trace(args: argparse.Namespace) -> Trace:
 
 def plain_speed(args: argparse.Namespace, trace: Trace, policy: str) -> float | None:
     """The median of live over simulated first-token time of the trace's plain rows: a
-    prefill and little else, so about 1 when the engines ran at the profile's speed (this VM's
-    speed has moved by 1.5-2.4x between hours). None without live figures."""
+    prefill and little else, so about 1 when the engines ran at the profile's speed (another
+    CPU or dtype moves it: 0.47-0.55 on 4 December against a profile of float32 engines).
+    None without live figures."""
     live_file, sim_file = args.out / f"live-{policy}.json", args.out / f"sim-{policy}.json"
     if not live_file.exists() or not sim_file.exists():
         return None
