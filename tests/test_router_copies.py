@@ -310,3 +310,29 @@ async def test_two_routers_copying_a_document_onto_one_replica_leave_it_open(
     stored = await two.documents.get(document_id)
     assert stored is not None and stored.copies == ("b",)
     assert document_id in b.documents
+
+
+async def test_copies_decided_and_given_up_book_nothing_on_their_replica() -> None:
+    """Queries that would read a copy on b while this router already reads one there run on
+    the primary: they leave b's load as its last report plus the one read, whatever their
+    number. (Each one left a session slot and the session's KV booked there until the next
+    report: on 4 December a node loss stalled the reports, and the session's rebuild on the
+    survivor was refused 429 on those phantom bookings.)"""
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b)
+    document_id = await opened(router)
+    a.backlog_s = 30.0  # a is busy: every query's cheapest start is a copy on b
+    await router.fleet.refresh_loads()
+    reading, read_may_end = held_reads(b)
+    copying = asyncio.create_task(ask(router, document_id))
+    await asyncio.wait_for(reading.wait(), 5)
+    b_load = router.fleet.table.loads["b"]
+    booked = (b_load.sessions, b_load.reserved_blocks)
+    await asyncio.sleep(0.3)  # older than the fresh loads: each decision asks again
+    during = [await asyncio.wait_for(ask(router, document_id), 5) for _ in range(3)]
+    assert during == ["a", "a", "a"]
+    b_load = router.fleet.table.loads["b"]
+    # At most the read's booking (a report since, taken during the read, replaced it).
+    assert b_load.sessions <= booked[0] and b_load.reserved_blocks <= booked[1], booked
+    read_may_end.set()
+    assert await copying == "b"

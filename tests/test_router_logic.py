@@ -20,6 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from wim_service.engine.config import EngineConfig
+from wim_service.placement.state import Work
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.replica.client import ReplicaLost
@@ -308,6 +309,24 @@ def test_full_replicas_answer_429_and_no_replica_503() -> None:
     assert none.status_code == 503 and none.headers["Retry-After"]
 
 
+async def test_work_is_refused_on_fresh_loads_only() -> None:
+    """A replica that reported itself full at the last poll and has room now takes the work:
+    the router asks the loads again before it refuses (429)."""
+    a = FakeReplica("a", capacity=100)
+    router = WiMRouter(
+        None, {"router": {"replica_wait_s": 0}}, client=FakeClient(a), http_host="::1"
+    )
+    a.reserved = a.capacity
+    await router.fleet.refresh_loads()  # the last poll: a was full then
+    a.reserved = 0  # ... and has room now
+    booking = await router.fleet.place(
+        "job", Work(prompt_tokens=100, answer_tokens=8, kv_blocks=60)
+    )
+    assert booking.replica == "a" and router.fleet.table.loads["a"].reserved_blocks == 60
+    assert a.calls.count("load") == 2
+    router.shutdown()
+
+
 def test_sessions_go_to_the_replica_with_most_room_under_sticky() -> None:
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b", capacity=10_000)
     client, _ = make_service(a, b, placement="sticky")
@@ -378,6 +397,38 @@ def test_a_replica_lost_mid_query_takes_no_new_session_while_serve_still_lists_i
     assert client.post("/wim", json={"context": DOCUMENT, "query": "q"}).json()["replica"] == "b"
     assert metric(client, "wim_session_failover_total", reason="replica_lost") == 1
     assert router.fleet.ready() == ["b"]
+
+
+async def test_a_replica_that_does_not_answer_holds_back_no_other_replicas_report() -> None:
+    """A node that is gone leaves its replica's load call hanging (until LOAD_TIMEOUT_S): a
+    poll takes the others' reports within POLL_WAIT_S meanwhile, keeps the silent replica's
+    last one, and asks it once, not once more per poll."""
+    from wim_service.serving.routing.fleet import POLL_WAIT_S
+
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router = WiMRouter(None, {"router": {}}, client=UnnoticedDeaths(a, b), http_host="::1")
+    await router.fleet.refresh_loads()
+    answer = asyncio.Event()
+    load = a.load
+
+    async def silent() -> ReplicaLoad:
+        await answer.wait()
+        return await load()
+
+    a.load = silent  # type: ignore[method-assign]
+    b.reserved = a.reserved = 7
+    loop = asyncio.get_running_loop()
+    for _ in range(2):
+        started = loop.time()
+        await router.fleet.refresh_loads()
+        assert loop.time() - started < POLL_WAIT_S + 0.5
+        loads = router.fleet.table.loads
+        assert (loads["a"].reserved_blocks, loads["b"].reserved_blocks) == (0, 7)
+    assert a.calls.count("load") == 2  # the first poll's, then the one still waiting
+    answer.set()
+    await router.fleet.refresh_loads()
+    assert router.fleet.table.loads["a"].reserved_blocks == 7
+    router.shutdown()
 
 
 def moves(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -37,6 +37,8 @@ class Booking:
     load: ReplicaLoad
     seconds: float
     at: float  # monotonic seconds it was booked
+    blocks: int = 0  # KV blocks booked (a new copy's, a one-shot job's)
+    sessions: int = 0  # session slots booked
 
     @property
     def replica(self) -> str:
@@ -128,16 +130,32 @@ class BindingTable:
         seconds = job_s(self.profile, work, state, copy=placement.open_copy)
         load.backlog_s += seconds
         load.running += 1
+        blocks, sessions = 0, 0
         if work.document is None or placement.open_copy:
             # New KV and a session slot: a query on a copy it holds takes neither (the
             # session's own reservation holds one query).
-            load.reserved_blocks += work.kv_blocks + work.document_blocks
-            load.sessions += 1
+            blocks, sessions = work.kv_blocks + work.document_blocks, 1
+            load.reserved_blocks += blocks
+            load.sessions += sessions
         if work.prefix and state.prefix_cache is not None:
             state.prefix_cache.insert(work.prefix)
         if session is not None:
             self.bindings[session] = placement.replica
-        return Booking(placement, load, seconds, time.monotonic())
+        return Booking(placement, load, seconds, time.monotonic(), blocks, sessions)
+
+    def cancel(self, booking: Booking) -> None:
+        """Work booked but never sent (a copy decided and then given up, a read that failed)
+        stops counting at once, all of it: its seconds, its running job, and the KV and session
+        slot it booked. Left until the next report, they made the replica look full, and a node
+        loss stalls the reports (4 December: a session's rebuild was refused on them). A fresh
+        report taken since never counted it: nothing to undo then."""
+        load = self.loads.get(booking.replica)
+        if load is not booking.load:
+            return
+        load.backlog_s = max(0.0, load.backlog_s - booking.seconds)
+        load.running = max(0, load.running - 1)
+        load.reserved_blocks -= booking.blocks
+        load.sessions -= booking.sessions
 
     def done(self, booking: Booking, seconds: float | None = None) -> None:
         """Work the router saw end (a document read: the open call returned; a job) stops

@@ -17,9 +17,9 @@ second one (`_opening`); across routers the store's `add_copy` bounds the holder
 A copy costs a whole document read, so it is opened on fresh evidence only: the loads the
 policy weighed may be a poll interval old, and a holder's report taken while a query ran
 (this router's or another's) still counts that query after it ended. Before a copy opens, the
-replicas' loads are asked again (at most once per `FRESH_LOADS_S`, whatever the number of
-queries deciding at once) and the query placed again on them, by a policy that weighs loads
-(round robin would only take another turn).
+replicas' loads are asked again (`ReplicaFleet.fresh_loads`: at most once per
+`FRESH_LOADS_S`, whatever the number of queries deciding at once) and the query placed again
+on them, by a policy that weighs loads (round robin would only take another turn).
 
 Copies are part of the session: DELETE and expiry close every one, and every router claims
 them like the primary, so that no replica reaps one as an orphan. A copy that no query of this
@@ -47,14 +47,10 @@ from wim_service.serving.replica.work import session_work
 from wim_service.serving.routing.bindings import Booking
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
-from wim_service.serving.routing.recent import Recent
 from wim_service.serving.store import StoredSession
 from wim_service.wim.options import WiMOptions
 
 logger = logging.getLogger(__name__)
-
-# How old the loads a copy is decided on may be (see above).
-FRESH_LOADS_S = 0.25
 
 
 async def close_on(client: ReplicaClient, replica: str, document_id: str) -> None:
@@ -104,7 +100,6 @@ class DocumentCopies:
         # (document id, replica) -> this router's queries running there / when one last ran.
         self._running: Counter[tuple[str, str]] = Counter()
         self._used: dict[tuple[str, str], float] = {}
-        self._fresh_loads = Recent(fleet.refresh_loads, FRESH_LOADS_S)
         # Documents this router is reading a copy of (see above).
         self._opening: set[str] = set()
 
@@ -124,8 +119,8 @@ class DocumentCopies:
         )
         booking = self._place(work, holders)
         if booking is not None and booking.placement.open_copy and table.policy.weighs_loads:
-            table.done(booking)  # placed on loads that may be stale: weigh fresh ones
-            await self._fresh_loads.get()
+            table.cancel(booking)  # placed on loads that may be stale: weigh fresh ones
+            await self.fleet.fresh_loads.get()
             holders = [r for r in holders if table.is_live(r)]
             booking = self._place(work, holders) if holders else None
         home = session.replica or holders[0]
@@ -141,7 +136,7 @@ class DocumentCopies:
         if known and room and session.session_id not in self._opening:
             self._opening.add(session.session_id)
             return HolderChoice(booking.replica, booking, copy_of=session, fallback=home)
-        table.done(booking)  # nothing runs there after all
+        table.cancel(booking)  # nothing runs there after all
         return HolderChoice(home, None)
 
     async def read_copy(self, choice: HolderChoice) -> HolderChoice:
@@ -154,7 +149,7 @@ class DocumentCopies:
         try:
             opened = await self._open(session, choice.replica)
         except BaseException:
-            table.done(booking)
+            table.cancel(booking)
             raise
         finally:
             self._opening.discard(session.session_id)
@@ -163,7 +158,7 @@ class DocumentCopies:
             table.done(booking, table.profile.prefill.seconds(session.context_tokens))
             settled = HolderChoice(choice.replica, booking)
         else:
-            table.done(booking)  # nothing runs there after all
+            table.cancel(booking)  # nothing read or kept there
             settled = HolderChoice(choice.fallback, None)
         primary = settled.replica == session.replica
         self.begin(session.session_id, settled.replica, primary=primary)

@@ -158,15 +158,17 @@ class Dispatcher:
                 result = await self.client.replica(replica).open_document(
                     session.session_id, text, session.options
                 )
-                # Read: a query placed next must not wait behind it.
-                self.fleet.table.done(booking)
             except ReplicaLost:
+                self.fleet.table.cancel(booking)
                 self.fleet.lost(replica, "replica_lost")
                 exclude.add(replica)
                 continue
             if isinstance(result, ErrorEvent):
+                self.fleet.table.cancel(booking)
                 raise HTTPFailure(result.code, result.message, result.retry_after_s)
             assert isinstance(result, DocumentOpened)
+            # Read: a query placed next must not wait behind it.
+            self.fleet.table.done(booking)
             return replica, result, blocks
 
     async def close_document(self, document_id: str) -> bool:

@@ -22,12 +22,20 @@ from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient
 from wim_service.serving.replica.contracts import ReplicaLoad
 from wim_service.serving.routing.bindings import BindingTable, BindResult, Booking
+from wim_service.serving.routing.recent import Recent
 from wim_service.wim.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
 
-# A replica that does not report within this long is skipped for this poll.
+# A call for a replica's load fails after this long (the replica is skipped until it answers).
 LOAD_TIMEOUT_S = 10.0
+# A poll waits this long for the reports; a replica that has not answered by then keeps its
+# last report, and its call goes on for the next poll. Waiting out LOAD_TIMEOUT_S instead
+# held every replica's report back while one node was gone: for 10 s the router placed work
+# on loads that no longer counted what had ended (4 December: a failover refused 429).
+POLL_WAIT_S = 1.0
+# How old the loads a refusal or a copy is decided on may be.
+FRESH_LOADS_S = 0.25
 
 
 class ReplicaFleet:
@@ -39,19 +47,39 @@ class ReplicaFleet:
         profile = EngineProfile.load(path)
         policy = make_policy(config.placement, profile, max_copies=config.max_copies)
         self.table = BindingTable(policy, profile)
+        # Each replica's load call, until it answers (one at a time per replica).
+        self._asking: dict[str, asyncio.Task[ReplicaLoad]] = {}
+        # The loads asked again for a decision that must not rest on a poll's (a refusal, a
+        # copy's read), at most once per FRESH_LOADS_S however many decide at once.
+        self.fresh_loads = Recent(self.refresh_loads, FRESH_LOADS_S)
 
     async def refresh_loads(self) -> None:
         replicas = sorted(await self.client.live_replicas())
-        results = await asyncio.gather(
-            *(self._load_of(r) for r in replicas), return_exceptions=True
-        )
+        for replica in set(self._asking) - set(replicas):
+            self._asking.pop(replica).cancel()
+        asking = {r: self._asking.get(r) or self._ask(r) for r in replicas}
+        self._asking.update(asking)
+        if asking:
+            await asyncio.wait(asking.values(), timeout=POLL_WAIT_S)
         loads = []
-        for replica, result in zip(replicas, results, strict=True):
-            if isinstance(result, ReplicaLoad):
-                loads.append(result)
+        for replica, task in asking.items():
+            if not task.done():
+                continue
+            if self._asking.get(replica) is task:
+                del self._asking[replica]
+            if not task.cancelled() and task.exception() is None:
+                loads.append(task.result())
             else:
-                logger.warning("engine replica %s did not report its load: %r", replica, result)
+                error = "cancelled" if task.cancelled() else repr(task.exception())
+                logger.warning("engine replica %s did not report its load: %s", replica, error)
         self.table.update_replicas(set(replicas), loads)
+        self._export(loads)
+
+    def _ask(self, replica: str) -> asyncio.Task[ReplicaLoad]:
+        return asyncio.get_running_loop().create_task(self._load_of(replica))
+
+    def _export(self, loads: list[ReplicaLoad]) -> None:
+        """The replicas' reports as the router's gauges."""
         self.metrics.sessions_active.clear()
         self.metrics.resident_kv_tokens.clear()
         self.metrics.kv_reserved_blocks.clear()
@@ -63,12 +91,18 @@ class ReplicaFleet:
         # Serve lets those calls finish before it stops the replica.
         self.metrics.replica_draining.clear()
         for replica, calls in self.client.in_flight.items():
-            if calls and replica not in replicas:
+            if calls and replica not in self.table.live:
                 self.metrics.replica_draining.labels(replica).set(1)
 
     async def _load_of(self, replica: str) -> ReplicaLoad:
         load = await asyncio.wait_for(self.client.replica(replica).load(), LOAD_TIMEOUT_S)
         return ReplicaLoad.model_validate(load)
+
+    def stop(self) -> None:
+        """End the load calls still waiting for an answer."""
+        for task in self._asking.values():
+            task.cancel()
+        self._asking.clear()
 
     def ready(self) -> list[str]:
         return [load.replica for load in self.table.loads.values() if load.healthy]
@@ -92,11 +126,18 @@ class ReplicaFleet:
         """Where `work` runs, by the policy, bound to `session` if given; waits a while for a
         first replica to come up. `holders` hold a copy of the work's document."""
         deadline = time.monotonic() + self.config.replica_wait_s
+        asked = False
         while True:
             try:
                 return self.table.place(session, work, exclude=exclude, holders=holders)
             except NoRoom as exc:
                 live = exc.replicas
+                if live and not asked:
+                    # Refused on fresh loads only: between two reports the table counts work
+                    # that may have ended (a one-shot job's KV, an ended session's).
+                    asked = True
+                    await self.fresh_loads.get()
+                    continue
                 if live or time.monotonic() > deadline:
                     self.metrics.binding.labels(BindResult.REJECTED).inc()
                     if live:

@@ -127,10 +127,11 @@ class WiMRouter:
         self.loop_lag.start()
 
     def shutdown(self) -> None:
-        """Nothing of this router outlives it: its loop monitor, maintenance loop and PDF
-        workers end."""
+        """Nothing of this router outlives it: its loop monitor, maintenance loop, load calls
+        and PDF workers end."""
         self.loop_lag.stop()
         self.pdf.close()
+        self.fleet.stop()
         if self._background is not None:
             self._background.cancel()
 
