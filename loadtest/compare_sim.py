@@ -20,7 +20,8 @@ The profile must describe the engines as they run here: one engine on one core, 
 the serve config's `dtype: auto` picks on this CPU. The default is the one shipped for that
 (`placement/profiles/one-core.json`, measured on the development machine in bfloat16, on a CPU
 with AVX-512 BF16); `--calibrate` measures this machine's first (12 minutes on 4 December), with the
-serve config's engine settings and `rank` binding; `--profile` reuses one. (`wim sim`'s own
+serve config's engine settings and `rank` binding; `--profile` reuses one, with a warning
+when its dtype is not the engines' here. (`wim sim`'s own
 default, `default.json`, describes one engine with both cores: two engines sharing both cores
 each ran about half as fast while the other worked.)
 
@@ -63,6 +64,7 @@ from local_service import (
 )
 from measure import output, port_taken
 
+from wim_service.engine.config import EngineConfig
 from wim_service.placement.profile import EngineProfile
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
 from wim_service.sim.replay import simulate
@@ -266,14 +268,30 @@ def comparison_table(rows: list[dict[str, Any]], tolerance: float) -> str:
 # -- main ----------------------------------------------------------------------------------
 
 
+def live_engine() -> EngineConfig:
+    """One engine replica's settings as the live service runs them here."""
+    return EngineConfig(**(serve_config()["applications"][0]["args"]["engine"] | ENGINE))
+
+
+def dtype_warning(profile: EngineProfile, engine: EngineConfig) -> str | None:
+    """Why the profile cannot describe the live engines, if its dtype is not theirs on this
+    CPU (a float32 profile against bfloat16 engines put a 4 December run 2.4x off)."""
+    dtype = engine.cpu_dtype()
+    if profile.dtype == dtype:
+        return None
+    return (
+        f"compare_sim: warning: the profile was measured in {profile.dtype}, the engines run "
+        f"{engine.dtype_label()} here: the simulated times will not describe them; "
+        "use --calibrate"
+    )
+
+
 def calibrate_profile(path: Path) -> Path:
     """Measure one engine with the live service's engine settings; write its profile."""
     from wim_service.engine.calibration import calibrate, describe
-    from wim_service.engine.config import EngineConfig
 
     print(f"calibrating one engine ({ENGINE}) into {path}", flush=True)
-    engine = EngineConfig(**(serve_config()["applications"][0]["args"]["engine"] | ENGINE))
-    profile = calibrate(engine)
+    profile = calibrate(live_engine())
     print("\n".join(describe(profile)), flush=True)
     path.write_text(profile.model_dump_json(indent=2) + "\n", encoding="utf-8")
     return path
@@ -376,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.profile.is_file():
         print(f"compare_sim: no profile at {args.profile}; use --calibrate", file=sys.stderr)
         return 2
+    warning = dtype_warning(EngineProfile.load(args.profile), live_engine())
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
     results = []
     try:

@@ -477,3 +477,23 @@ def test_a_replay_answers_every_row_and_closes_its_sessions(
     with open_client() as service:
         wait_for(lambda: settled(service), "every session closed", timeout=60)
         assert metric(service, "wim_sessions_active") == 0
+
+
+def test_compare_sim_warns_of_a_profile_in_another_dtype_than_the_engines(
+    compare_sim: ModuleType,
+) -> None:
+    import wim_service.placement
+    from wim_service.engine.config import EngineConfig
+    from wim_service.placement.profile import EngineProfile
+
+    profile = EngineProfile.load(
+        Path(wim_service.placement.__file__).with_name("profiles") / "one-core.json"
+    )
+    assert profile.dtype == "bfloat16"
+    assert compare_sim.dtype_warning(profile, EngineConfig(dtype="bfloat16")) is None
+    warning = compare_sim.dtype_warning(profile, EngineConfig(dtype="float32"))
+    assert "measured in bfloat16, the engines run float32 here" in warning
+    # The live service's engines: `dtype: auto`, what it picks on this CPU.
+    live = compare_sim.live_engine()
+    assert live.dtype == "auto"
+    assert (compare_sim.dtype_warning(profile, live) is None) == (live.cpu_dtype() == "bfloat16")
