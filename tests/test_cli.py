@@ -160,8 +160,10 @@ from wim_service.cli.lifecycle import run_command, run_subprocess
 
 async def command(wait):
     child = subprocess.Popen(["sleep", "60"])
-    print(child.pid, flush=True)
     try:
+        # Within the `try`: the test signals as soon as it reads this line (printed before
+        # it, a signal could strike between the two, with no `finally` to run yet).
+        print(child.pid, flush=True)
         if wait == "blocked":
             time.sleep(60)  # as vLLM's start blocks the event loop
         else:
