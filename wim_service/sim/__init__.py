@@ -34,6 +34,8 @@ What the model simplifies, on purpose:
 * A job no replica has room for waits in one first-come-first-served queue (nothing overtakes
   it), except a query of a document some replica holds, which needs no new room and queues at
   its copy; a request larger than an empty replica's KV is counted as too large, never placed.
+  (The live router answers such a job `429` with `Retry-After` instead: the queue stands for
+  clients that send it again, in the order they were refused.)
 
 Speed: 64 replicas over the shipped 4,000-request Mooncake trace, all three policies, in a few
 seconds (`scripts/bench_sim.sh`).
