@@ -353,10 +353,12 @@ def prepare_trace(args: argparse.Namespace) -> Trace:
 
 
 def plain_speed(args: argparse.Namespace, trace: Trace, policy: str) -> float | None:
-    """The median of live over simulated first-token time of the trace's plain rows: a
-    prefill and little else, so about 1 when the engines ran at the profile's speed (another
-    CPU or dtype moves it: 0.47-0.55 on 4 December against a profile of float32 engines).
-    None without live figures."""
+    """The median of live over simulated first-token time of the trace's plain rows that
+    prefilled their whole prompt (nothing of it cached live): a prefill and little else, so
+    about 1 when the engines ran at the profile's speed (another CPU or dtype moves it:
+    0.47-0.55 on 4 December against a profile of float32 engines). A cached row is left out:
+    its time is mostly the engine's fixed cost, and a trace of cached rows put this at 0.47
+    with the engines at the profile's speed (5 December). None without such rows live."""
     live_file, sim_file = args.out / f"live-{policy}.json", args.out / f"sim-{policy}.json"
     if not live_file.exists() or not sim_file.exists():
         return None
@@ -364,7 +366,10 @@ def plain_speed(args: argparse.Namespace, trace: Trace, policy: str) -> float | 
     ratios = sorted(
         record["ttft_s"] / simulated_s[record["row"]]
         for record in json.loads(live_file.read_text())["records"]
-        if record["ttft_s"] and simulated_s[record["row"]] and not trace.requests[record["row"]].wim
+        if record["ttft_s"]
+        and simulated_s[record["row"]]
+        and not trace.requests[record["row"]].wim
+        and not record.get("cached_tokens")
     )
     return ratios[len(ratios) // 2] if ratios else None
 

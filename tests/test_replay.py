@@ -404,15 +404,19 @@ def test_the_comparison_flags_differences_past_the_tolerance(compare_sim: Module
 def test_the_plain_rows_tell_how_fast_the_engines_ran_against_the_profile(
     compare_sim: ModuleType, tmp_path: Path
 ) -> None:
-    """The median live/simulated first-token time of the plain rows (WiM rows left out)."""
+    """The median live/simulated first-token time of the plain rows that read their whole
+    prompt (WiM rows and plain rows served partly from the cache left out)."""
     rows = [row(t, "alpha-report", wim) for t, wim in ((0, False), (1, True), (2, False))]
-    rows.append(row(3, "alpha-report", False))
+    rows += [row(t, "alpha-report", False) for t in (3, 4, 5)]
     trace = read_trace(write_rows(tmp_path / "trace.jsonl", rows))
-    records = [{"row": i, "ttft_s": live} for i, live in enumerate((1.0, 9.0, 3.0, 0.5))]
+    timings = ((2.0, 0), (9.0, 0), (2.4, 0), (1.4, 0), (0.1, 2048), (0.1, 2048))
+    records = [{"row": i, "ttft_s": t, "cached_tokens": c} for i, (t, c) in enumerate(timings)]
     (tmp_path / "live-wim.json").write_text(json.dumps({"records": records}))
-    (tmp_path / "sim-wim.json").write_text(json.dumps({"ttft_s_by_row": [2.0, 1.0, 2.0, 1.0]}))
+    simulated = {"ttft_s_by_row": [2.0, 1.0, 2.0, 1.0, 1.0, 1.0]}
+    (tmp_path / "sim-wim.json").write_text(json.dumps(simulated))
     args = argparse.Namespace(out=tmp_path)
-    assert compare_sim.plain_speed(args, trace, "wim") == 0.5  # of 0.5, 0.5 and 1.5
+    # Of 1.0, 1.2 and 1.4; with the cached rows' 0.1 and 0.1 it would be 1.0.
+    assert compare_sim.plain_speed(args, trace, "wim") == pytest.approx(1.2)
     assert compare_sim.plain_speed(args, trace, "sticky") is None  # not replayed live
 
 
