@@ -12,9 +12,10 @@ the service with every process it started; then simulate the trace in-process, a
 `wim sim --trace FILE --replicas 2 --policies <policy> --profile P.json` does (the replay's
 time scale, segment and margin sizes), and print per policy the live and simulated TTFT p50
 and p95, their relative difference, whether it is within `--tolerance`, and the median live
-over simulated time of the trace's plain rows (about 1 when the engines ran at the profile's
-speed: on 4 December the VM came up on a CPU with AVX-512 BF16, `dtype: auto` ran bfloat16
-there, and the engines ran 2.4x faster than the float32 profile measured before).
+over simulated time of the trace's plain rows that prefilled their whole prompt (about 1 when
+the engines ran at the profile's speed: on 4 December the VM came up on a CPU with AVX-512
+BF16, `dtype: auto` ran bfloat16 there, and the engines ran 2.4x faster than the float32
+profile measured before).
 
 The profile must describe the engines as they run here: one engine on one core, in the dtype
 the serve config's `dtype: auto` picks on this CPU. The default is the one shipped for that
