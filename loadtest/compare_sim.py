@@ -277,13 +277,12 @@ def live_engine() -> EngineConfig:
 def dtype_warning(profile: EngineProfile, engine: EngineConfig) -> str | None:
     """Why the profile cannot describe the live engines, if its dtype is not theirs on this
     CPU (a float32 profile against bfloat16 engines put a 4 December run 2.4x off)."""
-    dtype = engine.cpu_dtype()
-    if profile.dtype == dtype:
+    mismatch = profile.dtype_mismatch(engine.cpu_dtype())
+    if mismatch is None:
         return None
     return (
-        f"compare_sim: warning: the profile was measured in {profile.dtype}, the engines run "
-        f"{engine.dtype_label()} here: the simulated times will not describe them; "
-        "use --calibrate"
+        f"compare_sim: warning: {mismatch} here (dtype: {engine.dtype_label()}): the "
+        "simulated times will not describe them; use --calibrate"
     )
 
 

@@ -496,7 +496,7 @@ def test_compare_sim_warns_of_a_profile_in_another_dtype_than_the_engines(
     assert profile.dtype == "bfloat16"
     assert compare_sim.dtype_warning(profile, EngineConfig(dtype="bfloat16")) is None
     warning = compare_sim.dtype_warning(profile, EngineConfig(dtype="float32"))
-    assert "measured in bfloat16, the engines run float32 here" in warning
+    assert "measured in bfloat16, the engines run float32 here (dtype: float32)" in warning
     # The live service's engines: `dtype: auto`, what it picks on this CPU.
     live = compare_sim.live_engine()
     assert live.dtype == "auto"

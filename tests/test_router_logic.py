@@ -431,6 +431,25 @@ async def test_a_replica_that_does_not_answer_holds_back_no_other_replicas_repor
     router.shutdown()
 
 
+def test_a_router_says_when_its_cost_profile_is_not_of_its_engines_dtype(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The shipped profile was measured in bfloat16: engines that run float32 are slower
+    than it says, and the router logs so at its start; engines of its dtype log nothing."""
+    warnings = []
+    for dtype in ("float32", "bfloat16"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="wim_service.serving.routing.router"):
+            config = {"router": {}, "engine": {"dtype": dtype}}
+            WiMRouter(None, config, client=FakeClient(FakeReplica("a")), http_host="::1")
+        warnings.append(
+            [r.getMessage() for r in caplog.records if "cost_profile" in r.getMessage()]
+        )
+    (warning,) = warnings[0]
+    assert "measured in bfloat16, the engines run float32 here" in warning
+    assert warnings[1] == []
+
+
 def moves(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage() for r in caplog.records if r.name == "wim_service.serving.routing.failover"
