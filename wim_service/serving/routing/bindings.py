@@ -152,8 +152,7 @@ class BindingTable:
         load = self.loads.get(booking.replica)
         if load is not booking.load:
             return
-        load.backlog_s = max(0.0, load.backlog_s - booking.seconds)
-        load.running = max(0, load.running - 1)
+        self.done(booking)  # its seconds and running job
         load.reserved_blocks -= booking.blocks
         load.sessions -= booking.sessions
 
