@@ -230,6 +230,37 @@ async def test_an_idle_copy_is_retired_but_never_while_a_query_runs_on_it() -> N
     assert router.metrics.registry.get_sample_value("wim_document_copies") == 0
 
 
+async def test_an_idle_copy_gives_its_room_to_a_new_session_before_a_refusal() -> None:
+    # One session slot per replica: doc-hot's primary on a, its copy on b. A new session
+    # finds no slot; the copy, idle but far from copy_idle_s, is closed for it.
+    a, b = ScriptedReplica("a"), ScriptedReplica("b")
+    router = await router_over(a, b, max_copies=2, copy_idle_s=600)
+    document_id = await opened(router)
+    await hot(router, document_id)
+    a.max_sessions = b.max_sessions = 1
+    # While a query runs on the copy, it is kept: the new session is refused.
+    a.backlog_s = 30.0  # a is busy: the query goes to the copy
+    await router.fleet.refresh_loads()
+    record = await router.documents.get(document_id)
+    running = router.dispatcher.job(document_id, QUERY, WiMOptions(), record=record)
+    assert (await anext(running))[0] == "b"
+    other = StoredSession("doc-other", WiMOptions(), ttl_s=600.0)
+    with pytest.raises(HTTPFailure) as refused:
+        await router.dispatcher.open_document(other, TEXT)
+    assert refused.value.status == 429 and document_id in b.documents
+    _ = [item async for item in running]
+    session = await router.dispatcher.open_document(other, TEXT)
+    assert session.replica == "b" and b.documents.keys() == {"doc-other"}
+    hot_session = await router.documents.get(document_id)
+    assert hot_session is not None and hot_session.copies == ()
+    assert counted(router, "wim_document_copies_retired_total") == 1
+    # A document's primary is never reclaimed: a third session is refused.
+    with pytest.raises(HTTPFailure) as refused:
+        third = StoredSession("doc-3", WiMOptions(), ttl_s=600.0)
+        await router.dispatcher.open_document(third, TEXT)
+    assert refused.value.status == 429 and document_id in a.documents
+
+
 async def test_delete_closes_every_copy() -> None:
     a, b = ScriptedReplica("a"), ScriptedReplica("b")
     router = await router_over(a, b)

@@ -97,6 +97,7 @@ class FakeReplica:
         self.dead = False
         self.backlog_s = 0.0  # the expected seconds of work it reports queued
         self.running = 0  # the jobs it reports running
+        self.max_sessions = 1 << 30
 
     async def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -104,6 +105,7 @@ class FakeReplica:
             capacity_blocks=self.capacity,
             reserved_blocks=self.reserved,
             sessions=len(self.documents),
+            max_sessions=self.max_sessions,
             documents=len(self.documents),
             backlog_s=self.backlog_s,
             running=self.running,

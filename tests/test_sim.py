@@ -464,6 +464,22 @@ def test_a_job_without_room_waits_and_its_wait_counts_in_its_ttft(tmp_path: Path
     assert b.cached_tokens == a.cached_tokens == 3000  # each on its session's own copy
 
 
+def test_without_room_an_idle_spare_copy_makes_room(tmp_path: Path) -> None:
+    # Two replicas of one session slot each. Round robin reads a's session on r0 and its
+    # query a copy on r1; both idle when b comes, which finds no slot: one of a's two copies
+    # is retired for it at once, not after copy_idle_s. (A document's last copy is not:
+    # `test_a_job_without_room_waits_and_its_wait_counts_in_its_ttft`.)
+    rows = [doc_row(0, "a", wim=True), doc_row(60, "b", wim=True), doc_row(61, "a", wim=True)]
+    result = run(document_trace(rows, tmp_path), "round_robin", 2, slots=1, copy_idle_s=300.0)
+    a, b, a_again = sorted(result.outcomes, key=lambda o: o.index)
+    assert a.end_s < 60 and b.first_token_s < 80
+    assert (result.copies_reclaimed, result.queued_for_room) == (1, 0)
+    assert b.cached_tokens == a.cached_tokens == 3000
+    # a kept one copy, and b's session took the other's place: a's next query reads none.
+    assert result.copies_opened == 3
+    assert a_again.first_token_s - 61 < b.first_token_s - 60
+
+
 @pytest.mark.parametrize("backlog_decode", [True, False])
 def test_expected_wait_spreads_a_burst_by_the_backlog_it_books(backlog_decode: bool) -> None:
     # Eight distinct prompts at once on four replicas: each booking raises that replica's

@@ -14,9 +14,11 @@ What the model simplifies, on purpose:
   overlap); it waits only for the decode step under way.
 * KV is reserved per job at placement for its worst case (prompt, margins and answer) and given
   back when it ends; a document copy holds its blocks and one query's until retired (idle
-  `copy_idle_s`). Queries take turns in the copy's query blocks; one arriving while another
-  runs starts at once beside it in blocks of its own if the engine has them free (as a live
-  session does; the jobs waiting for room elsewhere are not consulted). Cached
+  `copy_idle_s`, or at once when a job finds no room and its document has another copy, as
+  the live router's `DocumentCopies.reclaim`). Queries take turns in the copy's query
+  blocks; one arriving while another runs starts at once beside it in blocks of its own if
+  the engine has them free (as a live session does; the jobs waiting for room elsewhere are
+  not consulted). Cached
   prefixes live in the KV no copy holds, as an LRU of the trace's hash blocks (Mooncake's 512
   tokens; a document trace's documents in the engine's 32-token KV blocks, as vLLM caches them),
   and never block a placement: vLLM evicts them on demand.

@@ -52,6 +52,7 @@ class RunResult:
     unplaced: int = 0  # still waiting when the trace ran out of events
     copies_opened: int = 0
     copies_retired: int = 0
+    copies_reclaimed: int = 0  # of those, retired early to make room (`Replay._reclaim`)
     events: int = 0
 
 
@@ -162,11 +163,27 @@ class Replay:
         try:
             placement = self.policy.place(job.work, [e.state(now) for e in self.engines])
         except NoRoom:
-            return False
+            if not self._reclaim(now):
+                return False
+            return self._place(job, now)
         job.copy = placement.open_copy
         self.result.copies_opened += placement.open_copy
         job.start(self.by_name[placement.replica], now)
         return True
+
+    def _reclaim(self, now: float) -> int:
+        """Retire every idle copy of a document that has another copy (the live router's
+        `DocumentCopies.reclaim`): when no replica has room, a spare copy's KV and session
+        slot serve new work better than its document's next query would."""
+        retired = 0
+        for engine in self.engines:
+            for document, copy in list(engine.copies.items()):
+                holders = sum(document in e.copies for e in self.engines)
+                if holders > 1 and not copy.active and engine.retire_if_idle(document, now, 0.0):
+                    retired += 1
+        self.result.copies_retired += retired
+        self.result.copies_reclaimed += retired
+        return retired
 
     def _drain(self, now: float) -> None:
         self._room_freed = False

@@ -35,6 +35,7 @@ EXTRA_KEYS = (
     "unplaced",
     "copies_opened",
     "copies_retired",
+    "copies_reclaimed",
 )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 from wim_service.placement.policy import make_policy
@@ -52,6 +52,9 @@ class ReplicaFleet:
         # The loads asked again for a decision that must not rest on a poll's (a refusal, a
         # copy's read), at most once per FRESH_LOADS_S however many decide at once.
         self.fresh_loads = Recent(self.refresh_loads, FRESH_LOADS_S)
+        # Closes idle copies of hot documents, the number closed, before work is refused
+        # (`DocumentCopies.reclaim`, set by whoever keeps the copies).
+        self.reclaim: Callable[[], Awaitable[int]] | None = None
 
     async def refresh_loads(self) -> None:
         replicas = sorted(await self.client.live_replicas())
@@ -126,7 +129,7 @@ class ReplicaFleet:
         """Where `work` runs, by the policy, bound to `session` if given; waits a while for a
         first replica to come up. `holders` hold a copy of the work's document."""
         deadline = time.monotonic() + self.config.replica_wait_s
-        asked = False
+        asked = reclaimed = False
         while True:
             try:
                 return self.table.place(session, work, exclude=exclude, holders=holders)
@@ -138,6 +141,12 @@ class ReplicaFleet:
                     asked = True
                     await self.fresh_loads.get()
                     continue
+                if live and not reclaimed and self.reclaim is not None:
+                    # Idle copies of hot documents give their room to new work first.
+                    reclaimed = True
+                    if await self.reclaim():
+                        await self.refresh_loads()
+                        continue
                 if live or time.monotonic() > deadline:
                     self.metrics.binding.labels(BindResult.REJECTED).inc()
                     if live:
