@@ -98,6 +98,7 @@ class FakeReplica:
         self.backlog_s = 0.0  # the expected seconds of work it reports queued
         self.running = 0  # the jobs it reports running
         self.max_sessions = 1 << 30
+        self.dtype = "bfloat16"  # the dtype it reports its engine runs in
 
     async def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -107,6 +108,7 @@ class FakeReplica:
             sessions=len(self.documents),
             max_sessions=self.max_sessions,
             documents=len(self.documents),
+            dtype=self.dtype,
             backlog_s=self.backlog_s,
             running=self.running,
         )
@@ -433,23 +435,22 @@ async def test_a_replica_that_does_not_answer_holds_back_no_other_replicas_repor
     router.shutdown()
 
 
-def test_a_router_says_when_its_cost_profile_is_not_of_its_engines_dtype(
+async def test_a_router_says_when_its_cost_profile_is_not_of_its_engines_dtype(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The shipped profile was measured in bfloat16: engines that run float32 are slower
-    than it says, and the router logs so at its start; engines of its dtype log nothing."""
-    warnings = []
-    for dtype in ("float32", "bfloat16"):
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="wim_service.serving.routing.router"):
-            config = {"router": {}, "engine": {"dtype": dtype}}
-            WiMRouter(None, config, client=FakeClient(FakeReplica("a")), http_host="::1")
-        warnings.append(
-            [r.getMessage() for r in caplog.records if "cost_profile" in r.getMessage()]
-        )
-    (warning,) = warnings[0]
-    assert "measured in bfloat16, the engines run float32 here" in warning
-    assert warnings[1] == []
+    """The shipped profile was measured in bfloat16: engines that report float32 are slower
+    than it says, and the router logs so once when it learns their loads; engines of the
+    profile's dtype log nothing."""
+    float32, bf16 = FakeReplica("a"), FakeReplica("b")
+    float32.dtype = "float32"
+    router = WiMRouter(None, {"router": {}}, client=FakeClient(float32, bf16), http_host="::1")
+    with caplog.at_level(logging.WARNING, logger="wim_service.serving.routing.fleet"):
+        for _ in range(2):
+            await router.fleet.refresh_loads()
+    warnings = [r.getMessage() for r in caplog.records if "cost_profile" in r.getMessage()]
+    (warning,) = warnings
+    assert "measured in bfloat16, the engines run float32 (replica a)" in warning
+    router.shutdown()
 
 
 def moves(caplog: pytest.LogCaptureFixture) -> list[str]:

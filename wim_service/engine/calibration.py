@@ -343,7 +343,7 @@ def build_profile(
     builder = PromptBuilder(backend.tokenizer, WiMOptions().prompts)
     profile = EngineProfile(
         model=model_name(backend.config),
-        dtype=str(config.model_config.dtype).removeprefix("torch."),
+        dtype=backend.dtype,
         machine=machine(),
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         load_average=(load[0], load[1], load[2]),

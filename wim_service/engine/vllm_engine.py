@@ -135,6 +135,11 @@ class VLLMBackend:
     def healthy(self) -> bool:
         return not self.engine.errored
 
+    @property
+    def dtype(self) -> str:
+        """The dtype the model runs in, as an `EngineProfile` names it ("bfloat16")."""
+        return str(self.engine.model_config.dtype).removeprefix("torch.")
+
     def next_request_id(self, salt: str, kind: str) -> str:
         return f"{salt}-{kind}-{next(self._ids)}"
 

@@ -29,6 +29,9 @@ class ReplicaLoad(BaseModel):
     # what the `wim` placement weighs (`serving/replica/backlog.py`).
     backlog_s: float = 0.0
     running: int = 0
+    # The dtype its engine runs in ("" if not reported): the router's cost profile should be
+    # of the same (`EngineProfile.dtype_mismatch`).
+    dtype: str = ""
 
     @property
     def room_blocks(self) -> int:

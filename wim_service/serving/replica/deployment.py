@@ -194,6 +194,7 @@ class EngineReplica:
             healthy=self.backend.healthy,
             backlog_s=self.backlog.seconds(),
             running=self.backlog.running,
+            dtype=self.backend.dtype,
         )
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -55,6 +55,7 @@ class ReplicaFleet:
         # Closes idle copies of hot documents, the number closed, before work is refused
         # (`DocumentCopies.reclaim`, set by whoever keeps the copies).
         self.reclaim: Callable[[], Awaitable[int]] | None = None
+        self._dtypes_seen: set[str] = set()  # the engines' dtypes checked against the profile
 
     async def refresh_loads(self) -> None:
         replicas = sorted(await self.client.live_replicas())
@@ -77,6 +78,25 @@ class ReplicaFleet:
                 logger.warning("engine replica %s did not report its load: %s", replica, error)
         self.table.update_replicas(set(replicas), loads)
         self._export(loads)
+        self._check_dtypes(loads)
+
+    def _check_dtypes(self, loads: list[ReplicaLoad]) -> None:
+        """Warn, once per dtype, of engines that run in another dtype than the cost profile
+        was measured in: placement and copies weigh waits and reads in the profile's seconds,
+        and a dtype moves a CPU engine's speed severalfold."""
+        for load in loads:
+            if not load.dtype or load.dtype in self._dtypes_seen:
+                continue
+            self._dtypes_seen.add(load.dtype)
+            mismatch = self.table.profile.dtype_mismatch(load.dtype)
+            if mismatch is not None:
+                logger.warning(
+                    "%s (replica %s): the router's wait estimates are in the profile's "
+                    "seconds, not the engines'; set args.router.cost_profile to a profile "
+                    "measured where the engines run (wim sim --calibrate)",
+                    mismatch,
+                    load.replica,
+                )
 
     def _ask(self, replica: str) -> asyncio.Task[ReplicaLoad]:
         return asyncio.get_running_loop().create_task(self._load_of(replica))

@@ -88,16 +88,6 @@ class WiMRouter:
         self.client = client or ServeReplicaClient(engine)
         self.fleet = ReplicaFleet(self.client, self.config.router, self.metrics)
         router = self.config.router
-        mismatch = self.fleet.table.profile.dtype_mismatch(self.config.engine.cpu_dtype())
-        if mismatch is not None:
-            # Placement and copies weigh waits and reads in the profile's seconds.
-            logger.warning(
-                "%s here (dtype: %s): the router's wait estimates are in its seconds, not the "
-                "engines'; set args.router.cost_profile to a profile measured here "
-                "(wim sim --calibrate)",
-                mismatch,
-                self.config.engine.dtype_label(),
-            )
         store = store or make_store(router.store)
         # Tenant limits are counted in the session store: with Redis, across every router.
         self.gate = TenantGate(store, router, self.keys.document_tenants)
