@@ -65,7 +65,7 @@ def first_token_s(
         prefill = read + p.prefill.seconds(query + extra, cached=work.document_tokens)
         context = work.document_tokens
     else:
-        cached = work.cached_tokens(replica.cached_blocks(work))
+        cached = replica.cached_tokens(work)
         prefill = p.prefill.seconds(work.prompt_tokens - cached + extra, cached=cached)
         context = work.prompt_tokens
     margins = 0.0
@@ -116,7 +116,7 @@ class ExpectedWait:
         Charged twice, `wim sim` of routing.md's document trace at 32 replicas doubled p95.)"""
         seconds = self.start_s(work, replica, copy=copy)
         if work.document is None:
-            cached = work.cached_tokens(replica.cached_blocks(work))
+            cached = replica.cached_tokens(work)
             seconds += self.profile.prefill.seconds(work.prompt_tokens - cached, cached=cached)
         return seconds
 
@@ -141,7 +141,7 @@ class ExpectedWait:
         if work.document is not None:
             cached = 0 if copy else work.document_tokens
         else:
-            cached = work.cached_tokens(best.cached_blocks(work))
+            cached = best.cached_tokens(work)
         return Placement(
             best.replica, open_copy=copy, cached_tokens=cached, expected_wait_s=seconds
         )
@@ -174,7 +174,7 @@ class Sticky:
         return Placement(
             best.replica,
             open_copy=work.document is not None,
-            cached_tokens=work.cached_tokens(best.cached_blocks(work)),
+            cached_tokens=best.cached_tokens(work),
         )
 
 
@@ -201,7 +201,7 @@ class RoundRobin:
         copy = work.document is not None and chosen.replica not in held
         cached = work.document_tokens if chosen.replica in held else 0
         if work.document is None:
-            cached = work.cached_tokens(chosen.cached_blocks(work))
+            cached = chosen.cached_tokens(work)
         return Placement(chosen.replica, open_copy=copy, cached_tokens=cached)
 
 

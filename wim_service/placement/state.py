@@ -90,6 +90,10 @@ class ReplicaState:
     def cached_blocks(self, work: Work) -> int:
         return self.prefix_cache.match(work.prefix) if self.prefix_cache is not None else 0
 
+    def cached_tokens(self, work: Work) -> int:
+        """The job's prompt tokens this replica is believed to serve from its cache."""
+        return work.cached_tokens(self.cached_blocks(work))
+
 
 @dataclass(frozen=True)
 class Placement:
