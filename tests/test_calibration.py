@@ -1,5 +1,5 @@
 """Calibration: the fits recover known costs, and a quick calibration of a real engine measures
-costs its own profile predicts."""
+every sample of its plan and fits its profile to them."""
 
 from __future__ import annotations
 
@@ -154,24 +154,35 @@ def kv_tokens(model_dir: Path, gib: float, block: int) -> int:
 @pytest.mark.timeout(300)
 async def test_quick_calibration_of_a_real_engine(engine, model_dir) -> None:
     """The quick plan on the tests' shared engine (`TEST_ENGINE`): what `calibrate` measures
-    after starting one (it only adds the engine's start and `asyncio.run`)."""
-    from wim_service.engine.calibration import calibrate_on
+    after starting one (it only adds the engine's start and `asyncio.run`).
+
+    The timings are a shared machine's (the other worker's engines run beside it): CI's
+    runner once took 0.176 s for a decode step the fit put at 0.058 s, and once fitted both
+    decode slopes to zero. So this checks what was measured (every sample of the plan, real
+    cache hits, real decode steps, real margins) and that the profile is the fit of those
+    samples; how well a fit predicts its machine is what `wim sim --calibrate` prints (its
+    fit errors), measured on a quiet machine, not a test's assertion (docs/testing.md)."""
+    from wim_service.engine.calibration import QUICK, calibrate_on
 
     profile = await calibrate_on(engine, quick=True)
-    assert profile.prefill.per_token_s > 0 and profile.decode.fixed_s > 0
-    assert profile.decode.per_context_token_s > 0 or profile.decode.per_sequence_s > 0
-    kinds = {s["kind"] for s in profile.samples}
-    assert kinds == {PREFILL, DECODE, QUERY}
+    samples = profile.samples
+    assert all(0 < s["seconds"] < 300 for s in samples)
+    # Every prefill of the plan, the cached ones served from the engine's cache (the engine's
+    # own count: block-aligned prefixes).
+    prefills = {(s["new"], s["cached"]) for s in samples if s["kind"] == PREFILL}
+    assert prefills == {(n, c) for n in QUICK.prefill_new for c in QUICK.prefill_cached}
+    # Every decode batch of the plan, timed over steps every sequence took part in.
+    decodes = [s for s in samples if s["kind"] == DECODE]
+    shapes = {(s["batch"], s["context"] / s["batch"]) for s in decodes}
+    lengths = [c + QUICK.decode_tokens / 2 for c in QUICK.decode_contexts]
+    assert shapes == {(b, n) for b in QUICK.decode_batches for n in lengths}
+    assert all(0 < s["steps"] <= QUICK.decode_tokens for s in decodes)
     # Each calibration query asked for one place's code: one margin written, the rest skipped.
-    queries = [s for s in profile.samples if s["kind"] == QUERY]
+    queries = [s for s in samples if s["kind"] == QUERY]
     assert [s["margins"] for s in queries] == [1, 1]
     assert all(0 < s["margin_tokens"] <= 16 and s["document"] > 1000 for s in queries)
-    assert 0 <= profile.query_extra_tokens <= 2048
-    # The cached samples were served from the cache (block-aligned prefixes).
-    assert {s["cached"] for s in profile.samples if s["kind"] == PREFILL} == {0, 1024}
-    for sample in profile.samples:
-        assert 0.5 < predicted(profile, sample) / sample["seconds"] < 2, sample
-    assert max(fit_errors(profile).values()) < 0.3
+    # The costs are the fit of those samples (the fits' own tests are above).
+    assert refit(profile) == profile
     assert profile.kv_capacity_tokens == kv_tokens(model_dir, TEST_ENGINE.kv_cache_gib, 32)
     assert profile.block_tokens == TEST_ENGINE.block_size
     assert profile.max_batch == TEST_ENGINE.max_num_seqs
