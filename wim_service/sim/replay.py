@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,11 +175,12 @@ class Replay:
         """Retire every idle copy of a document that has another copy (the live router's
         `DocumentCopies.reclaim`): when no replica has room, a spare copy's KV and session
         slot serve new work better than its document's next query would."""
+        holders = Counter(document for engine in self.engines for document in engine.copies)
         retired = 0
         for engine in self.engines:
-            for document, copy in list(engine.copies.items()):
-                holders = sum(document in e.copies for e in self.engines)
-                if holders > 1 and not copy.active and engine.retire_if_idle(document, now, 0.0):
+            for document in list(engine.copies):
+                if holders[document] > 1 and engine.retire_if_idle(document, now, 0.0):
+                    holders[document] -= 1
                     retired += 1
         self.result.copies_retired += retired
         self.result.copies_reclaimed += retired
