@@ -111,6 +111,22 @@ def test_every_policy_refuses_when_nothing_has_room(name: str) -> None:
         )
 
 
+@pytest.mark.parametrize("name", ["round_robin", "sticky", "wim"])
+def test_a_plain_request_needs_kv_but_no_session_slot(name: str) -> None:
+    # The engine admits a plain request by its KV alone (`KVAdmission.acquire(session=False)`):
+    # a replica whose session slots are all held still takes it, but not a WiM job.
+    fleet = replicas(0.0)
+    fleet[0].free_sessions = 0
+    policy = make_policy(name, PROFILE)
+    plain = Work(prompt_tokens=100, answer_tokens=4, kv_blocks=20, takes_session=False)
+    assert policy.place(plain, fleet).replica == "r0"
+    with pytest.raises(NoRoom):
+        policy.place(Work(prompt_tokens=100, answer_tokens=4, kv_blocks=20), fleet)
+    fleet[0].free_blocks = 19
+    with pytest.raises(NoRoom):
+        policy.place(plain, fleet)
+
+
 def test_an_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match="unknown placement policy 'x'"):
         make_policy("x", PROFILE)

@@ -66,6 +66,19 @@ async def test_a_plain_request_needs_its_prompt_and_answer_blocks() -> None:
     assert counted(router, "wim_session_binding_total", result="new") == 0
 
 
+async def test_a_plain_request_takes_kv_but_no_session_slot() -> None:
+    # The engine admits a plain request by its KV alone: a replica whose session slots are
+    # all held still takes it, and the router books it no slot.
+    replica = ScriptedReplica("a", capacity=BLOCKS)
+    replica.max_sessions = 0
+    router = await router_over(replica)
+    events = router.dispatcher.plain(SESSION, PROMPT, PARAMS)
+    assert (await anext(events))[0] == "a"
+    load = router.fleet.table.loads["a"]
+    assert (load.reserved_blocks, load.sessions) == (BLOCKS, 0)
+    assert [event async for _, event in events][-1].type == "done"
+
+
 LOST = "the engine replica running this request was lost; send the request again (incident "
 
 

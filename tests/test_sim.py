@@ -480,6 +480,20 @@ def test_without_room_an_idle_spare_copy_makes_room(tmp_path: Path) -> None:
     assert a_again.first_token_s - 61 < b.first_token_s - 60
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "sticky", "wim"])
+def test_plain_requests_run_beside_sessions_that_hold_every_slot(
+    policy: str, tmp_path: Path
+) -> None:
+    # One replica, one session slot, held by a's session all along (its copy is never idle
+    # long enough to retire): the plain request over a's document is admitted by its KV alone,
+    # as a live engine admits it, and does not wait for the slot.
+    rows = [doc_row(0, "a", wim=True), doc_row(1, "a", wim=False), doc_row(2, "a", wim=True)]
+    result = run(document_trace(rows, tmp_path), policy, 1, slots=1, copy_idle_s=300.0)
+    assert (len(result.outcomes), result.queued_for_room, result.copies_opened) == (3, 0, 1)
+    plain = next(o for o in result.outcomes if o.index == 1)
+    assert plain.first_token_s - 1 < PROFILE.prefill.seconds(3040) + 5
+
+
 @pytest.mark.parametrize("backlog_decode", [True, False])
 def test_expected_wait_spreads_a_burst_by_the_backlog_it_books(backlog_decode: bool) -> None:
     # Eight distinct prompts at once on four replicas: each booking raises that replica's

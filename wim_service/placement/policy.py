@@ -41,9 +41,15 @@ def holders(work: Work, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
 
 def with_room(work: Work, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
     """The replicas that could take the job on a fresh copy: room for the document (if any)
-    and the job in KV, and a free session slot."""
+    and the job in KV, and a free session slot if it takes one."""
     need = work.kv_blocks + work.document_blocks
-    return [r for r in replicas if not r.draining and r.free_blocks >= need and r.free_sessions > 0]
+    return [
+        r
+        for r in replicas
+        if not r.draining
+        and r.free_blocks >= need
+        and (r.free_sessions > 0 or not work.takes_session)
+    ]
 
 
 def fits_holder(work: Work, replica: ReplicaState) -> bool:

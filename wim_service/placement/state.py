@@ -63,6 +63,10 @@ class Work:
     document_blocks: int = 0  # what a copy of the document holds in KV
     margins: int = 0  # margins the job writes (one per segment it reads)
     margin_tokens: int = 0  # tokens decoded per margin
+    # Whether the job takes one of the replica's session slots while it runs: a WiM job
+    # opens a context (the engine's `max_sessions` admission); a plain request reserves KV
+    # only, so a replica whose slots are all held still takes it.
+    takes_session: bool = True
 
     def cached_tokens(self, blocks: int) -> int:
         return min(self.prompt_tokens, blocks * self.prefix_block_tokens)

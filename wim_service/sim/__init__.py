@@ -25,9 +25,10 @@ What the model simplifies, on purpose:
 * A document's first WiM row opens its session first: the read is placed on its own, and that
   row's query and any arriving meanwhile are placed when it ends (as the live client opens a
   session, then asks).
-* Session slots (the service's max_sessions) are taken by each copy and by each job running
-  without one; placement sees free KV, free slots, the backlog of booked prefills and the
-  batch's decode left, and each replica's exact prefix cache.
+* Session slots (the service's max_sessions) are taken by each copy; a plain request takes
+  none (as on a live engine, it reserves KV only); placement sees free KV, free slots, the
+  backlog of booked prefills and the batch's decode left, and each replica's exact prefix
+  cache.
 * A WiM query's margins (one per segment, or its trace row's `margins`: the others skipped)
   are one prefill of every margin prompt over the document's KV, then decode side by side in
   the batch; the answers WiM starts beside them (`answer_early`) are the profile's

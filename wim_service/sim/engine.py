@@ -120,7 +120,6 @@ class Engine:
     prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS  # tokens per prefix hash (the trace's)
     capacity_blocks: int = 0
     free_blocks: int = 0
-    running_jobs: int = 0  # booked jobs without a copy: each holds a session slot
     copies: dict[str, Copy] = field(default_factory=dict)
     cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     queue: deque[Prefill] = field(default_factory=deque)
@@ -145,7 +144,7 @@ class Engine:
         return ReplicaState(
             replica=f"r{self.index:02d}",
             free_blocks=self.free_blocks,
-            free_sessions=self.slots - len(self.copies) - self.running_jobs,
+            free_sessions=self.slots - len(self.copies),
             backlog_s=self.backlog_s(now),
             running=len(self.batch),
             documents=self._documents,
@@ -169,14 +168,13 @@ class Engine:
     def book(
         self, blocks: int, estimate_s: float, *, document: str | None, copy_blocks: int = 0
     ) -> Copy | None:
-        """Reserve a placed job's KV and session slot, and count its prefills as backlog; with
-        `copy_blocks`, open a copy of its document here and reserve its KV at once (the read
-        is queued, and nothing placed meanwhile may count on those blocks). A document job's
-        copy is returned."""
+        """Reserve a placed job's KV (a copy holds a session slot too), and count its prefills
+        as backlog; with `copy_blocks`, open a copy of its document here and reserve its KV at
+        once (the read is queued, and nothing placed meanwhile may count on those blocks). A
+        document job's copy is returned."""
         self.free_blocks -= blocks
         self._queued_s += estimate_s
-        if document is None:
-            self.running_jobs += 1
+        if document is None:  # a plain request: KV only, no session slot
             return None
         if copy_blocks:
             self.copies[document] = Copy(blocks=copy_blocks)
@@ -204,7 +202,6 @@ class Engine:
         """Give back a job's KV (and, `in_turn`, its copy's turn to the next query)."""
         self.free_blocks += blocks
         if document is None:
-            self.running_jobs -= 1
             return
         copy = self.copies[document]
         copy.active -= 1

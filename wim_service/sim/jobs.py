@@ -41,6 +41,7 @@ def work_for(
             kv_blocks=math.ceil((request.prompt_tokens + request.answer_tokens) / block),
             prefix=request.prefix,
             prefix_block_tokens=prefix_block_tokens,
+            takes_session=False,
         )
     margins = math.ceil(request.document_tokens / settings.segment_tokens)
     # As a live session's: a copy reserves its document and one query (queries take turns in

@@ -78,4 +78,5 @@ def plain_work(
         kv_blocks=kv_blocks,
         prefix=prefix,
         prefix_block_tokens=block_tokens,
+        takes_session=False,
     )

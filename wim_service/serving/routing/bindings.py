@@ -132,9 +132,9 @@ class BindingTable:
         load.running += 1
         blocks, sessions = 0, 0
         if work.document is None or placement.open_copy:
-            # New KV and a session slot: a query on a copy it holds takes neither (the
-            # session's own reservation holds one query).
-            blocks, sessions = work.kv_blocks + work.document_blocks, 1
+            # New KV, and a session slot unless a plain request's: a query on a copy it holds
+            # takes neither (the session's own reservation holds one query).
+            blocks, sessions = work.kv_blocks + work.document_blocks, int(work.takes_session)
             load.reserved_blocks += blocks
             load.sessions += sessions
         if work.prefix and state.prefix_cache is not None:
