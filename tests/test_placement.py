@@ -78,6 +78,15 @@ def test_expected_wait_opens_a_copy_of_a_hot_document_only_when_it_is_quicker() 
     assert ExpectedWait(PROFILE, max_copies=1).place(work, fleet).replica == "r0"
 
 
+def test_float_residue_in_a_backlog_does_not_break_a_tie() -> None:
+    # r0 has run work: its backlog summed and subtracted back to a hair below zero. A new
+    # session still goes to the replica with the most free KV, as between idle replicas.
+    fleet = replicas(-1e-15, 0.0)
+    fleet[0].free_blocks, fleet[0].documents = 800, frozenset({"other"})
+    read = Work(prompt_tokens=3000, answer_tokens=0, document="d", document_tokens=3000)
+    assert ExpectedWait(PROFILE).place(read, fleet).replica == "r1"
+
+
 def test_sticky_keeps_a_document_home_and_places_new_work_by_prefix_then_room() -> None:
     fleet = replicas(0.0, 50.0, free=1000)
     fleet[1].documents = frozenset({"d"})

@@ -142,7 +142,13 @@ class ExpectedWait:
             ]
         if not options:
             raise NoRoom(work, len(replicas))
-        _, copy, best = min(options, key=lambda o: (o[0], o[1], -o[2].free_blocks, o[2].replica))
+        # Costs are compared to the millisecond: below that they are float residue (a backlog
+        # summed and subtracted back to -1e-16 s), and residue must not break ties. It did in
+        # `wim sim`: replicas that had run work won every tie against idle ones, and at 32
+        # replicas new sessions piled onto a few of them while others stood empty.
+        _, copy, best = min(
+            options, key=lambda o: (round(o[0], 3), o[1], -o[2].free_blocks, o[2].replica)
+        )
         seconds = self.start_s(work, best, copy=copy)
         if work.document is not None:
             cached = 0 if copy else work.document_tokens

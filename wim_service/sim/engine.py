@@ -156,12 +156,13 @@ class Engine:
         and those queued or still to come for booked jobs, and (`backlog_decode`) the batch's
         decode left at its present size."""
         prefill = max(0.0, self._busy_until - now) if self._prefill is not None else 0.0
+        queued = max(0.0, self._queued_s)  # booked estimates less those started: float sums
         if not self.backlog_decode:
-            return prefill + self._queued_s
+            return prefill + queued
         decode = self._decode_s
         if self._run is not None:  # the estimate was made as this run started
             decode = max(0.0, decode - (now - self._run.start))
-        return prefill + self._queued_s + decode
+        return prefill + queued + decode
 
     # -- booking ------------------------------------------------------------------------
 
