@@ -8,6 +8,7 @@ import pytest
 
 from wim_service.placement.policy import (
     DEFAULT_MAX_COPIES,
+    RECOMPUTE_CHARGE,
     ExpectedWait,
     RoundRobin,
     Sticky,
@@ -50,14 +51,18 @@ def test_expected_wait_prefers_a_cached_prefix_unless_its_replica_is_busier() ->
     policy = ExpectedWait(PROFILE)
     chosen = policy.place(work, fleet)
     assert (chosen.replica, chosen.cached_tokens) == ("r1", 4096)
-    # Busier than recomputing the whole prompt elsewhere, but not by twice that: it stays (a
-    # recompute is engine time that delays whatever queues behind it on the other replica).
+    # Busier than recomputing the whole prompt elsewhere, but not by (1 + RECOMPUTE_CHARGE)
+    # times that: it stays (a recompute delays what queues behind it on the other replica and
+    # caches the prefix twice, evicting other prompts' blocks).
     recompute = PROFILE.prefill.seconds(4096)
-    fleet[1].backlog_s = recompute + 1.0
+    fleet[1].backlog_s = RECOMPUTE_CHARGE * recompute
     stay = policy.place(work, fleet)
-    assert (stay.replica, stay.expected_wait_s) == ("r1", pytest.approx(recompute + 1.0, abs=1))
-    # Busier by more than twice the recompute: the idle replica wins.
-    fleet[1].backlog_s = 2 * recompute + 1.0
+    assert (stay.replica, stay.expected_wait_s) == (
+        "r1",
+        pytest.approx(RECOMPUTE_CHARGE * recompute, abs=1),
+    )
+    # Busier by more than that: the idle replica wins.
+    fleet[1].backlog_s = (1 + RECOMPUTE_CHARGE) * recompute + 1.0
     assert policy.place(work, fleet).replica == "r0"
 
 

@@ -19,6 +19,18 @@ from wim_service.placement.state import NoRoom, Placement, ReplicaState, Work
 # Zipf-hot document trace at 32 replicas queued the hottest document's queries (p95 827 s
 # against round robin's 131 s); with 8, 115 s. The policy opens one only when it is quicker.
 DEFAULT_MAX_COPIES = 8
+# What leaving a cached prefix costs a request without a document, in units of the prefill it
+# then does that the prefix holder would not: charged this many times over its own wait.
+# Besides delaying what queues behind it, the recompute caches the prefix a second time,
+# evicting other prompts' blocks, so the next request of that prefix finds less; the prefix
+# holder is left only for one less busy by more than (1 + this) times the recompute. `wim sim`
+# of nine generated document traces (20 or 50 documents, Zipf 1.1-1.2, 1 query/s) at 8 and
+# 32 replicas (5 December): with 1, prefix reuse below sticky's in all 18 runs; with 10, at
+# least sticky's in 13, at p95 within 1.2% of 1's (their sums 198.0 s and 195.8 s; p95 at
+# most sticky's in 16 either way). 30 and 1,000 gave about the rows of 10. At 3 queries/s on
+# 8 replicas (overload) 10 is the worse (p95 1,198 s against 1,110 s): prefix holders stay
+# busier.
+RECOMPUTE_CHARGE = 10
 
 
 class PlacementPolicy(Protocol):
@@ -116,14 +128,15 @@ class ExpectedWait:
 
     def cost_s(self, work: Work, replica: ReplicaState, *, copy: bool) -> float:
         """What placing the job on `replica` costs: its expected wait, and for a request
-        without a document the prefill of the prompt tokens that replica does not cache, once
-        more: engine time that serves this request alone and delays all work queued behind
-        it there. (A copy's read is charged once: it serves every later query of its document.
-        Charged twice, `wim sim` of routing.md's document trace at 32 replicas doubled p95.)"""
+        without a document the prefill of the prompt tokens that replica does not cache,
+        `RECOMPUTE_CHARGE` times more. (A copy's read is charged once: it serves every later
+        query of its document. Charged twice, `wim sim` of routing.md's document trace at 32
+        replicas doubled p95.)"""
         seconds = self.start_s(work, replica, copy=copy)
         if work.document is None:
             cached = replica.cached_tokens(work)
-            seconds += self.profile.prefill.seconds(work.prompt_tokens - cached, cached=cached)
+            recompute = self.profile.prefill.seconds(work.prompt_tokens - cached, cached=cached)
+            seconds += RECOMPUTE_CHARGE * recompute
         return seconds
 
     def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
