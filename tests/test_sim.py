@@ -19,6 +19,7 @@ import pytest
 from wim_service.cli import main
 from wim_service.placement.profile import EngineProfile
 from wim_service.sim.engine import DecodeRun
+from wim_service.sim.floor import ttft_floor
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
 from wim_service.sim.jobs import work_for
 from wim_service.sim.replay import RunResult, simulate
@@ -518,6 +519,26 @@ def test_a_copy_being_read_already_holds_its_kv(tmp_path: Path) -> None:
     assert b.first_token_s > a.end_s + 10.0
 
 
+@pytest.mark.parametrize("kind", ["mooncake", "document"])
+def test_no_policy_serves_a_request_before_its_floor(kind: str, tmp_path: Path) -> None:
+    if kind == "mooncake":
+        trace = light_mooncake(requests=60, gap_s=1.0)
+    else:
+        rows = generate(GeneratorOptions(requests=80, rate=0.5, documents=4, seed=3))
+        write_trace(rows, tmp_path / "docs.jsonl")
+        trace = read_trace(tmp_path / "docs.jsonl")
+    floors = ttft_floor(trace, PROFILE, SimSettings())
+    assert len(floors) == len(trace.requests)
+    for policy in ("round_robin", "sticky", "wim"):
+        for replicas in (1, 4):
+            for o in run(trace, policy, replicas).outcomes:
+                assert o.first_token_s - o.arrival_s >= floors[o.index] - 1e-9
+    if kind == "mooncake":  # the first request alone: its whole prompt; a repeat: the rest
+        assert floors[0] == pytest.approx(PROFILE.prefill.seconds(6000))
+        cached = 10 * 512
+        assert floors[6] == pytest.approx(PROFILE.prefill.seconds(6000 - cached, cached=cached))
+
+
 def test_a_request_larger_than_a_replica_is_counted_not_placed() -> None:
     big = Request(index=0, arrival_s=0.0, prompt_tokens=PROFILE.kv_capacity_tokens, answer_tokens=9)
     result = run(Trace("mooncake", (big,)), "wim", 2)
@@ -542,6 +563,7 @@ def test_the_command_prints_a_row_per_policy_and_writes_the_json(
     lines = capsys.readouterr().out.splitlines()
     body = [line for line in lines if line.startswith("|") and "---" not in line][1:]
     assert [line.split("|")[1].strip() for line in body] == ["sticky", "wim"] * 2
+    assert lines[-1].startswith("floor: TTFT p50 ")
     rows = json.loads(out.read_text())
     assert [(r["policy"], r["replicas"]) for r in rows] == [
         ("sticky", 1),

@@ -20,9 +20,10 @@ from wim_service.cli.lifecycle import refused
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.policy import POLICIES
 from wim_service.placement.profile import EngineProfile
+from wim_service.sim.floor import floor_line, ttft_floor
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
 from wim_service.sim.replay import simulate
-from wim_service.sim.report import plot_p95, summarise, table
+from wim_service.sim.report import percentile, plot_p95, summarise, table
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import read_trace
 
@@ -226,10 +227,13 @@ def replay(args: argparse.Namespace) -> int:
         for policy in policies:
             rows.append(summarise(simulate(trace, policy, replicas, profile, settings)))
     print(table(rows))
+    floors = ttft_floor(trace, profile, settings)
+    print(floor_line(floors))
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
     if args.plot is not None:
-        plot_p95(rows, args.plot, title=f"{args.trace.name}, time scale {args.time_scale:g}")
+        title = f"{args.trace.name}, time scale {args.time_scale:g}"
+        plot_p95(rows, args.plot, title=title, floor_s=percentile(floors, 95))
     return 0
 
 

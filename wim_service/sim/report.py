@@ -140,8 +140,11 @@ def _cell(value: Any, key: str) -> str:
     return str(value)
 
 
-def plot_p95(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
-    """p95 TTFT against fleet size, one line per policy (log-log: fleets double)."""
+def plot_p95(
+    rows: Sequence[dict[str, Any]], path: Path, *, title: str, floor_s: float | None = None
+) -> None:
+    """p95 TTFT against fleet size, one line per policy (log-log: fleets double), and the
+    p95 no placement beats (`sim/floor.py`) as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers and in CI
@@ -151,6 +154,8 @@ def plot_p95(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
     for policy in dict.fromkeys(row["policy"] for row in rows):
         mine = sorted((r["replicas"], r["ttft_p95_s"]) for r in rows if r["policy"] == policy)
         ax.plot([n for n, _ in mine], [p for _, p in mine], marker="o", label=policy)
+    if floor_s is not None:
+        ax.axhline(floor_s, color="grey", linestyle="--", label="floor (no placement beats)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("engine replicas")

@@ -1,0 +1,56 @@
+"""The least time to first token any placement could give a trace's requests.
+
+Each request is costed alone on an idle replica that caches every prefix an earlier request
+of the trace prefilled (a cache without eviction) and, for a WiM query, holds its document if
+an earlier WiM query read it (the first one of each document reads it first, as every policy
+must): only its own prefill and margins remain, as the expected-wait policy counts them
+(`placement.policy.first_token_s`). No policy at any fleet size serves a request sooner under
+the profile's costs, so this floor tells what placement can still win on a trace: where the
+floor's p95 is above half of a policy's p95, no placement halves that p95.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+from wim_service.placement.policy import first_token_s
+from wim_service.placement.profile import EngineProfile
+from wim_service.placement.state import PrefixCache, ReplicaState
+from wim_service.sim.jobs import work_for
+from wim_service.sim.report import percentile
+from wim_service.sim.settings import SimSettings
+from wim_service.sim.traces import Trace
+
+
+def ttft_floor(trace: Trace, profile: EngineProfile, settings: SimSettings) -> list[float]:
+    """Each placeable request's least TTFT, in trace order (requests larger than a replica's
+    KV are left out, as the replay never places them)."""
+    capacity = profile.kv_capacity_tokens // profile.block_tokens
+    seen = PrefixCache(sys.maxsize)
+    idle = ReplicaState("floor", free_blocks=0, free_sessions=0, prefix_cache=seen)
+    floors = []
+    read: set[str] = set()  # documents an earlier WiM query read
+    for request in trace.requests:
+        work = work_for(request, profile, settings, trace.block_tokens)
+        if work.kv_blocks + work.document_blocks > capacity:
+            continue
+        if request.margins is not None:  # the margins its row says are written
+            work = replace(work, margins=request.margins)
+        first_read = work.document is not None and work.document not in read
+        floors.append(first_token_s(profile, work, idle, copy=first_read))
+        if work.document is not None:
+            read.add(work.document)
+        seen.insert(work.prefix)
+    return floors
+
+
+def floor_line(floors: list[float]) -> str:
+    """The floor's percentiles, as `wim sim` prints them under its table."""
+    p50, p95, p99 = (percentile(floors, q) for q in (50, 95, 99))
+    if p50 is None or p95 is None or p99 is None:
+        return "floor: no request fits a replica"
+    return (
+        f"floor: TTFT p50 {p50:.2f} s, p95 {p95:.2f} s, p99 {p99:.2f} s (each request alone "
+        "on a replica caching every earlier prefix: no placement does better)"
+    )
