@@ -541,8 +541,11 @@ def test_no_policy_serves_a_request_before_its_floor(kind: str, tmp_path: Path) 
 
 def test_a_request_larger_than_a_replica_is_counted_not_placed() -> None:
     big = Request(index=0, arrival_s=0.0, prompt_tokens=PROFILE.kv_capacity_tokens, answer_tokens=9)
-    result = run(Trace("mooncake", (big,)), "wim", 2)
-    assert (result.too_large, len(result.outcomes)) == (1, 0)
+    small = Request(index=1, arrival_s=1.0, prompt_tokens=1000, answer_tokens=9)
+    trace = Trace("mooncake", (big, small))
+    result = run(trace, "wim", 2)
+    assert (result.too_large, [o.index for o in result.outcomes]) == (1, [1])
+    assert list(ttft_floor(trace, PROFILE, SimSettings())) == [1]  # nor in the floor
 
 
 # -- the command ----------------------------------------------------------------------------

@@ -233,7 +233,7 @@ def replay(args: argparse.Namespace) -> int:
         args.json_out.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
     if args.plot is not None:
         title = f"{args.trace.name}, time scale {args.time_scale:g}"
-        plot_p95(rows, args.plot, title=title, floor_s=percentile(floors, 95))
+        plot_p95(rows, args.plot, title=title, floor_s=percentile(list(floors.values()), 95))
     return 0
 
 

@@ -3,7 +3,8 @@ placed by the same policies (`wim_service.placement`) that the live router runs.
 
 Modules: `traces` (Mooncake and WiM document traces into one record), `generate` (synthetic
 document traces), `engine` (one replica's time line), `jobs` (how a request runs on it),
-`replay` (the event loop, placement and the queue for room), `report` (the summary table).
+`replay` (the event loop, placement and the queue for room), `report` (the summary table),
+`floor` (the TTFT no placement beats).
 
 What the model simplifies, on purpose:
 

@@ -23,13 +23,13 @@ from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import Trace
 
 
-def ttft_floor(trace: Trace, profile: EngineProfile, settings: SimSettings) -> list[float]:
-    """Each placeable request's least TTFT, in trace order (requests larger than a replica's
-    KV are left out, as the replay never places them)."""
+def ttft_floor(trace: Trace, profile: EngineProfile, settings: SimSettings) -> dict[int, float]:
+    """Each placeable request's least TTFT, by its index in the trace (requests larger than a
+    replica's KV are left out, as the replay never places them)."""
     capacity = profile.kv_capacity_tokens // profile.block_tokens
     seen = PrefixCache(sys.maxsize)
     idle = ReplicaState("floor", free_blocks=0, free_sessions=0, prefix_cache=seen)
-    floors = []
+    floors: dict[int, float] = {}
     read: set[str] = set()  # documents an earlier WiM query read
     for request in trace.requests:
         work = work_for(request, profile, settings, trace.block_tokens)
@@ -38,16 +38,16 @@ def ttft_floor(trace: Trace, profile: EngineProfile, settings: SimSettings) -> l
         if request.margins is not None:  # the margins its row says are written
             work = replace(work, margins=request.margins)
         first_read = work.document is not None and work.document not in read
-        floors.append(first_token_s(profile, work, idle, copy=first_read))
+        floors[request.index] = first_token_s(profile, work, idle, copy=first_read)
         if work.document is not None:
             read.add(work.document)
         seen.insert(work.prefix)
     return floors
 
 
-def floor_line(floors: list[float]) -> str:
+def floor_line(floors: dict[int, float]) -> str:
     """The floor's percentiles, as `wim sim` prints them under its table."""
-    p50, p95, p99 = (percentile(floors, q) for q in (50, 95, 99))
+    p50, p95, p99 = (percentile(list(floors.values()), q) for q in (50, 95, 99))
     if p50 is None or p95 is None or p99 is None:
         return "floor: no request fits a replica"
     return (
