@@ -28,7 +28,8 @@ query of this router runs on it. When no replica has room for new work (a new se
 one-shot job), the copies no query of this router runs on are closed at once (`reclaim`,
 before the router answers 429): in `wim sim` of a document trace at 3 requests/s on 8
 replicas, new sessions queued behind copies that sat idle (`wim`'s p95 3,484 s without it,
-2,006 s with it; docs/routing.md).
+2,006 s with it, on 5 December 03:53, while plain requests still took session slots; the
+rows of today are in docs/routing.md).
 (With several routers each one judges idleness by its own queries; a query that loses its
 copy to another router's retirement is failed over like one whose replica forgot the
 session.)
