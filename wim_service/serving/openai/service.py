@@ -35,7 +35,7 @@ from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from wim_service.serving.http.auth import Tenant
+from wim_service.serving.http.auth import Capability, Tenant
 from wim_service.serving.http.bodies import MAX_QUERY_CHARS, WiMRequest
 from wim_service.serving.http.errors import HTTPFailure, ServiceCode
 from wim_service.serving.http.responses import SSE_HEADERS
@@ -56,6 +56,7 @@ from wim_service.serving.openai.prompts import (
     split_document,
 )
 from wim_service.serving.replica.plain import PlainParams
+from wim_service.serving.routing.quotas import JobLease
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.options import WiMOptions
@@ -102,24 +103,31 @@ class OpenAIService:
         if body.document_id is not None:
             query = [turn.text for turn in turns if turn.role == "user"][-1]
             return await self._session_query(body, tenant, query, "messages")
-        prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, turns)
-        if len(prompt_ids) >= self.router.config.router.plain_prompt_tokens:
-            document, query = document_and_query(turns)
-            if document:
-                return await self._wim(body, tenant, query, "messages", context=document)
-        return await self._plain(body, tenant, prompt_ids, "messages")
+        # Tokenizing is the costly part: only for a tenant that may run jobs and has one free.
+        tenant.require(Capability.JOBS)
+        async with self.router.gate.lease(tenant) as lease:
+            prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, turns)
+            if len(prompt_ids) >= self.router.config.router.plain_prompt_tokens:
+                document, query = document_and_query(turns)
+                if document:
+                    return await self._wim(body, tenant, query, "messages", document, lease)
+            return await self._plain(body, tenant, prompt_ids, "messages", lease)
 
     async def complete(self, body: CompletionRequest, tenant: Tenant) -> Run:
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         self._check(body, [prompt])
         if body.document_id is not None:
             return await self._session_query(body, tenant, prompt, "prompt")
-        prompt_ids = await asyncio.to_thread(lambda: self.tokenizer.encode_user_text(prompt).ids)
-        if len(prompt_ids) >= self.router.config.router.plain_prompt_tokens:
-            document, query = split_document(prompt)
-            if document:
-                return await self._wim(body, tenant, query, "prompt", context=document)
-        return await self._plain(body, tenant, prompt_ids, "prompt")
+        tenant.require(Capability.JOBS)  # as in `chat`
+        async with self.router.gate.lease(tenant) as lease:
+            prompt_ids = await asyncio.to_thread(
+                lambda: self.tokenizer.encode_user_text(prompt).ids
+            )
+            if len(prompt_ids) >= self.router.config.router.plain_prompt_tokens:
+                document, query = split_document(prompt)
+                if document:
+                    return await self._wim(body, tenant, query, "prompt", document, lease)
+            return await self._plain(body, tenant, prompt_ids, "prompt", lease)
 
     async def _session_query(
         self,
@@ -155,8 +163,9 @@ class OpenAIService:
         tenant: Tenant,
         query: str,
         param: str,
-        *,
         context: str | None = None,
+        lease: JobLease | None = None,
+        *,
         document_id: str | None = None,
     ) -> Run:
         if not query:
@@ -171,7 +180,7 @@ class OpenAIService:
         except ValidationError as exc:  # e.g. a query longer than /wim takes
             message = "; ".join(e["msg"] for e in exc.errors())
             raise HTTPFailure(ServiceCode.INVALID_REQUEST, message, param=param) from exc
-        _, items = await self.router.start_job(job, tenant)
+        _, items = await self.router.start_job(job, tenant, lease)
         return Run(items, options.answer_max_tokens)
 
     async def _plain(
@@ -180,6 +189,7 @@ class OpenAIService:
         tenant: Tenant,
         prompt_ids: list[int],
         param: str,
+        lease: JobLease,
     ) -> Run:
         window = self.router.config.engine.max_model_len
         # Without max_tokens the answer may take the window's room, up to `plain_max_tokens`:
@@ -196,7 +206,7 @@ class OpenAIService:
                 param=param,
             )
         params = PlainParams(max_tokens=max_tokens, stop=body.stops, cache_salt=tenant.cache_salt)
-        return Run(await self.router.start_plain(prompt_ids, params, tenant), max_tokens)
+        return Run(await self.router.start_plain(prompt_ids, params, tenant, lease), max_tokens)
 
     # -- answers ----------------------------------------------------------------------------
 

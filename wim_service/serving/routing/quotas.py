@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import secrets
@@ -58,6 +59,15 @@ def over_fair_share(
     return share if held.get(asker, 0) >= share else None
 
 
+@dataclasses.dataclass
+class JobLease:
+    """One running job of a tenant, counted in the store until it is given back."""
+
+    tenant: str
+    job_id: str
+    taken_over: bool = False  # by the job it was taken for, which gives it back
+
+
 class TenantGate:
     """Each tenant's requests per minute, jobs at once and open documents, in the store."""
 
@@ -82,10 +92,10 @@ class TenantGate:
             # Come back when the oldest request leaves the minute, but not in a busy loop.
             raise self._refuse(f"more than {limit} requests in a minute", max(1.0, wait_s))
 
-    @contextlib.asynccontextmanager
-    async def job(self, tenant: Tenant) -> AsyncIterator[None]:
-        """Hold one of the tenant's concurrent jobs while the block runs."""
-        limit, job = tenant.limits.concurrent_jobs, (tenant.name, secrets.token_hex(8))
+    async def _take(self, tenant: Tenant) -> JobLease:
+        """One of the tenant's concurrent jobs; 429 past its limit."""
+        limit, lease = tenant.limits.concurrent_jobs, JobLease(tenant.name, secrets.token_hex(8))
+        job = (lease.tenant, lease.job_id)
         running = await self._call(self.store.start_job(*job, limit, self.config.job_lease_s))
         if running is not None:
             raise self._refuse(
@@ -95,13 +105,38 @@ class TenantGate:
         self._jobs.add(job)
         if self._renewing is None or self._renewing.done():
             self._renewing = asyncio.get_running_loop().create_task(self._renew_leases())
+        return lease
+
+    async def _give_back(self, lease: JobLease) -> None:
+        job = (lease.tenant, lease.job_id)
+        self._jobs.discard(job)
+        # The answer is out: if the store cannot be told, the lease runs out instead.
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.end_job(*job)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, tenant: Tenant) -> AsyncIterator[JobLease]:
+        """One of the tenant's concurrent jobs, taken before the costly work that precedes a
+        job (tokenizing a `/v1` prompt), so that a tenant past its limit costs no CPU. The job
+        the block starts takes it over (`job(tenant, lease)`); else it is given back here."""
+        lease = await self._take(tenant)
+        try:
+            yield lease
+        finally:
+            if not lease.taken_over:
+                await self._give_back(lease)
+
+    @contextlib.asynccontextmanager
+    async def job(self, tenant: Tenant, lease: JobLease | None = None) -> AsyncIterator[None]:
+        """Hold one of the tenant's concurrent jobs while the block runs: `lease` if given
+        (taken earlier by `lease`), else a new one."""
+        if lease is None:
+            lease = await self._take(tenant)
+        lease.taken_over = True
         try:
             yield
         finally:
-            self._jobs.discard(job)
-            # The answer is out: if the store cannot be told, the lease runs out instead.
-            with contextlib.suppress(StoreUnavailable):
-                await self.store.end_job(*job)
+            await self._give_back(lease)
 
     async def _renew_leases(self) -> None:
         """Renew this router's job leases while it runs any (a job may outlive many)."""

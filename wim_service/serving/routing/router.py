@@ -50,7 +50,7 @@ from wim_service.serving.routing.documents import (
 )
 from wim_service.serving.routing.failover import Dispatcher
 from wim_service.serving.routing.fleet import ReplicaFleet
-from wim_service.serving.routing.quotas import TenantGate
+from wim_service.serving.routing.quotas import JobLease, TenantGate
 from wim_service.serving.routing.recent import Recent
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import SessionStore, StoredSession, make_store
@@ -196,13 +196,18 @@ class WiMRouter:
 
     # -- jobs ------------------------------------------------------------------------------
 
-    async def _observed(self, items: AsyncIterator[Item], tenant: Tenant) -> AsyncIterator[Item]:
-        """`items` under the tenant's job limit and the request deadline, with metrics; the
-        request's status is counted once it ends."""
+    async def _observed(
+        self, items: AsyncIterator[Item], tenant: Tenant, lease: JobLease | None
+    ) -> AsyncIterator[Item]:
+        """`items` under the tenant's job limit (`lease` if taken already) and the request
+        deadline, with metrics; the request's status is counted once it ends."""
         observer = JobObserver(self.metrics)
         status = "error"
         try:
-            async with self.gate.job(tenant), asyncio.timeout(self.config.router.request_timeout_s):
+            async with (
+                self.gate.job(tenant, lease),
+                asyncio.timeout(self.config.router.request_timeout_s),
+            ):
                 async for replica, event in items:
                     observer.observe(event)
                     if event.type == "error":
@@ -246,8 +251,11 @@ class WiMRouter:
             raise HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
         return session
 
-    async def start_job(self, body: WiMRequest, tenant: Tenant) -> tuple[str, AsyncIterator[Item]]:
-        """Start a job: its session id and its events, the first one already produced.
+    async def start_job(
+        self, body: WiMRequest, tenant: Tenant, lease: JobLease | None = None
+    ) -> tuple[str, AsyncIterator[Item]]:
+        """Start a job: its session id and its events, the first one already produced; it
+        runs under `lease`, one of the tenant's jobs taken already, if given.
 
         Errors before the first event are raised as `HTTPFailure`; later ones arrive as an
         `error` event. `POST /wim` and the OpenAI-compatible API build on this.
@@ -268,18 +276,26 @@ class WiMRouter:
                 session_id, body.query, body.options, context=body.context, record=record
             ),
             tenant,
+            lease,
         )
         return session_id, with_late_errors(await first_item(events), events)
 
     async def start_plain(
-        self, prompt_ids: list[int], params: PlainParams, tenant: Tenant
+        self,
+        prompt_ids: list[int],
+        params: PlainParams,
+        tenant: Tenant,
+        lease: JobLease | None = None,
     ) -> AsyncIterator[Item]:
-        """Start one plain completion of `prompt_ids` (no WiM): its events, the first one
-        already produced, with errors before it raised as `HTTPFailure`."""
+        """Start one plain completion of `prompt_ids` (no WiM) under `lease` if given: its
+        events, the first one already produced, with errors before it raised as
+        `HTTPFailure`."""
         tenant.require(Capability.JOBS)
         await self._started()
         session_id = "plain-" + secrets.token_hex(8)
-        events = self._observed(self.dispatcher.plain(session_id, prompt_ids, params), tenant)
+        events = self._observed(
+            self.dispatcher.plain(session_id, prompt_ids, params), tenant, lease
+        )
         return with_late_errors(await first_item(events), events)
 
     # -- documents -------------------------------------------------------------------------
