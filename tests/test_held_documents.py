@@ -74,15 +74,78 @@ async def test_a_document_is_read_once_however_many_open_it() -> None:
     assert await held.close("doc") and first.closed and len(held) == 0
 
 
-async def test_a_read_its_callers_left_is_held_and_then_reaped() -> None:
+class SlowRead:
+    """A read that stalls until `finish` is set, and records how it ended."""
+
+    def __init__(self) -> None:
+        self.started, self.finish = asyncio.Event(), asyncio.Event()
+        self.session = FakeSession()
+        self.cancelled = False
+
+    async def __call__(self) -> Any:
+        self.started.set()
+        try:
+            await self.finish.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True  # the real read closes its context here (open_document)
+            raise
+        return self.session
+
+
+async def test_a_read_its_callers_left_is_cancelled_and_holds_nothing() -> None:
     held = HeldDocuments(orphan_timeout_s=60)
-    session, started = FakeSession(), asyncio.Event()
-    opening = asyncio.create_task(held.open("doc", reader(session, started), lambda: 5))
-    await started.wait()
+    read = SlowRead()
+    opening = asyncio.create_task(held.open("doc", read, lambda: 5))
+    await read.started.wait()
     opening.cancel()
-    await asyncio.sleep(0.1)  # the read goes on without its caller
-    assert len(held) == 1 and held.orphans(now=64) == [] and held.orphans(now=66) == ["doc"]
-    assert await held.reap(now=66) == 1 and session.closed
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    # Cancelled with its caller, not held for the reaper a minute later.
+    assert read.cancelled and len(held) == 0 and held.orphans(now=10**6) == []
+    # The next open reads again.
+    again = SlowRead()
+    again.finish.set()
+    assert await held.open("doc", again, lambda: 6) is again.session and len(held) == 1
+
+
+async def test_a_shared_read_goes_on_while_one_of_its_callers_waits() -> None:
+    held = HeldDocuments()
+    read = SlowRead()
+    first = asyncio.create_task(held.open("doc", read, lambda: 0))
+    await read.started.wait()
+    second = asyncio.create_task(held.open("doc", SlowRead(), lambda: 0))
+    await asyncio.sleep(0)  # the second caller joins the read in flight
+    first.cancel()
+    await asyncio.sleep(0)
+    assert not read.cancelled
+    read.finish.set()
+    assert await second is read.session and len(held) == 1 and first.cancelled()
+
+
+async def test_closing_a_document_while_it_is_read_stops_the_read_at_once() -> None:
+    """A DELETE (or a router's clean-up) during a read frees its KV now, not a minute later
+    when the reaper would find the session it left."""
+    held = HeldDocuments()
+    read = SlowRead()
+    opening = asyncio.create_task(held.open("doc", read, lambda: 0))
+    await read.started.wait()
+    assert await held.close("doc") and read.cancelled
+    with pytest.raises(WiMError) as failure:
+        await opening
+    assert failure.value.code == ErrorCode.NOT_FOUND and len(held) == 0
+    assert await held.close("doc") is False
+
+
+async def test_a_read_cancelled_before_it_started_leaves_no_read_in_flight() -> None:
+    held = HeldDocuments()
+    opening = asyncio.create_task(held.open("doc", SlowRead(), lambda: 0))
+    await asyncio.sleep(0)  # awaiting the read, whose task has not run a step yet
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    read = SlowRead()
+    read.finish.set()
+    assert await held.open("doc", read, lambda: 0) is read.session
 
 
 async def test_a_failed_read_holds_nothing_and_the_next_open_reads_again() -> None:

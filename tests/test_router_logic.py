@@ -27,7 +27,7 @@ from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened, OpenResult, ReplicaLoad
 from wim_service.serving.replica.plain import PlainParams
 from wim_service.serving.replica.protocol import CallsByName, NamedReplica, ReplicaProtocol
-from wim_service.serving.routing.failover import StreamProgress
+from wim_service.serving.routing.progress import StreamProgress
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import StoredSession

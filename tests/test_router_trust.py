@@ -28,6 +28,7 @@ from wim_service.serving.http.auth import (
     check_open_mode,
     hash_key,
 )
+from wim_service.serving.http.bodies import DocumentRequest
 from wim_service.serving.http.edge import SMALL_BODY_BYTES
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.ingress import build_http_app, route_edges
@@ -613,3 +614,50 @@ async def test_nothing_of_a_router_outlives_its_shutdown() -> None:
     for _ in range(3):  # a cancelled task ends on its next turn of the loop
         await asyncio.sleep(0)
     assert background.cancelled() and monitor.cancelled()
+
+
+class ReadsPastTheirCancel(FakeReplica):
+    """A replica whose reads the router's cancel does not reach in time: the document is
+    read (held here) before the read's answer can be awaited."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.reading = asyncio.Event()
+
+    async def open_document(self, document_id: str, document: str, options: WiMOptions) -> Any:
+        self.documents[document_id] = options  # read and held, whoever awaits it
+        self.reading.set()
+        await asyncio.Event().wait()  # its answer never comes before the client leaves
+
+
+async def test_an_abandoned_document_read_is_closed_before_its_reservation_goes_back() -> None:
+    """A client gone mid-read (its request cancelled, as Serve does on a disconnect) leaves
+    no session on the replica for the reaper a minute later, and the tenant's reservation is
+    given back only once the replica has let go of it."""
+    replica = ReadsPastTheirCancel("a")
+    _, router = service(replica, client=FakeClient(replica))
+    store = router.documents.store
+    acme = router.keys.tenant("Bearer acme-key")
+    closed_with_reservation: list[int] = []
+    close = replica.close_document
+
+    async def close_document(document_id: str) -> bool:
+        held = await store.reserve(StoredSession("probe", WiMOptions(), 60, tenant="acme"), 9, 60)
+        assert held is not None
+        closed_with_reservation.append(held["acme"] - 1)  # acme's besides this probe
+        await store.unreserve(StoredSession("probe", WiMOptions(), 60, tenant="acme"))
+        return await close(document_id)
+
+    replica.close_document = close_document  # type: ignore[method-assign]
+    body = DocumentRequest(context=DOCUMENT)
+    creating = asyncio.create_task(router.create_document(body, acme))
+    await replica.reading.wait()
+    creating.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await creating
+    router.shutdown()
+    assert replica.documents == {}
+    assert closed_with_reservation == [1]  # still on acme's books while it was closed
+    # And off them afterwards: acme (one open document at most) may open another.
+    held = await store.reserve(StoredSession("next", WiMOptions(), 60, tenant="acme"), 1, 60)
+    assert held == {"acme": 1}

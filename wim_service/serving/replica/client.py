@@ -97,8 +97,15 @@ class ServeReplicaClient(CallsByName):
 
     async def call(self, replica: str, method: str, *args: Any) -> Any:
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        response = self._remote(replica, method, args, stream=False)
         try:
-            return await self._remote(replica, method, args, stream=False)
+            return await response
+        except asyncio.CancelledError:
+            # Serve cancels an assigned call only when asked: without this, a document read
+            # whose client went away ran on to its end and held its KV for nobody.
+            with contextlib.suppress(Exception):
+                response.cancel()
+            raise
         except _lost_errors() as exc:
             raise _lost(replica, exc) from exc
         except _backpressure() as exc:

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
+from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.orchestrator import WiMSession
 
 logger = logging.getLogger(__name__)
@@ -32,13 +33,22 @@ class _Held:
     claimed: float  # monotonic time a router last said it holds this session, or used it
 
 
+@dataclass
+class _Reading:
+    """A read in flight, shared by every caller that opened its document meanwhile."""
+
+    task: asyncio.Task[WiMSession]
+    waiters: int = 0  # callers awaiting it now
+    closed: bool = False  # closed (DELETE, expiry, a router's clean-up) before it ended
+
+
 class HeldDocuments:
     """Document id -> its session on this replica, with when it was last claimed."""
 
     def __init__(self, orphan_timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S) -> None:
         self.orphan_timeout_s = orphan_timeout_s
         self._held: dict[str, _Held] = {}
-        self._reading: dict[str, asyncio.Future[WiMSession]] = {}
+        self._reading: dict[str, _Reading] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -56,28 +66,52 @@ class HeldDocuments:
         left) share one read. Closing the held one to read it again would end the other
         router's queries on it, which then took this live replica for a lost one.
 
-        The read runs to its end even if every caller goes away (shielded): its session is
-        then held, claimed when it ended, and reaped as an orphan if no router claims it."""
+        The read is shared, so one caller going away does not stop it; the last one going
+        away cancels it, which frees its KV and its session slot at once: a read whose client
+        is gone holds nothing for nobody. A read closed meanwhile (`close`) ends its callers
+        with `NOT_FOUND`."""
         held = self.use(document_id, clock())
         if held is not None:
             return held
         reading = self._reading.get(document_id)
-        if reading is None:
-            reading = asyncio.ensure_future(self._read(document_id, read, clock))
-            # A failed read whose callers all left is not an "exception never retrieved".
-            reading.add_done_callback(lambda done: done.cancelled() or done.exception())
-            self._reading[document_id] = reading
-        return await asyncio.shield(reading)
-
-    async def _read(
-        self, document_id: str, read: Callable[[], Awaitable[WiMSession]], clock: Clock
-    ) -> WiMSession:
+        # One that ended is left until its done callback runs: a success is held by now.
+        if reading is None or reading.task.done():
+            reading = self._start_read(document_id, read, clock)
+        reading.waiters += 1
         try:
-            session = await read()
+            return await asyncio.shield(reading.task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if reading.closed and current is not None and not current.cancelling():
+                raise WiMError(
+                    ErrorCode.NOT_FOUND, "the document session was closed while it was read"
+                ) from None
+            raise
         finally:
-            del self._reading[document_id]
-        self._held[document_id] = _Held(session, clock())
-        return session
+            reading.waiters -= 1
+            if reading.waiters == 0 and not reading.task.done():
+                reading.task.cancel()  # every caller left: nobody would ever query it
+
+    def _start_read(
+        self, document_id: str, read: Callable[[], Awaitable[WiMSession]], clock: Clock
+    ) -> _Reading:
+        async def hold() -> WiMSession:
+            session = await read()
+            self._held[document_id] = _Held(session, clock())
+            return session
+
+        reading = self._reading[document_id] = _Reading(asyncio.ensure_future(hold()))
+
+        def ended(task: asyncio.Task[WiMSession]) -> None:
+            # Here, not in `hold`: a read cancelled before its first step never runs `hold`.
+            if self._reading.get(document_id) is reading:
+                del self._reading[document_id]
+            # A failed read whose callers all left is not an "exception never retrieved".
+            if not task.cancelled():
+                task.exception()
+
+        reading.task.add_done_callback(ended)
+        return reading
 
     def use(self, document_id: str, now: float) -> WiMSession | None:
         """The session, counted as claimed now (a query came for it through a router)."""
@@ -105,7 +139,15 @@ class HeldDocuments:
         return [d for d, held in self._held.items() if self._orphan(held, now)]
 
     async def close(self, document_id: str) -> bool:
-        """Close a session, stopping a query that runs on it; False if it is not here."""
+        """Close a session, stopping a query that runs on it, or stop its read in flight (its
+        callers get `NOT_FOUND`) once its KV is freed; False if it is neither here nor read."""
+        reading = self._reading.get(document_id)
+        if reading is not None and not reading.task.done():
+            reading.closed = True
+            reading.task.cancel()
+            # Its read closes its context on the way out: the KV is free when this returns.
+            await asyncio.wait([reading.task])
+            return True
         held = self._held.pop(document_id, None)
         if held is None:
             return False

@@ -32,6 +32,7 @@ from wim_service.serving.routing.copies import (
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.prefixes import prompt_blocks
+from wim_service.serving.routing.progress import StreamProgress
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
@@ -58,35 +59,6 @@ class SessionMissing(ReplicaLost):
 
 def _gone(document_id: str) -> HTTPFailure:
     return HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
-
-
-@dataclass
-class StreamProgress:
-    """What a streamed job already delivered, so that a failover does not repeat it."""
-
-    segments: set[int] = field(default_factory=set)
-    margins: set[int] = field(default_factory=set)
-    answer_sent: int = 0  # answer characters the client has
-    answer_seen: int = 0  # answer characters of the current attempt
-
-    def new_attempt(self) -> None:
-        self.answer_seen = 0
-
-    def fresh(self, event: WiMEvent) -> bool:
-        """False for what an earlier attempt already delivered (answer text is trimmed)."""
-        if event.type in ("segment", "margin"):
-            seen = self.segments if event.type == "segment" else self.margins
-            if event.segment in seen:
-                return False
-            seen.add(event.segment)
-        elif event.type == "answer":
-            # Greedy decoding repeats the same answer; `done.answer` is authoritative anyway.
-            start = self.answer_seen
-            self.answer_seen += len(event.text)
-            event.text = event.text[max(0, self.answer_sent - start) :]
-            self.answer_sent = max(self.answer_sent, self.answer_seen)
-            return bool(event.text)
-        return True
 
 
 @dataclass
@@ -126,7 +98,7 @@ class Dispatcher:
 
     async def open_document(self, session: StoredSession, text: str) -> StoredSession:
         """Read a new document on a replica with room and store its session, bound there."""
-        replica, opened, blocks = await self._read(session, text, set())
+        replica, opened, blocks = await self._read(session, text, set(), fresh=True)
         try:
             return await self.documents.add(
                 replace(
@@ -144,10 +116,15 @@ class Dispatcher:
             raise
 
     async def _read(
-        self, session: StoredSession, text: str, exclude: set[str]
+        self, session: StoredSession, text: str, exclude: set[str], *, fresh: bool = False
     ) -> tuple[str, DocumentOpened, int]:
         """Read the document on a replica with room, retried elsewhere if one dies: there,
-        what was read, and the KV blocks the session reserves."""
+        what was read, and the KV blocks the session reserves.
+
+        A read whose caller goes away is cancelled on the replica (`ReplicaClient.call`), which
+        stops it unless another caller shares it (`HeldDocuments.open`). A `fresh` document's
+        id is known to nobody else, so what the replica finished reading before the cancel
+        reached it is closed too, before the tenant's reservation of it goes back."""
         shape = await self.sizer.shape(text, session.options, None)
         blocks = self.sizer.blocks(shape, one_shot=False)
         work = session_work(session.session_id, shape.context_tokens, blocks, session.options)
@@ -163,6 +140,11 @@ class Dispatcher:
                 self.fleet.lost(replica, "replica_lost")
                 exclude.add(replica)
                 continue
+            except asyncio.CancelledError:
+                self.fleet.table.cancel(booking)
+                if fresh:
+                    await asyncio.shield(self._close_on(replica, session.session_id))
+                raise
             if isinstance(result, ErrorEvent):
                 self.fleet.table.cancel(booking)
                 raise HTTPFailure(result.code, result.message, result.retry_after_s)
