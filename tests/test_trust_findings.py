@@ -5,13 +5,28 @@ docs/security.md names each case and the test that shows it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
+import redis.asyncio
+from fastapi.testclient import TestClient
+from redis import exceptions as redis_errors
+from redis._parsers.base import BaseParser as _Parser
 
+from tests.redis_server import RedisServer, redis_binary
+from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.test_router_trust import service
-from wim_service.serving.http.auth import KeysConfig, hash_key
+from tests.test_session_store import TEXT, redis_config, session
+from wim_service.serving.http.auth import ApiKeys, KeysConfig, hash_key
+from wim_service.serving.ingress import build_http_app
 from wim_service.serving.openai import service as openai_service
+from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.store import StoreUnavailable
+from wim_service.serving.store.redis_store import RedisSessionStore, connect
 
 V1_KEYS = KeysConfig.model_validate(
     {
@@ -67,3 +82,136 @@ def test_v1_checks_permission_and_the_job_limit_before_tokenizing(
     too_long = client.post("/v1/chat/completions", json={**body, "max_tokens": 10**6}, headers=one)
     assert too_long.status_code == 400 and router.gate.store._jobs["one"] == {}
     assert client.post("/v1/chat/completions", json=body, headers=one).status_code == 200
+
+
+# -- Redis refusing for a while (OOM, MISCONF, BUSY) -------------------------------------
+
+
+def redis_store(server: RedisServer) -> RedisSessionStore:
+    config = redis_config(timeout_s=5.0)
+    return RedisSessionStore(connect(server.url, config), config)
+
+
+async def test_redis_out_of_memory_is_unavailable_for_now_not_an_error(tmp_path: Path) -> None:
+    """A real Redis at `maxmemory` under `noeviction` refuses every script whose first write
+    may grow it: the store says unavailable (503 with Retry-After), not a 500 per request."""
+    server = RedisServer(redis_binary(), tmp_path).start()
+    store, raw = redis_store(server), server.client()
+    try:
+        new = session()
+        await store.create(new, TEXT)
+        assert await store.start_job("acme", "job-1", 3, 60.0) is None
+        raw.config_set("maxmemory-policy", "noeviction")
+        raw.config_set("maxmemory", 1)
+        # (A script whose first write frees memory, as `start_job`'s, may still run.)
+        calls = {
+            "touch": lambda: store.touch(new.session_id, 5.0),
+            "rebind": lambda: store.rebind(new.session_id, None, "r1"),
+            "add_copy": lambda: store.add_copy(new.session_id, "r2", 3),
+            "renew_jobs": lambda: store.renew_jobs([("acme", "job-1")], 60.0),
+        }
+        for call in calls.values():
+            with pytest.raises(StoreUnavailable, match="command not allowed"):
+                await call()
+        raw.config_set("maxmemory", 0)
+        assert await store.touch(new.session_id) is not None  # and it passes when Redis can
+    finally:
+        raw.close()
+        await store.close()
+        server.stop()
+
+
+async def test_redis_busy_with_a_script_is_unavailable_for_now(tmp_path: Path) -> None:
+    """A long script (someone's `EVAL`) makes Redis answer BUSY to everyone else."""
+    server = RedisServer(redis_binary(), tmp_path).start()
+    store, raw, looping = redis_store(server), server.client(), server.client()
+    raw.config_set("busy-reply-threshold", 1)
+    loop = threading.Thread(target=_run_killed, args=(looping, "while true do end"))
+    loop.start()
+    try:
+        _wait_until_busy(raw)
+        with pytest.raises(StoreUnavailable, match="BUSY"):
+            await store.get("doc-x")
+    finally:
+        raw.script_kill()
+        loop.join()
+        looping.close()
+        raw.close()
+        await store.close()
+        server.stop()
+
+
+def _run_killed(client: redis.Redis, script: str) -> None:
+    """Run `script` until SCRIPT KILL ends it."""
+    with contextlib.suppress(redis.ResponseError):
+        client.eval(script, 0)
+
+
+def _wait_until_busy(client: redis.Redis) -> None:
+    """Return once Redis answers BUSY (the looping script passed the threshold)."""
+    while True:
+        try:
+            client.ping()
+        except redis.ResponseError as exc:
+            assert str(exc).startswith("BUSY")
+            return
+
+
+class Refusing:
+    """A stand-in for a registered script: raises what Redis answered."""
+
+    def __init__(self, error: redis_errors.RedisError) -> None:
+        self.error = error
+
+    async def __call__(self, **_: Any) -> Any:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist",
+        "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.",
+        "NOREPLICAS Not enough good replicas to write.",
+        "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+    ],
+)
+async def test_redis_passing_states_are_unavailable_and_script_bugs_are_not(answer: str) -> None:
+    store = RedisSessionStore(redis.asyncio.Redis(), redis_config())
+    code = answer.split(" ", 1)[0]
+    parsed = _Parser.parse_error(answer)  # as redis-py hands it over
+    store._scripts["get"] = Refusing(parsed)  # type: ignore[assignment]
+    with pytest.raises(StoreUnavailable, match=code):
+        await store.get("doc-x")
+    store._scripts["get"] = Refusing(_Parser.parse_error("ERR user_script:3: bad argument"))  # type: ignore[assignment]
+    with pytest.raises(redis.ResponseError):
+        await store.get("doc-x")
+
+
+def test_a_redis_out_of_memory_answers_503_with_retry_after(tmp_path: Path) -> None:
+    """Through HTTP: a query on a document while Redis is out of memory."""
+    server = RedisServer(redis_binary(), tmp_path).start()
+    raw = server.client()
+    try:
+        router = WiMRouter(
+            None,
+            {"router": {"replica_wait_s": 0}},
+            client=FakeClient(FakeReplica("a")),
+            keys=ApiKeys(V1_KEYS),
+            http_host="127.0.0.1",
+            store=redis_store(server),
+        )
+        with TestClient(build_http_app(router)) as client:
+            one = {"Authorization": "Bearer one-key"}
+            created = client.post("/documents", json={"context": DOCUMENT}, headers=one)
+            assert created.status_code == 201
+            raw.config_set("maxmemory-policy", "noeviction")
+            raw.config_set("maxmemory", 1)
+            body = {"document_id": created.json()["document_id"], "query": "q"}
+            refused = client.post("/wim", json=body, headers=one)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["code"] == "unavailable"
+            assert int(refused.headers["Retry-After"]) >= 1
+    finally:
+        raw.close()
+        server.stop()

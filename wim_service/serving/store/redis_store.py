@@ -92,6 +92,10 @@ class RedisSessionStore:
             OSError,
         ) as exc:
             raise StoreUnavailable(f"the session store (Redis) is unavailable: {exc}") from exc
+        except redis_errors.ResponseError as exc:
+            if (state := passing_state(exc)) is None:
+                raise  # a script's own error is a bug: 500 with its incident id
+            raise StoreUnavailable(f"the session store (Redis) refused ({state}): {exc}") from exc
 
     # -- SessionStore ----------------------------------------------------------------------
 
@@ -242,6 +246,23 @@ def connect(url: str, config: StoreConfig) -> Redis:
         socket_timeout=config.timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1),
     )
+
+
+# Redis' answers for a state it leaves on its own or by an operator's hand, not a fault of the
+# call: out of memory under `noeviction` (OOM), writes stopped after a failed save (MISCONF), a
+# long script running (BUSY), a replica that lost its master (MASTERDOWN, NOREPLICAS), a slot
+# moving (TRYAGAIN). New work gets 503 with Retry-After for them, like a Redis that is down.
+PASSING_STATES = frozenset({"OOM", "MISCONF", "BUSY", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN"})
+
+
+def passing_state(exc: redis_errors.ResponseError) -> str | None:
+    """The code of `exc` if it is Redis' answer for a passing state (`PASSING_STATES`), else
+    None. redis-py strips the code from the message of the errors it has a class for, and keeps
+    it in the message of the others (and, from 6, in `status_code`)."""
+    if isinstance(exc, redis_errors.OutOfMemoryError):
+        return "OOM"
+    code = getattr(exc, "status_code", None) or str(exc).split(" ", 1)[0]
+    return code if code in PASSING_STATES else None
 
 
 def _reservation(session: StoredSession) -> str:
