@@ -61,7 +61,7 @@ async def test_a_caller_that_leaves_does_not_cancel_the_others_fetch() -> None:
 
 def test_a_flood_of_probes_and_scrapes_asks_each_replica_once() -> None:
     replicas = (FakeReplica("a"), FakeReplica("b"))
-    client, _ = service(*replicas, load_poll_interval_s=60)
+    client, _ = service(*replicas, load_poll_interval_s=60, metrics_interval_s=0)
     client.get("/readyz")  # the first one learns the replicas
     for replica in replicas:
         replica.calls.clear()

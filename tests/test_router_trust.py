@@ -80,7 +80,7 @@ def service(
 ):
     wim_router = WiMRouter(
         None,
-        {"router": {"replica_wait_s": 0, **router}},
+        {"router": {"replica_wait_s": 0, "metrics_interval_s": 0, **router}},
         client=client or FakeClient(*(replicas or (FakeReplica("a"),))),
         keys=ApiKeys(keys),
         http_host="127.0.0.1",

@@ -48,6 +48,12 @@ class RouterConfig(BaseModel):
     request_timeout_s: float = Field(900.0, gt=0)
     # How often the router asks every engine replica for its load.
     load_poll_interval_s: float = Field(2.0, gt=0)
+    # `/metrics` is rendered at most once per this long, however many scrapers come; each
+    # waits for a page rendered after its request arrived (so at most this long).
+    metrics_interval_s: float = Field(1.0, ge=0, le=60)
+    # `/metrics` takes an API key (any tenant's, counted against its request rate) instead of
+    # being public, for deployments whose scrape port others can reach (docs/security.md).
+    metrics_require_key: bool = False
     # How long a request waits for a live engine replica (e.g. while a replacement starts).
     replica_wait_s: float = Field(120.0, ge=0)
     # A replica closes a document session that no router has claimed for this long (routers

@@ -49,8 +49,9 @@ Caller = Annotated[Tenant, Depends(caller)]
 
 def route_edges(config: RouterConfig) -> EdgeOf:
     """Each route's edge: the API routes need a key and take documents in their bodies; the
-    page, its files, the probes, `/metrics` and the API's own docs are public and take no
-    body. One table, so that no route is left out of authentication by accident."""
+    page, its files, the probes, `/metrics` (unless `metrics_require_key`) and the API's own
+    docs are public and take no body. One table, so that no route is left out of
+    authentication by accident."""
     documents = RouteEdge(authenticated=True, max_body_bytes=config.max_body_bytes)
     openai = RouteEdge(authenticated=True, max_body_bytes=config.max_body_bytes, openai=True)
     keyed = RouteEdge(authenticated=True, max_body_bytes=SMALL_BODY_BYTES)
@@ -61,7 +62,7 @@ def route_edges(config: RouterConfig) -> EdgeOf:
             return openai if method == "POST" else replace(openai, max_body_bytes=SMALL_BODY_BYTES)
         if path in ("/wim", "/documents", "/extract/pdf"):
             return documents if method == "POST" else keyed
-        if path.startswith("/documents/"):
+        if path.startswith("/documents/") or (path == "/metrics" and config.metrics_require_key):
             return keyed
         return public
 

@@ -47,6 +47,12 @@ class WiMMetrics:
         self._work(self.registry)
         self._copies(self.registry)
         self.event_loop_lag = event_loop_lag(self.registry)
+        self.metrics_renders = Counter(
+            "wim_metrics_renders",
+            "Pages of /metrics rendered: at most one per metrics_interval_s, however many "
+            "scrapers come.",
+            registry=self.registry,
+        )
 
     def _sessions(self, r: CollectorRegistry) -> None:
         """Requests, document sessions and the replicas' KV."""
@@ -220,4 +226,5 @@ METRIC_NAMES = (
     "wim_document_copies_retired_total",
     "wim_copy_queries_total",
     "wim_document_copies",
+    "wim_metrics_renders_total",
 )

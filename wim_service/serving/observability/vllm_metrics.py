@@ -26,10 +26,11 @@ class _Static:
         return self._families
 
 
-def merge_replica_metrics(own: CollectorRegistry, texts: dict[str, str]) -> str:
-    """Prometheus text of the router's registry `own` and of every replica's `vllm:*` families
-    and families that `own` has too, the replicas' samples with a `replica` label."""
-    merged: dict[str, Metric] = {family.name: family for family in own.collect()}
+def merge_replica_metrics(own: list[Metric], texts: dict[str, str]) -> str:
+    """Prometheus text of the router's families `own` (collected from its registry) and of
+    every replica's `vllm:*` families and families that `own` has too, the replicas' samples
+    with a `replica` label."""
+    merged: dict[str, Metric] = {family.name: family for family in own}
     shared = set(merged)
     for replica, text in sorted(texts.items()):
         for family in text_string_to_metric_families(text):

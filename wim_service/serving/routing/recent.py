@@ -1,14 +1,18 @@
-"""`Recent`: one async fetch's result, shared by the callers that come close together.
+"""`Recent` and `Paced`: one async call's result, shared by the callers that come close
+together.
 
 The public probes and scrapes (`/readyz`, `/metrics`) ask every engine replica something. Each
 request doing so itself would let any rate of anonymous requests multiply calls to the
 engines, which take request slots there; through a `Recent` they cost at most one round of
-calls per `max_age_s`, however many arrive.
+calls per `max_age_s`, however many arrive. Rendering `/metrics` costs the router itself tens
+of milliseconds per engine replica: through a `Paced` it runs at most once per interval
+however many scrapers come, and no scraper gets a page older than its own request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
@@ -38,3 +42,36 @@ class Recent(Generic[T]):
         value = await self._fetch()
         self._last = (time.monotonic(), value)
         return value
+
+
+class Paced(Generic[T]):
+    """`render()` at most once per `interval_s` (from one start to the next), its result
+    shared: every caller gets the result of a render that started after it called, so that
+    nothing done before it asked is missing, and callers that come together share one render
+    (a failed render fails its waiters). A caller that comes sooner than `interval_s` after
+    the last render started waits for the next one."""
+
+    def __init__(self, render: Callable[[], Awaitable[T]], interval_s: float) -> None:
+        self._render = render
+        self.interval_s = interval_s
+        self._started = -math.inf
+        self._last: tuple[float, T] | None = None
+        self._pending: asyncio.Task[tuple[float, T]] | None = None
+
+    async def get(self) -> T:
+        called = time.monotonic()
+        last = self._last
+        while last is None or last[0] < called:
+            if self._pending is None or self._pending.done():
+                self._pending = asyncio.get_running_loop().create_task(self._run())
+            # A caller that goes away (a client disconnect) must not cancel the others' render.
+            last = await asyncio.shield(self._pending)
+        return last[1]
+
+    async def _run(self) -> tuple[float, T]:
+        wait = self._started + self.interval_s - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)  # the pace itself: one render per interval
+        self._started = time.monotonic()
+        self._last = (self._started, await self._render())
+        return self._last

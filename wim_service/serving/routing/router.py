@@ -51,7 +51,7 @@ from wim_service.serving.routing.documents import (
 from wim_service.serving.routing.failover import Dispatcher
 from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.quotas import JobLease, TenantGate
-from wim_service.serving.routing.recent import Recent
+from wim_service.serving.routing.recent import Paced, Recent
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import SessionStore, StoredSession, make_store
 from wim_service.wim.errors import ErrorCode, WiMError
@@ -107,6 +107,7 @@ class WiMRouter:
         # (`serving/routing/recent.py`).
         self._loads = Recent(self.fleet.refresh_loads, router.load_poll_interval_s)
         self._replica_metrics = Recent(self._fetch_replica_metrics, METRICS_MAX_AGE_S)
+        self._metrics_page = Paced(self._render_metrics, router.metrics_interval_s)
         # The document sessions as last listed from the store (claimed while it is down).
         self._listed: list[StoredSession] = []
 
@@ -337,8 +338,18 @@ class WiMRouter:
         return self.fleet.ready()
 
     async def metrics_text(self) -> str:
-        """This router's metrics (always current) with the engine replicas' (`Recent`)."""
-        return merge_replica_metrics(self.metrics.registry, await self._replica_metrics.get())
+        """This router's metrics, as of a render that started after the call, with the engine
+        replicas' (`Recent`): one render per `metrics_interval_s` for every scraper (`Paced`)."""
+        return await self._metrics_page.get()
+
+    async def _render_metrics(self) -> str:
+        texts = await self._replica_metrics.get()
+        self.metrics.metrics_renders.inc()
+        # The router's own samples are copied on the loop that updates them (a gauge cleared
+        # and set again is never seen half done); parsing the replicas' texts, tens of
+        # milliseconds each, and the page's text are made off it.
+        own = list(self.metrics.registry.collect())
+        return await asyncio.to_thread(merge_replica_metrics, own, texts)
 
     async def _fetch_replica_metrics(self) -> dict[str, str]:
         replicas = sorted(self.fleet.table.loads)
