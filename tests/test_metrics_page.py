@@ -129,3 +129,22 @@ def test_metrics_can_require_a_key() -> None:
     page = keyed.get("/metrics", headers=ACME)
     assert page.status_code == 200 and "wim_requests_total" in page.text
     assert keyed.get("/healthz").status_code == 200  # the probes stay public
+
+
+def test_counters_and_gauges_a_dashboard_divides_or_sums_read_zero_before_anything() -> None:
+    """A labelled series exists from the start at 0: a dashboard's server-error share,
+    failovers and draining replicas read 0 where nothing happened, not "No data"."""
+    client, _ = service(FakeReplica("a"), FakeReplica("b"))
+    assert client.get("/readyz").status_code == 200  # the router learns its replicas
+    page = client.get("/metrics").text
+    for series in (
+        'wim_requests_total{status="500"} 0.0',
+        'wim_requests_total{status="503"} 0.0',
+        'wim_requests_total{status="429"} 0.0',
+        'wim_session_failover_total{reason="replica_lost"} 0.0',
+        'wim_session_failover_total{reason="replica_left"} 0.0',
+        'wim_session_failover_total{reason="session_missing"} 0.0',
+        'wim_replica_draining{replica="a"} 0.0',
+        'wim_replica_draining{replica="b"} 0.0',
+    ):
+        assert series in page.splitlines(), series

@@ -7,6 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from wim_service.serving.http.errors import STATUS
 from wim_service.wim.events import WiMEvent
 
 # `*_created` timestamp series only double the exposition; nothing reads them.
@@ -17,6 +18,8 @@ _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
 # Event-loop lag: a healthy loop wakes within a millisecond or two; from a second on, requests
 # and health checks visibly wait; 30 s and more is a stall (+Inf).
 _LAG_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# Why a session moves off its replica (serving/routing/failover.py).
+FAILOVER_REASONS = ("replica_lost", "replica_left", "session_missing")
 
 
 def event_loop_lag(registry: CollectorRegistry) -> Histogram:
@@ -53,6 +56,13 @@ class WiMMetrics:
             "scrapers come.",
             registry=self.registry,
         )
+        # A labelled counter has no series until its first label: exported at 0 from the
+        # start, a dashboard's error rate or failover count reads 0 before anything happened,
+        # not "No data".
+        for status in sorted({200, *STATUS.values()}):
+            self.requests.labels(str(status))
+        for reason in FAILOVER_REASONS:
+            self.failover.labels(reason)
 
     def _sessions(self, r: CollectorRegistry) -> None:
         """Requests, document sessions and the replicas' KV."""
