@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,9 +24,15 @@ from tests.redis_server import RedisServer, redis_binary
 from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.test_router_trust import service
 from tests.test_session_store import TEXT, redis_config, session
+from wim_service.engine.admission import AdmissionLoad
+from wim_service.engine.config import EngineConfig
+from wim_service.placement.profile import EngineProfile
 from wim_service.serving.http.auth import ApiKeys, KeysConfig, hash_key
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.openai import service as openai_service
+from wim_service.serving.replica.backlog import Backlog
+from wim_service.serving.replica.deployment import EngineReplica
+from wim_service.serving.replica.held_documents import HeldDocuments
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import StoreUnavailable
 from wim_service.serving.store.redis_store import RedisSessionStore, connect
@@ -215,3 +224,52 @@ def test_a_redis_out_of_memory_answers_503_with_retry_after(tmp_path: Path) -> N
     finally:
         raw.close()
         server.stop()
+
+
+# -- a replica's load report -------------------------------------------------------------
+
+
+class HookedSession:
+    """A held session whose size, when read, runs `hook` (to change the held documents while
+    a load report iterates them)."""
+
+    def __init__(self, tokens: int, hook: Callable[[], None]) -> None:
+        self.tokens, self.hook, self.busy = tokens, hook, False
+
+    @property
+    def context(self) -> SimpleNamespace:
+        self.hook()
+        return SimpleNamespace(context_tokens=self.tokens)
+
+
+async def test_a_load_report_reads_the_held_sessions_whole() -> None:
+    """The report sums the held sessions while the event loop may open or close others. Off
+    the loop, a document opened by the loop in the middle of the sum broke the iteration
+    (`RuntimeError: dictionary changed size during iteration`) and the router missed the
+    report; on the loop, nothing runs in between."""
+    loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
+    replica = object.__new__(EngineReplica)
+    replica.replica, replica.config = "r", EngineConfig()
+    replica.backend = SimpleNamespace(
+        load=lambda: AdmissionLoad(2, 30, 100, 0), healthy=True, dtype="float32"
+    )
+    replica.documents = HeldDocuments()
+    replica.backlog = Backlog(EngineProfile.load())
+
+    async def held(document_id: str, session: object) -> None:
+        async def read() -> Any:
+            return session
+
+        await replica.documents.open(document_id, read, time.monotonic)
+
+    def open_another_meanwhile() -> None:
+        """Open a third document on the loop, as a request would, if the loop can run now."""
+        if threading.get_ident() != loop_thread and len(replica.documents) == 2:
+            third = HookedSession(7, lambda: None)
+            asyncio.run_coroutine_threadsafe(held("doc-3", third), loop).result()
+
+    await held("doc-1", HookedSession(100, open_another_meanwhile))
+    await held("doc-2", HookedSession(20, lambda: None))
+    report = await replica.load()
+    assert (report.documents, report.resident_kv_tokens) == (2, 120)

@@ -178,8 +178,11 @@ class EngineReplica:
     async def load(self) -> ReplicaLoad:
         """What the router places sessions by. Answered from memory, never from the engine
         core: a busy engine must still report promptly, or the router would think it gone.
-        (In a worker thread, as Serve ran it when it was a sync method.)"""
-        return await asyncio.to_thread(self._load)
+        Computed on the event loop that changes the held sessions and the backlog, so that
+        it reads them whole: a worker thread iterated their dicts while the loop changed them
+        (now and then a `RuntimeError`, a missed report). It sums over the sessions and jobs
+        this replica holds, a few dozen at most."""
+        return self._load()
 
     def _load(self) -> ReplicaLoad:
         admission = self.backend.load()
