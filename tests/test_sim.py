@@ -135,11 +135,11 @@ def test_a_malformed_line_is_named_by_its_number(tmp_path: Path, line: str, mess
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"document_tokens": "900"}, "document_tokens must be an integer >= 1"),
-        ({"answer_tokens": True}, "answer_tokens must be an integer >= 1"),
+        ({"document_tokens": "900"}, "document_tokens must be an integer within 1-1,000,000"),
+        ({"answer_tokens": True}, "answer_tokens must be an integer within 1-"),
         ({"wim": 1}, "wim must be true or false"),
         ({"wim": None}, "wim must be true or false"),
-        ({"timestamp_s": -1}, "timestamp_s must be a number >= 0"),
+        ({"timestamp_s": -1}, "timestamp_s must be a number within 0-"),
         ({"document_id": ""}, "document_id must be a non-empty string"),
     ],
 )
@@ -352,7 +352,7 @@ def test_a_wim_query_writes_only_the_margins_its_row_names(tmp_path: Path) -> No
     assert none.first_token_s - 200 == pytest.approx(p.prefill.seconds(40, cached=3000))
     assert every.first_token_s - 0 > p.prefill.seconds(3000) + one.first_token_s - 100
     bad = {**doc_row(0, "a", wim=True), "margins": -1}
-    with pytest.raises(TraceError, match="margins must be an integer >= 0"):
+    with pytest.raises(TraceError, match="margins must be an integer within 0-94,"):
         document_trace([bad], tmp_path)
     generated = generate(GeneratorOptions(requests=20, margins=2, seed=3))
     assert {r.get("margins") for r in generated if r["wim"]} == {2}

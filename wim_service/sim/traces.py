@@ -15,12 +15,24 @@ Two kinds are read, told apart by their fields:
   without it, every segment does.
 
 A `.gz` file is read transparently. A malformed line is a `TraceError` naming its line.
+
+Bounds, so that no trace makes the simulator overflow or take unbounded memory (each is a
+`TraceError` naming its line): numbers are finite JSON numbers (no `NaN` or `Infinity`),
+integers of at most 19 digits; a timestamp is within 0 to `MAX_ARRIVAL_S` seconds (a Mooncake
+`timestamp` in milliseconds); every token count within 1 to `MAX_TOKENS`; a WiM row's
+`margins` at most one per `MIN_SEGMENT_TOKENS` of its document (the live service's smallest
+segment); a line at most `MAX_LINE_CHARS` characters and nested at most as deep as Python's
+`json` parses; a file at most `MAX_TRACE_CHARS` characters (decompressed) and
+`MAX_REQUESTS` rows, whose prefix hashes and margins (a WiM row without `margins`: one per
+`MIN_SEGMENT_TOKENS`) are at most `MAX_TRACE_BLOCKS` in all.
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,6 +55,20 @@ DOCUMENT_FIELDS = (
     "wim",
 )
 TraceKind = Literal["mooncake", "document"]
+
+# Bounds (the module's docstring): each far above any trace replayed here (Mooncake's released
+# traces hold ~24,000 rows of at most ~130,000 tokens), each low enough that arithmetic stays
+# finite and a trace's memory stays within a few hundred MB whatever its file holds.
+MAX_TOKENS = 1_000_000  # any token count of a row: beyond every context window served here
+MAX_ARRIVAL_S = 1e9  # about 31 years
+MAX_INT_DIGITS = 19  # a 64-bit integer: Mooncake's hash ids are remapped small integers
+MAX_LINE_CHARS = 1_000_000
+MAX_TRACE_CHARS = 256 * 2**20
+MAX_REQUESTS = 200_000
+# Prefix hashes (each held by the request and by a replica's prefix cache) and margins (each a
+# sequence in a simulated batch) over the whole trace: what a row of a few bytes expands to.
+MAX_TRACE_BLOCKS = 10_000_000
+MIN_SEGMENT_TOKENS = 32  # the live service's smallest segment (`WiMOptions.segment_tokens`)
 
 
 class TraceError(ValueError):
@@ -99,17 +125,64 @@ def _open(path: Path) -> IO[str]:
     return path.open(encoding="utf-8")
 
 
+def _lines(stream: IO[str], path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line), each line and the whole file within their bounds: a line is read
+    at most `MAX_LINE_CHARS` at a time, never whole whatever its length."""
+    total = 0
+    for number in itertools.count(1):
+        line = stream.readline(MAX_LINE_CHARS + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):
+            raise TraceError(f"{path}:{number}: longer than {MAX_LINE_CHARS:,} characters")
+        total += len(line)
+        if total > MAX_TRACE_CHARS:
+            raise TraceError(f"{path}: larger than {MAX_TRACE_CHARS:,} characters")
+        yield number, line
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as infinity
+        raise ValueError(f"{_short(text)} is not a finite number")
+    return value
+
+
+def _integer(text: str) -> int:
+    # Checked before int(): a number of thousands of digits costs time, then overflows floats.
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {digits:,} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _parse(line: str) -> Any:
+    """The line's JSON value, its numbers finite and bounded; ValueError says why not."""
+    try:
+        return json.loads(
+            line, parse_constant=_refuse_constant, parse_float=_finite, parse_int=_integer
+        )
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ValueError("not JSON (nested too deeply)") from None
+
+
 def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line."""
     try:
-        with _open(path) as lines:
-            for number, line in enumerate(lines, 1):
+        with _open(path) as stream:
+            for number, line in _lines(stream, path):
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TraceError(f"{path}:{number}: not JSON ({exc.msg})") from None
+                    row = _parse(line)
+                except ValueError as exc:
+                    raise TraceError(f"{path}:{number}: {exc}") from None
                 if not isinstance(row, dict):
                     raise TraceError(f"{path}:{number}: not a JSON object")
                 yield number, row
@@ -117,18 +190,34 @@ def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         raise TraceError(f"cannot read trace {path}: {exc}") from None
 
 
-def _count(row: dict[str, Any], field: str, where: str, *, least: int = 0) -> int:
+def _short(text: str) -> str:
+    """`text` cut short: an error is one short line however long the input."""
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
+
+
+def _shown(value: object) -> str:
+    return _short(repr(value))
+
+
+def _count(
+    row: dict[str, Any], field: str, where: str, *, least: int = 1, most: int = MAX_TOKENS
+) -> int:
     value = row.get(field)
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise TraceError(f"{where}: {field} must be an integer >= {least}, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise TraceError(
+            f"{where}: {field} must be an integer within {least}-{most:,}, not {_shown(value)}"
+        )
     return value
 
 
-def _seconds(row: dict[str, Any], field: str, where: str) -> float:
+def _seconds(row: dict[str, Any], field: str, where: str, *, per_second: int = 1) -> float:
+    """A timestamp in seconds (`per_second`: its unit's count in one second)."""
     value = row.get(field)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise TraceError(f"{where}: {field} must be a number >= 0, not {value!r}")
-    return float(value)
+    most = MAX_ARRIVAL_S * per_second
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= most:
+        shown = _shown(value)
+        raise TraceError(f"{where}: {field} must be a number within 0-{most:g}, not {shown}")
+    return value / per_second
 
 
 def detect_kind(row: dict[str, Any]) -> TraceKind:
@@ -150,9 +239,9 @@ def mooncake_request(row: dict[str, Any], where: str) -> Request:
         raise TraceError(f"{where}: hash_ids must be a list of integers")
     return Request(
         index=0,
-        arrival_s=_seconds(row, "timestamp", where) / 1000.0,
-        prompt_tokens=_count(row, "input_length", where, least=1),
-        answer_tokens=_count(row, "output_length", where, least=1),
+        arrival_s=_seconds(row, "timestamp", where, per_second=1000),
+        prompt_tokens=_count(row, "input_length", where),
+        answer_tokens=_count(row, "output_length", where),
         prefix=tuple(hashes),
     )
 
@@ -177,15 +266,18 @@ def document_request(row: dict[str, Any], where: str, hashes: DocumentHashes) ->
     if not isinstance(document, str) or not document:
         raise TraceError(f"{where}: document_id must be a non-empty string")
     if not isinstance(wim, bool):
-        raise TraceError(f"{where}: wim must be true or false, not {wim!r}")
-    document_tokens = _count(row, "document_tokens", where, least=1)
-    query_tokens = _count(row, "query_tokens", where, least=1)
-    margins = _count(row, "margins", where) if wim and "margins" in row else None
+        raise TraceError(f"{where}: wim must be true or false, not {_shown(wim)}")
+    document_tokens = _count(row, "document_tokens", where)
+    query_tokens = _count(row, "query_tokens", where)
+    margins = None
+    if wim and "margins" in row:
+        most = margins_bound(document_tokens, None)
+        margins = _count(row, "margins", where, least=0, most=most)
     return Request(
         index=0,
         arrival_s=_seconds(row, "timestamp_s", where),
         prompt_tokens=document_tokens + query_tokens,
-        answer_tokens=_count(row, "answer_tokens", where, least=1),
+        answer_tokens=_count(row, "answer_tokens", where),
         prefix=() if wim else hashes.prefix(document, document_tokens),
         document=document,
         document_tokens=document_tokens,
@@ -196,6 +288,18 @@ def document_request(row: dict[str, Any], where: str, hashes: DocumentHashes) ->
     )
 
 
+def margins_bound(document_tokens: int, margins: int | None) -> int:
+    """The most margins a WiM row may have written: its `margins`, else one per segment of
+    the smallest size."""
+    return math.ceil(document_tokens / MIN_SEGMENT_TOKENS) if margins is None else margins
+
+
+def request_blocks(request: Request) -> int:
+    """What `request` counts toward `MAX_TRACE_BLOCKS`: its prefix hashes, its margins."""
+    margins = margins_bound(request.document_tokens, request.margins) if request.wim else 0
+    return len(request.prefix) + margins
+
+
 def read_trace(path: Path) -> Trace:
     """Every request of the trace in `path`, in timestamp order (ties in file order)."""
     if not path.is_file():
@@ -203,6 +307,7 @@ def read_trace(path: Path) -> Trace:
     kind: TraceKind | None = None
     hashes = DocumentHashes()
     requests: list[Request] = []
+    blocks = 0
     for number, row in _rows(path):
         where = f"{path}:{number}"
         if kind is None:
@@ -210,10 +315,18 @@ def read_trace(path: Path) -> Trace:
                 kind = detect_kind(row)
             except TraceError as exc:
                 raise TraceError(f"{where}: {exc}") from None
+        if len(requests) == MAX_REQUESTS:
+            raise TraceError(f"{where}: more than {MAX_REQUESTS:,} requests")
         if kind == "mooncake":
-            requests.append(mooncake_request(row, where))
+            request = mooncake_request(row, where)
         else:
-            requests.append(document_request(row, where, hashes))
+            request = document_request(row, where, hashes)
+        requests.append(request)
+        blocks += request_blocks(request)
+        if blocks > MAX_TRACE_BLOCKS:
+            raise TraceError(
+                f"{where}: more than {MAX_TRACE_BLOCKS:,} prefix hashes and margins in all"
+            )
     if kind is None:
         raise TraceError(f"trace {path} has no requests")
     # A stable sort: requests at one timestamp keep the trace's order.
