@@ -264,6 +264,28 @@ async def test_copies_are_recorded_within_the_limit_promoted_dropped_and_deleted
     assert not await a.add_copy(new.session_id, "r6", 3)  # ended: nothing to add to
 
 
+async def test_a_copy_another_router_closed_is_not_promoted(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    """Router `a` read the session with its copy on r2 and promotes it (its primary r1 lost);
+    meanwhile router `b` retired that copy (dropped, then closed on r2). The promotion must
+    fail: bound to r2, the session would point at a replica that no longer holds it."""
+    a, b = routers
+    new = session(replica="r1")
+    await a.create(new, TEXT)
+    assert await a.add_copy(new.session_id, "r2", 3)
+    assert await b.drop_copy(new.session_id, "r2")
+    assert not await a.rebind(new.session_id, "r1", "r2", promote=True)
+    kept = await b.get(new.session_id)
+    assert kept is not None and (kept.replica, kept.copies) == ("r1", ())
+    # A copy that is still one is promoted; a rebuilt replica is bound without being one.
+    assert await b.add_copy(new.session_id, "r3", 3)
+    assert await a.rebind(new.session_id, "r1", "r3", promote=True)
+    promoted = await b.get(new.session_id)
+    assert promoted is not None and (promoted.replica, promoted.copies) == ("r3", ())
+    assert await b.rebind(new.session_id, "r3", "r4")
+
+
 async def test_of_two_routers_adding_a_copy_at_the_limit_one_wins(
     routers: tuple[SessionStore, SessionStore],
 ) -> None:

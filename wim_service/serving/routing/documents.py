@@ -92,10 +92,12 @@ class DocumentTable:
     async def text(self, document_id: str) -> str | None:
         return await self._call(self.store.text(document_id))
 
-    async def rebind(self, document_id: str, expected: str | None, new: str) -> bool:
-        """Compare-and-set of the session's replica: False if another router moved it first
-        or it ended."""
-        return await self._call(self.store.rebind(document_id, expected, new))
+    async def rebind(
+        self, document_id: str, expected: str | None, new: str, *, promote: bool = False
+    ) -> bool:
+        """Compare-and-set of the session's replica (with `promote`, of the copy on
+        `new`): False if another router moved it first, closed that copy, or it ended."""
+        return await self._call(self.store.rebind(document_id, expected, new, promote=promote))
 
     async def add_copy(self, document_id: str, replica: str, max_holders: int) -> bool:
         """Record a copy of the session on `replica` (`serving/routing/copies.py`); False if

@@ -227,7 +227,7 @@ class Dispatcher:
         copy = next((r for r in session.copies if r != replica and table.is_live(r)), None)
         if copy is None:
             return await self._repin(session, reason, exclude=set() if alive else {replica})
-        if not await self.documents.rebind(document_id, replica, copy):
+        if not await self.documents.rebind(document_id, replica, copy, promote=True):
             return None
         self.metrics.binding.labels(BindResult.REPIN).inc()
         logger.info("a document session's copy on %s took over from %s (%s)", copy, replica, reason)

@@ -99,9 +99,12 @@ class SessionStore(Protocol):
         replicas' KV can pin)."""
         ...
 
-    async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
-        """Bind the live session to `new` if it is bound to `expected` now; False otherwise
-        (another router moved it first, or it ended)."""
+    async def rebind(
+        self, session_id: str, expected: str | None, new: str | None, *, promote: bool = False
+    ) -> bool:
+        """Bind the live session to `new` if it is bound to `expected` now and, with `promote`
+        (promoting a copy), `new` still holds one of its copies; False otherwise (another
+        router moved it first or closed that copy, or it ended)."""
         ...
 
     async def add_copy(self, session_id: str, replica: str, max_holders: int) -> bool:

@@ -68,9 +68,13 @@ class MemorySessionStore:
         now = time.time()
         return [e.session for e in self._entries.values() if e.session.expires_at > now]
 
-    async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
+    async def rebind(
+        self, session_id: str, expected: str | None, new: str | None, *, promote: bool = False
+    ) -> bool:
         entry = self._live(session_id)
         if entry is None or entry.session.replica != expected:
+            return False
+        if promote and new not in entry.session.copies:
             return False
         copies = tuple(r for r in entry.session.copies if r != new)
         entry.session = replace(entry.session, replica=new, copies=copies)

@@ -82,13 +82,16 @@ end)
 return out
 """
 
-# KEYS: session. ARGV: expected replica, new replica ("" = none). Returns 1 if it was swapped.
-# A copy bound as the primary (promoted) is no longer one of the copies.
+# KEYS: session. ARGV: expected replica, new replica ("" = none), "1" if the new one must be a
+# copy now (a promotion). Returns 1 if it was swapped. A copy bound as the primary (promoted)
+# is no longer one of the copies.
 _REBIND = """
 if not live(KEYS[1]) then return 0 end
 if redis.call('HGET', KEYS[1], 'replica') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'replica', ARGV[2])
-redis.call('HSET', KEYS[1], 'copies', without(redis.call('HGET', KEYS[1], 'copies'), ARGV[2]))
+local copies = redis.call('HGET', KEYS[1], 'copies') or ''
+local rest = without(copies, ARGV[2])
+if ARGV[3] == '1' and rest == copies then return 0 end
+redis.call('HSET', KEYS[1], 'replica', ARGV[2], 'copies', rest)
 return 1
 """
 

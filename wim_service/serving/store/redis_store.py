@@ -155,9 +155,11 @@ class RedisSessionStore:
             for sid, fields in zip(flat[::2], flat[1::2], strict=True)
         ]
 
-    async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
+    async def rebind(
+        self, session_id: str, expected: str | None, new: str | None, *, promote: bool = False
+    ) -> bool:
         swapped = await self._run(
-            "rebind", [self._key(session_id, "s")], [expected or "", new or ""]
+            "rebind", [self._key(session_id, "s")], [expected or "", new or "", int(promote)]
         )
         return bool(swapped)
 
