@@ -12,6 +12,7 @@ a layer whose tensor has neither is refused rather than guessed at.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from wim_service.engine.lifetime import die_with_multiprocessing_parent
@@ -30,6 +31,23 @@ ZERO_BLOCKS = "wim_zero_kv_blocks"
 BLOCK_MAGNITUDES = "wim_kv_block_magnitudes"
 
 
+def distinct_kv_layers(
+    layers: Iterable[tuple[str, torch.Tensor]], num_blocks: int
+) -> list[tuple[str, torch.Tensor, int]]:
+    """Each distinct KV tensor (layers may share one), named, with the dimension that
+    indexes blocks."""
+    found, seen = [], set()
+    for name, kv in layers:
+        if kv.data_ptr() in seen:
+            continue
+        seen.add(kv.data_ptr())
+        dims = [d for d in (0, 1) if kv.shape[d] == num_blocks]
+        if not dims:
+            raise RuntimeError(f"KV tensor {name} {tuple(kv.shape)} has no block dimension")
+        found.append((name, kv, dims[0]))
+    return found
+
+
 class KVMemoryExtension:
     """Methods run inside a vLLM worker (`self` is the worker)."""
 
@@ -40,17 +58,11 @@ class KVMemoryExtension:
         import torch
 
         num_blocks = self.model_runner.kv_cache_config.num_blocks
-        layers, seen = [], set()
-        for kv in self.model_runner.kv_caches:
-            if kv.data_ptr() in seen:  # layers may share one tensor
-                continue
-            seen.add(kv.data_ptr())
-            dims = [d for d in (0, 1) if kv.shape[d] == num_blocks]
-            if not dims:
-                raise RuntimeError(f"KV tensor of shape {tuple(kv.shape)} has no block dimension")
-            index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-            layers.append((kv, dims[0], index))
-        return layers
+        named = ((str(i), kv) for i, kv in enumerate(self.model_runner.kv_caches))
+        return [
+            (kv, dim, torch.tensor(block_ids, dtype=torch.long, device=kv.device))
+            for _, kv, dim in distinct_kv_layers(named, num_blocks)
+        ]
 
     def wim_zero_kv_blocks(self, block_ids: list[int]) -> None:
         """Overwrite the KV memory of `block_ids` with zeros in every layer."""

@@ -1,0 +1,101 @@
+"""Stored documents' KV as the service sees it: sealed objects in the configured store.
+
+`DocumentKV.from_env()` is what every process builds for itself (the engine core, its
+workers, a router that deletes documents): the store from `WIM_KV_STORE` (a directory or a
+`redis://` URL; `EngineConfig.kv_store` sets it for an engine), bounded by
+`WIM_KV_STORE_MAX_GIB`, sealed with keys from `WIM_KV_MASTER_KEY`. No vLLM import here: a
+router can delete a document's KV without an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from wim_service.engine.kv_transfer.keys import (
+    MASTER_KEY_ENV,
+    KVCipher,
+    StoredDocument,
+    master_key_from_env,
+)
+from wim_service.engine.kv_transfer.objects import Manifest, manifest_name
+from wim_service.engine.kv_transfer.store import KVStore, StoreError, open_store
+
+logger = logging.getLogger(__name__)
+
+STORE_ENV = "WIM_KV_STORE"
+MAX_GIB_ENV = "WIM_KV_STORE_MAX_GIB"
+DEFAULT_MAX_GIB = 8.0
+
+
+def store_url() -> str | None:
+    return os.environ.get(STORE_ENV, "").strip() or None
+
+
+class DocumentKV:
+    def __init__(self, store: KVStore, cipher: KVCipher) -> None:
+        self.store = store
+        self.cipher = cipher
+
+    @classmethod
+    def from_env(cls) -> DocumentKV | None:
+        """The configured store, or None when `WIM_KV_STORE` is unset. A store without a
+        master key is refused: stored KV is customer data and is never written in clear."""
+        url = store_url()
+        if url is None:
+            return None
+        key = master_key_from_env()
+        if key is None:
+            raise ValueError(f"{STORE_ENV} is set but {MASTER_KEY_ENV} is not")
+        max_gib = float(os.environ.get(MAX_GIB_ENV) or DEFAULT_MAX_GIB)
+        return cls(open_store(url, int(max_gib * 2**30)), KVCipher(key))
+
+    def put(self, doc: StoredDocument, name: str, binding: str, data: bytes) -> int:
+        """Seal and store one object; the bytes written. Raises `StoreError`."""
+        sealed = self.cipher.seal(doc, name, binding, data)
+        self.store.put(self.cipher.storage_id(doc), name, sealed)
+        return len(sealed)
+
+    def get(self, doc: StoredDocument, name: str, binding: str) -> bytes | None:
+        """One object opened; None if absent. Raises `StoreError`, `keys.SealError`."""
+        sealed = self.store.get(self.cipher.storage_id(doc), name)
+        return None if sealed is None else self.cipher.open(doc, name, binding, sealed)
+
+    def read_manifest(self, doc: StoredDocument, signature: str) -> Manifest | None:
+        name = manifest_name(signature)
+        data = self.get(doc, name, signature)
+        return None if data is None else Manifest.decode(data)
+
+    def write_manifest(self, manifest: Manifest) -> int:
+        name = manifest_name(manifest.signature)
+        return self.put(manifest.doc, name, manifest.signature, manifest.encode())
+
+    def delete(self, doc: StoredDocument) -> bool:
+        """Remove every object of `doc` (every engine signature); False, logged, if the
+        store could not be reached (the caller may try again later)."""
+        try:
+            removed = self.store.delete_document(self.cipher.storage_id(doc))
+        except StoreError as exc:
+            logger.warning("stored KV of a document not deleted: %s", exc)
+            return False
+        logger.debug("deleted %d stored KV objects of a document", removed)
+        return True
+
+    def total_bytes(self) -> int | None:
+        """The store's size in bytes (`wim_kv_store_bytes`); None if unreachable."""
+        try:
+            return self.store.total_bytes()
+        except StoreError:
+            return None
+
+
+PARAMS_KEY = "wim_kv"
+
+
+def spine_extra_args(doc: StoredDocument, open_id: str, *, restore: bool) -> dict[str, object]:
+    """`SamplingParams.extra_args` of a stored document's spine: vLLM hands them to the
+    connector as the request's `kv_transfer_params`. Only the engine layer sets them (the
+    service never forwards a client's sampling parameters); a request without them is never
+    saved or restored."""
+    params = {"tenant": doc.tenant, "document": doc.document, "open": open_id, "restore": restore}
+    return {"kv_transfer_params": {PARAMS_KEY: params}}

@@ -1,0 +1,111 @@
+"""The connector's worker side: runs the step's `LoadJob`s and `SaveJob`s on the KV tensors.
+
+Loads run before the step's forward (the scheduler marks the step as having synchronous
+loads), saves after it (`wait_for_save`), both synchronously: a saved block is written before
+the step's output reaches the front end, and a restored one before any token reads it.
+
+Each block is sealed with its binding: the engine signature, this worker's tensor layout and
+the block's token-chain link, so a block opens only on an engine that lays KV out the same way
+and only for the same tokens. A load that cannot fetch or open every one of its blocks reports
+all of them failed (`load_errors`), and vLLM recomputes the spine from its first token
+(`kv_load_failure_policy="recompute"`): no request ever runs on part of a document's KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from wim_service.engine.kv_transfer.block_io import BlockIO
+from wim_service.engine.kv_transfer.documents import DocumentKV
+from wim_service.engine.kv_transfer.jobs import LoadJob, OpenResult, SaveJob
+from wim_service.engine.kv_transfer.keys import SealError
+from wim_service.engine.kv_transfer.objects import Manifest, block_name
+from wim_service.engine.kv_transfer.store import StoreError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class _BlockMissing(Exception):
+    pass
+
+
+class WorkerSide:
+    def __init__(self, kv: DocumentKV | None, block_size: int) -> None:
+        self.kv = kv
+        self.block_size = block_size
+        self.io: BlockIO | None = None
+        self.rank = 0
+        self._layout = ""
+        self.results: dict[str, OpenResult] = {}
+        self._load_errors: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, rank: int) -> None:
+        self.io = BlockIO(kv_caches, num_blocks)
+        self._layout = self.io.layout()
+        self.rank = rank
+
+    def _binding(self, signature: str, link: bytes) -> str:
+        return f"{signature}|{self._layout}|{link.hex()}"
+
+    def _result(self, open_id: str) -> OpenResult:
+        return self.results.setdefault(open_id, OpenResult())
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def load(self, jobs: list[LoadJob]) -> None:
+        for job in jobs:
+            started = time.perf_counter()
+            result = self._result(job.open_id)
+            try:
+                self._load(job)
+            except (StoreError, SealError, _BlockMissing, ValueError) as exc:
+                reason = getattr(exc, "reason", "block_check")
+                logger.warning("KV restore failed (%s): %s", reason, exc)
+                result.load_failed = reason
+                self._load_errors.update(job.block_ids)
+                continue
+            result.loaded_blocks += len(job.block_ids)
+            result.load_seconds += time.perf_counter() - started
+
+    def _load(self, job: LoadJob) -> None:
+        assert self.kv is not None and self.io is not None
+        payloads = []
+        for offset, link in enumerate(job.chain):
+            name = block_name(job.signature, self.rank, job.first_index + offset)
+            data = self.kv.get(job.doc, name, self._binding(job.signature, link))
+            if data is None:
+                raise _BlockMissing(f"stored block {name} is missing")
+            payloads.append(data)
+        self.io.write(job.block_ids, payloads)
+
+    def save(self, jobs: list[SaveJob]) -> None:
+        for job in jobs:
+            result = self._result(job.open_id)
+            try:
+                result.saved_bytes += self._save(job)
+            except StoreError as exc:
+                result.save_failed = exc.reason
+                logger.warning("KV save of a document stopped (%s): %s", exc.reason, exc)
+                continue
+            result.saved_blocks += len(job.block_ids)
+
+    def _save(self, job: SaveJob) -> int:
+        assert self.kv is not None and self.io is not None
+        written = 0
+        payloads = self.io.read(job.block_ids)
+        links = job.chain[job.first_index :]
+        for offset, (payload, link) in enumerate(zip(payloads, links, strict=True)):
+            name = block_name(job.signature, self.rank, job.first_index + offset)
+            written += self.kv.put(job.doc, name, self._binding(job.signature, link), payload)
+        if self.rank == 0:
+            # After the blocks: a manifest never names a block that is not written yet.
+            manifest = Manifest(job.doc, job.signature, self.block_size, job.chain)
+            written += self.kv.write_manifest(manifest)
+        return written
