@@ -351,10 +351,12 @@ class FlakyStore(MemorySessionStore):
             raise StoreUnavailable("redis went away")
         return await super().touch(session_id, hold_s)
 
-    async def rebind(self, session_id: str, expected: str | None, new: str | None) -> bool:
+    async def rebind(
+        self, session_id: str, expected: str | None, new: str | None, *, promote: bool = False
+    ) -> bool:
         if "rebind" in self.down:
             raise StoreUnavailable("redis went away")
-        return await super().rebind(session_id, expected, new)
+        return await super().rebind(session_id, expected, new, promote=promote)
 
 
 def test_a_store_outage_while_rebinding_leaves_no_kv_pinned() -> None:
