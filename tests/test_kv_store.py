@@ -18,7 +18,7 @@ import torch
 
 from tests.redis_server import RedisServer, free_port
 from wim_service.engine.kv_transfer.block_io import BlockIO
-from wim_service.engine.kv_transfer.documents import DocumentKV
+from wim_service.engine.kv_transfer.documents import DocumentKV, open_store
 from wim_service.engine.kv_transfer.jobs import LoadJob, SaveJob
 from wim_service.engine.kv_transfer.keys import (
     MASTER_KEY_ENV,
@@ -41,7 +41,6 @@ from wim_service.engine.kv_transfer.store import (
     KVStore,
     StoreFull,
     StoreUnavailable,
-    open_store,
 )
 from wim_service.engine.kv_transfer.worker import WorkerSide
 

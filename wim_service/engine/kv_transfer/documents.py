@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from wim_service.engine.kv_transfer.keys import (
     MASTER_KEY_ENV,
@@ -19,13 +20,21 @@ from wim_service.engine.kv_transfer.keys import (
     master_key_from_env,
 )
 from wim_service.engine.kv_transfer.objects import Manifest, manifest_name
-from wim_service.engine.kv_transfer.store import KVStore, StoreError, open_store
+from wim_service.engine.kv_transfer.redis_store import RedisKVStore
+from wim_service.engine.kv_transfer.store import DirectoryKVStore, KVStore, StoreError
 
 logger = logging.getLogger(__name__)
 
 STORE_ENV = "WIM_KV_STORE"
 MAX_GIB_ENV = "WIM_KV_STORE_MAX_GIB"
 DEFAULT_MAX_GIB = 8.0
+
+
+def open_store(url: str, max_bytes: int) -> KVStore:
+    """The backend `url` names: Redis for a `redis://`/`rediss://` URL, else a directory."""
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisKVStore(url, max_bytes)
+    return DirectoryKVStore(Path(url), max_bytes)
 
 
 def store_url() -> str | None:

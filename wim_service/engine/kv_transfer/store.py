@@ -1,6 +1,6 @@
 """Where stored document KV lives: a directory (one machine, or a shared volume) or Redis.
 
-`open_store(url, max_bytes)` picks the backend from one setting (`WIM_KV_STORE` /
+`documents.open_store(url, max_bytes)` picks the backend from one setting (`WIM_KV_STORE` /
 `EngineConfig.kv_store`): a `redis://` or `rediss://` URL, else a directory path. Objects are
 opaque sealed bytes (`keys.KVCipher`) grouped by document: `put`/`get` one object,
 `delete_document` removes everything of one document. Both backends are bounded: a `put`
@@ -47,15 +47,6 @@ class KVStore(Protocol):
     def total_bytes(self) -> int: ...
 
     def documents(self) -> list[str]: ...
-
-
-def open_store(url: str, max_bytes: int) -> KVStore:
-    """The backend `url` names: Redis for a `redis://`/`rediss://` URL, else a directory."""
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from wim_service.engine.kv_transfer.redis_store import RedisKVStore
-
-        return RedisKVStore(url, max_bytes)
-    return DirectoryKVStore(Path(url), max_bytes)
 
 
 class DirectoryKVStore:
