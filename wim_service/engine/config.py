@@ -101,6 +101,18 @@ class EngineConfig(BaseModel):
         "no document data stays in KV memory (measured on a 2-core CPU: +20 ms to close a "
         "3,000-token session, reading it took 15-30 s; docs/security.md)",
     )
+    kv_store: str | None = Field(
+        None,
+        description="where documents' KV is saved as they are read and restored from on "
+        "another engine: a directory or a redis:// URL (default: env WIM_KV_STORE; unset: "
+        "no stored KV). Needs env WIM_KV_MASTER_KEY (docs/kv-store.md)",
+    )
+    kv_store_max_gib: float | None = Field(
+        None,
+        gt=0,
+        description="the KV store's bound in GiB; least recently used documents are evicted "
+        "past it (default: env WIM_KV_STORE_MAX_GIB, else 8)",
+    )
     template_special_tokens: bool = Field(
         False,
         description="let prompt templates sent by clients (options.prompts) contain the model's "

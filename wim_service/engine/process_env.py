@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from wim_service.engine.config import EngineConfig
+from wim_service.engine.kv_transfer.documents import MAX_GIB_ENV, STORE_ENV
 
 
 def threads_bind(setting: str, rank: int = 0) -> str:
@@ -21,6 +22,11 @@ def threads_bind(setting: str, rank: int = 0) -> str:
 def configure_process_env(config: EngineConfig, rank: int = 0) -> None:
     """Environment vLLM reads at engine start (it must be set before the engine spawns)."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind(config.cpu_threads_bind, rank)
+    # The KV connector reads its store from the environment in the engine core and workers.
+    if config.kv_store is not None:
+        os.environ[STORE_ENV] = config.kv_store
+    if config.kv_store_max_gib is not None:
+        os.environ[MAX_GIB_ENV] = str(config.kv_store_max_gib)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # vLLM's own usage-stats reporting would try the network.
     os.environ["VLLM_NO_USAGE_STATS"] = "1"

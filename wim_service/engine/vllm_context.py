@@ -15,6 +15,9 @@ The mechanism (measured on vLLM 0.32, see docs/architecture.md):
   (`WiMScheduler.wim_purge_salt`), so no later request can hit the document's KV.
 * Lengths are checked before every push (`request_params.check_window`): a session that
   outgrows `max_model_len` would kill the whole engine, not just the request.
+* A context opened for a `StoredDocument` saves its document pushes to the KV store as they
+  are computed, and can `restore` a document saved by another engine as its first push
+  (`engine/kv_transfer`, docs/kv-store.md).
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ import secrets
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from wim_service.engine.admission import KVAdmission
+from wim_service.engine.kv_transfer.documents import spine_extra_args
+from wim_service.engine.kv_transfer.keys import StoredDocument
 from wim_service.engine.request_params import PRIORITY, check_window, sampling_params
 from wim_service.engine.scheduler import SALT_PREFIX
 from wim_service.engine.timeline import RequestSpan
@@ -62,6 +68,31 @@ def _generation_params(params: GenerationParams) -> SamplingParams:
     )
 
 
+@dataclass(frozen=True)
+class KVRestore:
+    """What `VLLMContext.restore` did. `holds_document`: the document was pushed (restored,
+    or computed in one pass after a failed block check); False: nothing was pushed and the
+    caller reads the document as usual."""
+
+    restored_tokens: int
+    computed_tokens: int
+    seconds: float
+    fallback: str | None
+    holds_document: bool
+
+
+@dataclass(frozen=True)
+class KVReport:
+    """A stored context's KV so far, as the engine core counted it."""
+
+    restored_tokens: int
+    restore_fallback: str | None
+    restore_seconds: float  # the load itself, in the worker
+    saved_tokens: int
+    saved_bytes: int
+    save_failed: str | None
+
+
 class ContextHost(Protocol):
     """What a context uses of the backend that opened it (`vllm_engine.VLLMBackend`): named
     here so that the context does not import the backend that imports it."""
@@ -82,10 +113,14 @@ class ContextHost(Protocol):
 class VLLMContext:
     """One WiM context: a streaming-input session plus same-salt branch requests."""
 
-    def __init__(self, backend: ContextHost, reserved_blocks: int) -> None:
+    def __init__(
+        self, backend: ContextHost, reserved_blocks: int, stored: StoredDocument | None = None
+    ) -> None:
         self.backend = backend
         self.engine = backend.engine
         self.salt = SALT_PREFIX + secrets.token_hex(16)
+        self.stored = stored
+        self._restore = False  # the first push loads the stored document
         self._reserved_blocks = reserved_blocks
         # Blocks a query reserved (`reserve_more`) and left while this context was closing:
         # the close gives them back with its own, once the engine freed them (`_end`).
@@ -123,12 +158,20 @@ class VLLMContext:
         while (item := await self._inputs.get()) is not None:
             yield item
 
+    def _spine_params(self) -> SamplingParams:
+        # One token per push, discarded by the next push: the KV holds the pushes only.
+        params = sampling_params(1)
+        if self.stored is not None:
+            # Pushes without their own parameters (the document's) are saved; the first
+            # restores if asked. A conclusion's push brings its own, without these.
+            params.extra_args = spine_extra_args(self.stored, self.salt, restore=self._restore)
+        return params
+
     async def _run_spine(self) -> None:
         try:
             async for output in self.engine.generate(
                 self._input_stream(),
-                # One token per push, discarded by the next push: the KV holds the pushes only.
-                sampling_params(1),
+                self._spine_params(),
                 self.backend.next_request_id(self.salt, "ctx"),
                 priority=PRIORITY[RequestKind.CONTEXT],
             ):
@@ -178,6 +221,51 @@ class VLLMContext:
                     # The session's own KV is never shared with a cache hit: all pushed tokens
                     # are computed (a resumed push reports the earlier chunks as "cached").
                     return PromptCost(submitted=len(token_ids), cached=0)
+
+    async def restore(self, token_ids: list[int]) -> KVRestore:
+        """Push a stored document's `token_ids` as this context's first push, loading its
+        saved KV instead of computing it (at most one block and one token are computed).
+
+        The engine core checks the stored manifest first; when it would load nothing (no
+        store, no saved document, another tenant or engine, other tokens), nothing is pushed
+        and `fallback` says why.
+        """
+        if self._ids:
+            raise ValueError("a restore must be the context's first push")
+        started = time.perf_counter()
+        if self.stored is None:
+            return KVRestore(0, 0, 0.0, "disabled", holds_document=False)
+        probe = await self.engine.engine_core.call_utility_async(
+            "wim_kv_probe", self.stored.tenant, self.stored.document, token_ids
+        )
+        if not probe["tokens"]:
+            seconds = time.perf_counter() - started
+            return KVRestore(0, 0, seconds, probe["reason"], holds_document=False)
+        self._restore = True
+        await self.extend(token_ids)
+        report = await self.kv_report()
+        restored = report.restored_tokens
+        return KVRestore(
+            restored_tokens=restored,
+            computed_tokens=len(token_ids) - restored,
+            seconds=time.perf_counter() - started,
+            fallback=None if restored else report.restore_fallback or "block_check",
+            holds_document=True,
+        )
+
+    async def kv_report(self) -> KVReport:
+        """What this context restored and saved so far (zeros unless `stored`)."""
+        if self.stored is None:
+            return KVReport(0, None, 0.0, 0, 0, None)
+        raw = await self.engine.engine_core.call_utility_async("wim_kv_report", self.salt)
+        return KVReport(
+            restored_tokens=raw["restored_tokens"],
+            restore_fallback=raw["restore_reason"],
+            restore_seconds=raw["restore_seconds"],
+            saved_tokens=raw["saved_tokens"],
+            saved_bytes=raw["saved_bytes"],
+            save_failed=raw["save_failed"],
+        )
 
     async def conclude(
         self, suffix_ids: list[int], params: GenerationParams

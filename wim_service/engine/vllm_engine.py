@@ -8,6 +8,7 @@ mechanism is described) and plain salt-free completions, and asks the engine cor
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import time
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING
 from wim_service.engine import kv_memory
 from wim_service.engine.admission import AdmissionLoad, KVAdmission
 from wim_service.engine.config import EngineConfig
+from wim_service.engine.kv_transfer.documents import DocumentKV, store_url
+from wim_service.engine.kv_transfer.keys import StoredDocument
 from wim_service.engine.process_env import configure_process_env
 from wim_service.engine.request_params import (
     PRIORITY,
@@ -85,6 +88,8 @@ class VLLMBackend:
         self._ids = itertools.count()
         # Every context request's span, for tests and debugging (a deque append per request).
         self.timeline: deque[RequestSpan] = deque(maxlen=TIMELINE_SPANS)
+        # This process's own access to the KV store (deletes, size); None without a store.
+        self.kv_store = DocumentKV.from_env() if engine.vllm_config.kv_transfer_config else None
 
     @classmethod
     def start(cls, config: EngineConfig, *, rank: int = 0) -> VLLMBackend:
@@ -98,8 +103,11 @@ class VLLMBackend:
         force_offline()
         configure_process_env(config, rank)
         from vllm import AsyncEngineArgs
+        from vllm.config import KVTransferConfig
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from wim_service.engine.kv_transfer.connector import connector_config
 
         model = config.model or str(default_model_dir())
         args = AsyncEngineArgs(
@@ -119,6 +127,9 @@ class VLLMBackend:
             enforce_eager=config.enforce_eager,
             seed=config.seed,
             disable_log_stats=False,
+            # Stored document KV (docs/kv-store.md): the connector reads its store from the
+            # environment `configure_process_env` set.
+            kv_transfer_config=KVTransferConfig(**connector_config()) if store_url() else None,
         )
         engine = AsyncLLM.from_engine_args(args)
         tokenizer = HFTokenizer(model, template_special_tokens=config.template_special_tokens)
@@ -143,11 +154,20 @@ class VLLMBackend:
     def next_request_id(self, salt: str, kind: str) -> str:
         return f"{salt}-{kind}-{next(self._ids)}"
 
-    async def open_context(self, *, reserve_blocks: int) -> VLLMContext:
+    async def open_context(
+        self, *, reserve_blocks: int, stored: StoredDocument | None = None
+    ) -> VLLMContext:
+        """A new context. With `stored` (set by the service, never by a client), its document
+        pushes are saved to the KV store and `VLLMContext.restore` can load them elsewhere;
+        without a KV store configured, `stored` changes nothing."""
         if not self.healthy:
             raise WiMError(ErrorCode.ENGINE_ERROR, "the engine is not running")
         await self.admission.acquire(reserve_blocks)
-        return VLLMContext(self, reserve_blocks)
+        return VLLMContext(self, reserve_blocks, stored if self.kv_store else None)
+
+    async def delete_stored(self, doc: StoredDocument) -> bool:
+        """Remove `doc`'s stored KV (True: gone or never stored; False: store unreachable)."""
+        return self.kv_store is None or await asyncio.to_thread(self.kv_store.delete, doc)
 
     def load(self) -> AdmissionLoad:
         return self.admission.load()
