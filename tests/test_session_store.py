@@ -25,6 +25,7 @@ from cryptography.exceptions import InvalidTag
 from tests.redis_server import RedisServer, redis_binary
 from wim_service.serving.config import StoreConfig
 from wim_service.serving.store import (
+    Holding,
     MemorySessionStore,
     SessionExists,
     SessionStore,
@@ -139,7 +140,7 @@ async def test_a_query_holds_the_session_past_its_ttl(store: SessionStore) -> No
     assert await store.get(new.session_id) is None
 
 
-async def test_sessions_lists_every_live_session_for_every_router(
+async def test_holdings_list_every_live_session_for_every_router(
     routers: tuple[SessionStore, SessionStore],
 ) -> None:
     a, b = routers
@@ -153,14 +154,12 @@ async def test_sessions_lists_every_live_session_for_every_router(
         await a.create(new, TEXT)
     await a.delete(deleted.session_id)
     await asyncio.sleep(0.3)
-    listed = {s.session_id: s for s in await b.sessions()}
-    assert set(listed) == {bound.session_id, unbound.session_id}
-    assert listed[bound.session_id] == await b.get(bound.session_id)
-    assert (listed[bound.session_id].replica, listed[bound.session_id].tenant) == ("r1", "acme")
-    assert (listed[unbound.session_id].replica, listed[unbound.session_id].tenant) == (
-        None,
-        "globex",
-    )
+    await b.add_copy(bound.session_id, "r3", 3)
+    # Which replicas hold what, and nothing more: no options, no text.
+    assert sorted(await b.holdings(), key=lambda h: h.session_id != bound.session_id) == [
+        Holding(bound.session_id, "r1", ("r3",)),
+        Holding(unbound.session_id, None, ()),
+    ]
 
 
 async def test_sweep_hands_each_expired_session_to_one_router(
@@ -362,7 +361,7 @@ async def test_memory_store_ends_sessions_and_tombstones_at_their_instant(
     await store.create(deleted, TEXT)
     await store.delete(deleted.session_id)
     now[0] += 10.0
-    assert await store.get(ending.session_id) is None and await store.sessions() == []
+    assert await store.get(ending.session_id) is None and await store.holdings() == []
     assert [s.session_id for s in await store.sweep()] == [ending.session_id]
     now[0] += 19.0
     with pytest.raises(SessionExists):
@@ -433,6 +432,40 @@ async def test_redis_stores_documents_encrypted(redis_server: RedisServer) -> No
     finally:
         raw.close()
         await store.close()
+
+
+async def test_redis_stores_options_sealed_like_the_text(redis_server: RedisServer) -> None:
+    """A session's options carry its prompts, which may quote a customer's words: with a key
+    they are sealed like the text, bound to their session, read back whole, and refused
+    without the key; without a key they stay JSON, as every router before wrote them."""
+    config = redis_config()
+    prompts = OPTIONS.prompts.model_copy(update={"system": "You read Marta's harbour file."})
+    options = OPTIONS.model_copy(update={"prompts": prompts})
+    keyed, plain, keyless = (
+        RedisSessionStore(connect(redis_server.url, config), config, cipher)
+        for cipher in (DocumentCipher(os.urandom(32)), DocumentCipher(None), DocumentCipher(None))
+    )
+    raw = redis_server.client()
+    try:
+        one, two = replace(session(), options=options), replace(session(), options=options)
+        await keyed.create(one, TEXT)
+        await plain.create(two, TEXT)
+        stored = {
+            s.session_id: raw.hget(f"{config.key_prefix}{{{s.session_id}}}:s", "options")
+            for s in (one, two)
+        }
+        assert b"Marta" not in stored[one.session_id]
+        assert b"segment_tokens" not in stored[one.session_id]
+        assert stored[two.session_id].startswith(b"{") and b"Marta" in stored[two.session_id]
+        for store, new in ((keyed, one), (keyed, two), (plain, two)):
+            got = await store.get(new.session_id)
+            assert got is not None and got.options == options
+        with pytest.raises(ValueError, match=ENCRYPTION_KEY_ENV):
+            await keyless.get(one.session_id)
+    finally:
+        raw.close()
+        for store in (keyed, plain, keyless):
+            await store.close()
 
 
 async def test_redis_outage_raises_store_unavailable_and_recovers(tmp_path: Path) -> None:

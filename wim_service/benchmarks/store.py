@@ -141,7 +141,7 @@ async def _opens_through_two_routers(url: str) -> tuple[float, int, int, int]:
         *(routers[i % 2].create_document(body, OPEN_TENANT) for i in range(OPENS))
     )
     seconds = time.perf_counter() - started
-    stored = {s.session_id: s.replica for s in await routers[0].documents.sessions()}
+    stored = {s.session_id: s.replica for s in await routers[0].documents.holdings()}
     held = Counter(doc for counts in replicas.held.values() for doc in counts.elements())
     twice = sum(1 for count in held.values() if count > 1)
     mismatched = sum(1 for d in opened if stored.get(d.document_id) != d.replica)

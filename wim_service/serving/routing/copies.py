@@ -53,7 +53,7 @@ from wim_service.serving.replica.work import session_work
 from wim_service.serving.routing.bindings import Booking
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
-from wim_service.serving.store import StoredSession
+from wim_service.serving.store import Holding, StoredSession
 from wim_service.wim.options import WiMOptions
 
 logger = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class DocumentCopies:
             del self._running[key]
         self._used[key] = time.monotonic()
 
-    async def retire_idle(self, sessions: list[StoredSession]) -> None:
+    async def retire_idle(self, sessions: list[Holding]) -> None:
         """Close the copies idle for `copy_idle_s` among `sessions` (the store's listing)."""
         now = time.monotonic()
         listed = {(s.session_id, r) for s in sessions for r in s.copies}

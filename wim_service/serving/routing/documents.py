@@ -17,7 +17,13 @@ from weakref import WeakValueDictionary
 
 from wim_service.serving.http.bodies import DocumentResponse
 from wim_service.serving.http.errors import HTTPFailure, ServiceCode
-from wim_service.serving.store import SessionStore, StoredSession, StoreUnavailable, reachable
+from wim_service.serving.store import (
+    Holding,
+    SessionStore,
+    StoredSession,
+    StoreUnavailable,
+    reachable,
+)
 from wim_service.wim.options import WiMOptions
 
 T = TypeVar("T")
@@ -111,9 +117,9 @@ class DocumentTable:
         """End the session for every router; what it was (its replica to close), or None."""
         return await self._call(self.store.delete(document_id))
 
-    async def sessions(self) -> list[StoredSession]:
-        """Every live session (their replicas are told who holds them)."""
-        return await self._call(self.store.sessions())
+    async def holdings(self) -> list[Holding]:
+        """Every live session's holders (their replicas are told who holds them)."""
+        return await self._call(self.store.holdings())
 
     async def expired(self) -> list[StoredSession]:
         """Sessions that expired, each handed to one router (which closes its KV)."""

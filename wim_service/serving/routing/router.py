@@ -53,7 +53,7 @@ from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.quotas import JobLease, TenantGate
 from wim_service.serving.routing.recent import Paced, Recent
 from wim_service.serving.routing.sizing import JobSizer
-from wim_service.serving.store import SessionStore, StoredSession, make_store
+from wim_service.serving.store import Holding, SessionStore, StoredSession, make_store
 from wim_service.wim.errors import ErrorCode, WiMError
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class WiMRouter:
         self._replica_metrics = Recent(self._fetch_replica_metrics, METRICS_MAX_AGE_S)
         self._metrics_page = Paced(self._render_metrics, router.metrics_interval_s)
         # The document sessions as last listed from the store (claimed while it is down).
-        self._listed: list[StoredSession] = []
+        self._listed: list[Holding] = []
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         """The caller's tenant (401 without a valid key), counted against its request rate."""
@@ -172,7 +172,7 @@ class WiMRouter:
         ended meanwhile drops out of the first listing once the store answers again.
         """
         with contextlib.suppress(HTTPFailure):  # the store is down: keep the last listing
-            self._listed = await self.documents.sessions()
+            self._listed = await self.documents.holdings()
         held: dict[str, list[str]] = {replica: [] for replica in self.fleet.table.loads}
         for session in self._listed:
             # Copies are claimed like the primary: no replica reaps a copy as an orphan.

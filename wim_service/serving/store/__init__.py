@@ -13,6 +13,7 @@ from typing import TypeVar
 from wim_service.serving.config import StoreConfig
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.store.base import (
+    Holding,
     SessionExists,
     SessionStore,
     StoredSession,
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = [
+    "Holding",
     "MemorySessionStore",
     "SessionExists",
     "SessionStore",

@@ -49,6 +49,25 @@ class SessionExists(RuntimeError):
         self.session_id = session_id
 
 
+def holders_of(replica: str | None, copies: tuple[str, ...]) -> tuple[str, ...]:
+    """Every replica holding a document: the primary first, then the copies."""
+    return (replica, *copies) if replica else copies
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Which replicas hold a live session: what the routers claim and retire copies by (a
+    listing every poll, so without the options and text they do not need)."""
+
+    session_id: str
+    replica: str | None
+    copies: tuple[str, ...] = ()
+
+    @property
+    def holders(self) -> tuple[str, ...]:
+        return holders_of(self.replica, self.copies)
+
+
 @dataclass(frozen=True)
 class StoredSession:
     """A document session as stored, without its text (`SessionStore.text`)."""
@@ -70,8 +89,7 @@ class StoredSession:
 
     @property
     def holders(self) -> tuple[str, ...]:
-        """Every replica holding the document: the primary first, then the copies."""
-        return (self.replica, *self.copies) if self.replica else self.copies
+        return holders_of(self.replica, self.copies)
 
 
 class SessionStore(Protocol):
@@ -94,8 +112,8 @@ class SessionStore(Protocol):
         it for as long as it may run); its new `expires_at`, or None if it is not live."""
         ...
 
-    async def sessions(self) -> list[StoredSession]:
-        """Every live session (for claims and per-tenant counts; there are only as many as the
+    async def holdings(self) -> list[Holding]:
+        """Every live session's holders (for claims; there are only as many sessions as the
         replicas' KV can pin)."""
         ...
 

@@ -9,7 +9,7 @@ import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, replace
 
-from wim_service.serving.store.base import SessionExists, StoredSession
+from wim_service.serving.store.base import Holding, SessionExists, StoredSession
 
 
 @dataclass
@@ -61,8 +61,8 @@ class MemorySessionStore:
         entry.session = replace(entry.session, expires_at=expires_at)
         return expires_at
 
-    async def sessions(self) -> list[StoredSession]:
-        return self._live_sessions()
+    async def holdings(self) -> list[Holding]:
+        return [Holding(s.session_id, s.replica, s.copies) for s in self._live_sessions()]
 
     def _live_sessions(self) -> list[StoredSession]:
         now = time.time()

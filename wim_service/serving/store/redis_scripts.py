@@ -72,12 +72,15 @@ redis.call('ZADD', KEYS[3], expires, ARGV[1])
 return expires
 """
 
-# KEYS: expiry index. ARGV: key prefix. Every live session: id, hash, id, hash, ...
-_SESSIONS = """
+# KEYS: expiry index. ARGV: key prefix. Every live session's holders: id, replica, copies,
+# id, ... ("" for none). Run by every router every poll: two fields a session, not the hash.
+_HOLDINGS = """
 local out = {}
 each_live(KEYS[1], ARGV[1], function(id, key)
+  local held = redis.call('HMGET', key, 'replica', 'copies')
   out[#out + 1] = id
-  out[#out + 1] = redis.call('HGETALL', key)
+  out[#out + 1] = held[1] or ''
+  out[#out + 1] = held[2] or ''
 end)
 return out
 """
@@ -217,7 +220,7 @@ SCRIPTS = {
     "get": _GET,
     "text": _TEXT,
     "touch": _TOUCH,
-    "sessions": _SESSIONS,
+    "holdings": _HOLDINGS,
     "rebind": _REBIND,
     "add_copy": _ADD_COPY,
     "drop_copy": _DROP_COPY,

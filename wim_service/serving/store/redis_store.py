@@ -2,7 +2,7 @@
 
 Per session (prefix `P`, default `wim:`):
 
-* `P{id}:s`, a hash: options (JSON), tenant, replica ("" = unbound), copies (replicas joined by
+* `P{id}:s`, a hash: options (JSON, sealed like the text), tenant, replica ("" = unbound), copies (replicas joined by
   commas), context_tokens, segments, kv_blocks, ttl_ms, expires_ms;
 * `P{id}:d`, the document text (`DocumentCipher`: AES-GCM when a key is set);
 * `P{id}:t`, a tombstone left by `delete`, for `tombstone_ttl_s`;
@@ -35,7 +35,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from wim_service.serving.config import StoreConfig
-from wim_service.serving.store.base import SessionExists, StoredSession, StoreUnavailable
+from wim_service.serving.store.base import (
+    Holding,
+    SessionExists,
+    StoredSession,
+    StoreUnavailable,
+)
 from wim_service.serving.store.cipher import DocumentCipher
 from wim_service.serving.store.redis_scripts import PRELUDE, SCRIPTS
 from wim_service.wim.options import WiMOptions
@@ -102,7 +107,7 @@ class RedisSessionStore:
     async def create(self, session: StoredSession, text: str) -> StoredSession:
         sid = session.session_id
         fields = {
-            "options": session.options.model_dump_json(),
+            "options": self.cipher.seal_field(_options_aad(sid), session.options.model_dump_json()),
             "tenant": session.tenant,
             "replica": session.replica or "",
             "copies": ",".join(session.copies),
@@ -132,7 +137,7 @@ class RedisSessionStore:
 
     async def get(self, session_id: str) -> StoredSession | None:
         flat = await self._run("get", [self._key(session_id, "s")], [])
-        return _session(session_id, _fields(flat)) if flat else None
+        return self._session(session_id, flat) if flat else None
 
     async def text(self, session_id: str) -> str | None:
         value = await self._run(
@@ -148,11 +153,11 @@ class RedisSessionStore:
         )
         return expires_ms / 1000 if expires_ms is not None else None
 
-    async def sessions(self) -> list[StoredSession]:
-        flat = await self._run("sessions", [self._index], [self.config.key_prefix])
+    async def holdings(self) -> list[Holding]:
+        flat = await self._run("holdings", [self._index], [self.config.key_prefix])
         return [
-            _session(sid.decode(), _fields(fields))
-            for sid, fields in zip(flat[::2], flat[1::2], strict=True)
+            Holding(sid.decode(), replica.decode() or None, _copies(copies.decode()))
+            for sid, replica, copies in zip(flat[::3], flat[1::3], flat[2::3], strict=True)
         ]
 
     async def rebind(
@@ -175,7 +180,7 @@ class RedisSessionStore:
         keys = [self._key(session_id, k) for k in ("s", "d", "t")] + [self._index]
         tombstone_ms = round(self.config.tombstone_ttl_s * 1000)
         flat = await self._run("delete", keys, [session_id, tombstone_ms])
-        return _session(session_id, _fields(flat)) if flat else None
+        return self._session(session_id, flat) if flat else None
 
     async def sweep(self) -> list[StoredSession]:
         ended = []
@@ -185,7 +190,7 @@ class RedisSessionStore:
                 "claim", [self._key(sid, "s"), self._key(sid, "d"), self._index], [sid]
             )
             if flat:  # claimed by us, and Redis had not dropped it yet
-                ended.append(_session(sid, _fields(flat)))
+                ended.append(self._session(sid, flat))
         return ended
 
     async def admit_request(self, tenant: str, limit: int, window_s: float) -> float | None:
@@ -237,6 +242,23 @@ class RedisSessionStore:
     async def close(self) -> None:
         await self.client.aclose()
 
+    def _session(self, session_id: str, flat: list[bytes]) -> StoredSession:
+        fields = _fields(flat)
+        options = self.cipher.open_field(_options_aad(session_id), fields["options"])
+        return StoredSession(
+            session_id=session_id,
+            options=WiMOptions.model_validate_json(options),
+            ttl_s=float(fields["ttl_ms"]) / 1000,
+            tenant=fields["tenant"],
+            replica=fields["replica"] or None,
+            # Sessions stored before copies existed have neither field.
+            copies=_copies(fields.get("copies", "")),
+            context_tokens=int(fields["context_tokens"]),
+            segments=int(fields["segments"]),
+            kv_blocks=int(fields.get("kv_blocks", 0)),
+            expires_at=float(fields["expires_ms"]) / 1000,
+        )
+
 
 def connect(url: str, config: StoreConfig) -> Redis:
     """A client that fails fast: one quick retry (a connection reset in passing), then
@@ -276,17 +298,11 @@ def _fields(flat: list[bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2], strict=True)}
 
 
-def _session(session_id: str, fields: dict[str, Any]) -> StoredSession:
-    return StoredSession(
-        session_id=session_id,
-        options=WiMOptions.model_validate_json(fields["options"]),
-        ttl_s=float(fields["ttl_ms"]) / 1000,
-        tenant=fields["tenant"],
-        replica=fields["replica"] or None,
-        # Sessions stored before copies existed have neither field.
-        copies=tuple(r for r in fields.get("copies", "").split(",") if r),
-        context_tokens=int(fields["context_tokens"]),
-        segments=int(fields["segments"]),
-        kv_blocks=int(fields.get("kv_blocks", 0)),
-        expires_at=float(fields["expires_ms"]) / 1000,
-    )
+def _copies(joined: str) -> tuple[str, ...]:
+    return tuple(r for r in joined.split(",") if r)
+
+
+def _options_aad(session_id: str) -> str:
+    """What a session's options are sealed with: not its text's (the session id), so that
+    neither decrypts in the other's place."""
+    return f"{session_id}|options"
