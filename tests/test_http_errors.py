@@ -6,6 +6,7 @@ the table's status; a failure after a stream began becomes an `error` event
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from wim_service.serving.http.auth import Tenant
+from wim_service.serving.http.auth import Tenant, TenantLimits
 from wim_service.serving.http.edge import EdgeMiddleware, RouteEdge
 from wim_service.serving.http.errors import (
     HTTPFailure,
@@ -180,6 +181,7 @@ async def test_a_failure_before_the_first_event_is_an_http_status() -> None:
 # service's 413 over HTTP is in tests/test_hostile.py.
 
 LIMIT = 10
+BODY_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -220,7 +222,11 @@ def body_limit(app: EchoApp) -> EdgeMiddleware:
     """The edge of a public route that takes `LIMIT` bytes."""
     edge = RouteEdge(authenticated=False, max_body_bytes=LIMIT)
     return EdgeMiddleware(
-        app, lambda _method, _path: edge, no_authentication, lambda _, failure: failure.response()
+        app,
+        lambda _method, _path: edge,
+        no_authentication,
+        lambda _, failure: failure.response(),
+        body_timeout_s=BODY_TIMEOUT_S,
     )
 
 
@@ -352,6 +358,88 @@ async def test_an_unknown_caller_is_refused_before_its_body_is_read() -> None:
         "path": "/wim",
         "headers": [(b"authorization", b"Bearer nope"), (b"content-length", b"5")],
     }
-    middleware = EdgeMiddleware(app, lambda _m, _p: edge, unknown, lambda _, f: f.response())
+    middleware = EdgeMiddleware(
+        app, lambda _m, _p: edge, unknown, lambda _, f: f.response(), body_timeout_s=60
+    )
     await middleware(scope, receive, send)
     assert exchange.status == 401 and exchange.received == 0 and app.calls == []
+
+
+class Held:
+    """A client that sends the first part of its body, then nothing until `release`."""
+
+    def __init__(self, first: bytes = b"01") -> None:
+        self.first, self.release = first, asyncio.Event()
+        self.status: int | None = None
+        self.headers: dict[bytes, bytes] = {}
+        self.body = b""
+        self.sent_first = False
+
+    async def receive(self) -> Message:
+        if not self.sent_first:
+            self.sent_first = True
+            return {"type": "http.request", "body": self.first, "more_body": True}
+        await self.release.wait()
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status, self.headers = message["status"], dict(message["headers"])
+        else:
+            self.body += message.get("body", b"")
+
+
+def tenant_edge(app: EchoApp, body_timeout_s: float, open_requests: int = 2) -> EdgeMiddleware:
+    """The edge of an authenticated route: the key names the tenant."""
+    edge = RouteEdge(authenticated=True, max_body_bytes=LIMIT)
+
+    async def authenticate(authorization: str | None) -> Tenant:
+        assert authorization is not None
+        name = authorization.removeprefix("Bearer ")
+        return Tenant(name, TenantLimits(open_requests=open_requests))
+
+    return EdgeMiddleware(
+        app,
+        lambda _m, _p: edge,
+        authenticate,
+        lambda _, failure: failure.response(),
+        body_timeout_s=body_timeout_s,
+    )
+
+
+def scope_of(tenant: str) -> Scope:
+    headers = [(b"authorization", f"Bearer {tenant}".encode()), (b"content-length", b"4")]
+    return {"type": "http", "method": "POST", "path": "/wim", "headers": headers}
+
+
+async def test_a_body_that_stops_arriving_is_answered_408_and_its_connection_closed() -> None:
+    app, client = EchoApp(), Held()
+    await tenant_edge(app, body_timeout_s=0.05)(scope_of("acme"), client.receive, client.send)
+    assert client.status == 408 and client.headers[b"connection"] == b"close"
+    assert json.loads(client.body) == {
+        "code": "body_timeout",
+        "message": "the request body did not arrive within 0.05 s",
+    }
+    assert app.calls == []
+
+
+async def test_a_tenants_open_requests_are_bounded_and_others_pass() -> None:
+    """Two held bodies of acme's fill its open requests: its third is refused at once (429),
+    globex is served meanwhile, and acme's count drops back as its requests end."""
+    app = EchoApp()
+    middleware = tenant_edge(app, body_timeout_s=60, open_requests=2)
+    held = [Held(), Held()]
+    holding = [asyncio.create_task(middleware(scope_of("acme"), c.receive, c.send)) for c in held]
+    while not all(c.sent_first for c in held):
+        await asyncio.sleep(0)
+    third = Held()
+    await middleware(scope_of("acme"), third.receive, third.send)
+    assert third.status == 429 and json.loads(third.body)["code"] == "rate_limited"
+    other = Held(b"0123")
+    other.release.set()
+    await middleware(scope_of("globex"), other.receive, other.send)
+    assert (other.status, other.body) == (200, b"0123")
+    for client in held:
+        client.release.set()
+    await asyncio.gather(*holding)
+    assert [c.status for c in held] == [200, 200] and middleware.open_requests == {}

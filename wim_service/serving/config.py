@@ -43,6 +43,9 @@ class RouterConfig(BaseModel):
     # Larger request bodies are refused with 413 before they are read (Content-Length) or as
     # soon as a chunked body passes it.
     max_body_bytes: int = Field(16 * 2**20, ge=1024)
+    # A request's whole body must arrive within this long of its headers, or it is answered
+    # 408 `body_timeout` and its connection closed (serving/http/edge.py).
+    body_timeout_s: float = Field(30.0, gt=0, le=3600)
     # A job still running after this long is stopped (504 `deadline_exceeded`, or an `error`
     # event once streaming).
     request_timeout_s: float = Field(900.0, gt=0)

@@ -128,6 +128,7 @@ def build_http_app(router: WiMRouter) -> FastAPI:
         edge_of=route_edges(router.config.router),
         authenticate=router.authenticate,
         refuse=refusal,
+        body_timeout_s=router.config.router.body_timeout_s,
     )
     # Its request-id middleware goes outermost; it also names the router replica that
     # answered (several share one address behind Serve's proxy).

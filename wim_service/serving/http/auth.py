@@ -45,6 +45,12 @@ class TenantLimits(BaseModel):
     open_documents: int = Field(32, ge=0, description="Document sessions open at once.")
     document_bytes: int = Field(2_000_000, ge=1, description="Largest document, UTF-8 bytes.")
     requests_per_minute: int = Field(600, ge=1)
+    open_requests: int = Field(
+        64,
+        ge=1,
+        description="Requests open at once on one router, from their headers to the last byte "
+        "of the answer (bodies still arriving and streamed answers included).",
+    )
 
 
 class TenantConfig(BaseModel):

@@ -38,6 +38,7 @@ class ServiceCode(StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"  # the route exists, not with this method
     OPTIONS_FIXED = "options_fixed"  # a query changes options fixed when its document was read
     BODY_TOO_LARGE = "body_too_large"
+    BODY_TIMEOUT = "body_timeout"  # the body did not arrive within the router's deadline
     TOO_COMPLEX = "too_complex"  # an upload takes more time or memory to read than it is given
     UNAUTHORIZED = "unauthorized"  # no API key, or an unknown one
     FORBIDDEN = "forbidden"  # the tenant may not do this
@@ -55,6 +56,7 @@ STATUS: dict[str, int] = {
     ErrorCode.NOT_FOUND: 404,
     ServiceCode.MODEL_NOT_FOUND: 404,
     ServiceCode.METHOD_NOT_ALLOWED: 405,
+    ServiceCode.BODY_TIMEOUT: 408,
     ErrorCode.TOO_LONG: 413,
     ServiceCode.BODY_TOO_LARGE: 413,
     ServiceCode.INVALID_REQUEST: 422,
