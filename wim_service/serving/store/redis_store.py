@@ -2,8 +2,8 @@
 
 Per session (prefix `P`, default `wim:`):
 
-* `P{id}:s`, a hash: options (JSON, sealed like the text), tenant, replica ("" = unbound), copies (replicas joined by
-  commas), context_tokens, segments, kv_blocks, ttl_ms, expires_ms;
+* `P{id}:s`, a hash: options (JSON, sealed like the text), tenant, replica ("" = unbound),
+  copies (replicas joined by commas), context_tokens, segments, kv_blocks, ttl_ms, expires_ms;
 * `P{id}:d`, the document text (`DocumentCipher`: AES-GCM when a key is set);
 * `P{id}:t`, a tombstone left by `delete`, for `tombstone_ttl_s`;
 * `Pexpiry`, a sorted set of session ids by expiry, for `sweep`.
