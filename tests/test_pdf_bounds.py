@@ -25,7 +25,7 @@ from tests.test_router_logic import FakeClient, FakeReplica
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.http.auth import TenantLimits
 from wim_service.serving.http.errors import HTTPFailure
-from wim_service.serving.http.pdf import WORKER
+from wim_service.serving.http.pdf import WORKER, WORKER_ENV, ExtractedText, PdfExtractor
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.routing.router import WiMRouter
 
@@ -234,3 +234,55 @@ async def test_a_router_that_shuts_down_kills_its_workers() -> None:
     assert not workers()
     with pytest.raises(HTTPFailure, match="shutting down"):  # and it starts no new one
         await router.pdf.extract(tiny_pdf(NORMAL))
+
+
+# The reads below are ended by the test, never by the deadline (far off, on a busy machine).
+LONG_DEADLINE = RouterConfig(pdf_timeout_s=600)
+
+
+@pytest.mark.timeout(2 * MARGIN_S, func_only=True)
+async def test_a_pdf_worker_gets_none_of_the_routers_secrets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker parses what a client sent: it sees the environment `WORKER_ENV` names, and no
+    API key, Redis password or store key of the router's."""
+    secrets = {
+        "WIM_API_KEYS": "acme:sk-router-secret",
+        "WIM_REDIS_URL": "redis://:redis-secret@127.0.0.1:6379/0",
+        "WIM_STORE_ENCRYPTION_KEY": "c3RvcmUtc2VjcmV0",
+        "AWS_SECRET_ACCESS_KEY": "cloud-secret",
+    }
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    extractor = PdfExtractor(LONG_DEADLINE)
+    extraction = asyncio.ensure_future(extractor.extract(ENDLESS))
+    while not (running := workers()):
+        await asyncio.sleep(0.02)
+    environment = running[0].environ()
+    extractor.close()
+    with pytest.raises(HTTPFailure):
+        await extraction
+    assert set(environment) <= set(WORKER_ENV), sorted(set(environment) - set(WORKER_ENV))
+    for value in secrets.values():
+        assert all(value not in seen for seen in environment.values())
+    assert not workers()
+
+
+@pytest.mark.timeout(2 * MARGIN_S, func_only=True)
+async def test_a_router_runs_at_most_pdf_max_workers_at_once() -> None:
+    """Over all tenants: one more upload is refused at once, 429 with Retry-After, and none
+    of its worker starts; once a worker ends, its place is free again."""
+    extractor = PdfExtractor(LONG_DEADLINE.model_copy(update={"pdf_max_workers": 1}))
+    extraction = asyncio.ensure_future(extractor.extract(ENDLESS))
+    while not workers():
+        await asyncio.sleep(0.02)
+    with pytest.raises(HTTPFailure) as refused:
+        await extractor.extract(tiny_pdf(NORMAL))
+    failure = refused.value
+    assert (failure.status, failure.code, failure.retry_after) == (429, "overloaded", 5)
+    assert len(workers()) == 1
+    extraction.cancel()  # the client went away: its worker is killed, its place freed
+    with pytest.raises(asyncio.CancelledError):
+        await extraction
+    assert await extractor.extract(tiny_pdf(NORMAL)) == ExtractedText(text=NORMAL, pages=1)
+    assert not workers()

@@ -88,6 +88,10 @@ class RouterConfig(BaseModel):
     # The worker's address space; pypdf's allocations past it fail: 422 `too_complex`. Python
     # and pypdf take about 60 MiB of it before the PDF is read.
     pdf_max_memory_bytes: int = Field(512 * 2**20, ge=128 * 2**20)
+    # PDF workers one router runs at once, over every tenant (each tenant's are also counted
+    # among its concurrent jobs): past it 429 `overloaded` with Retry-After. Each worker takes
+    # a core and up to `pdf_max_memory_bytes`.
+    pdf_max_workers: int = Field(4, ge=1)
     # Where new work runs (wim_service/placement/): `wim` sends each job where it is expected
     # to start soonest (work queued there, prefill it would still do) and copies a hot
     # document onto another replica when that is quicker; `sticky` keeps a document on the

@@ -8,12 +8,17 @@ past `RouterConfig.pdf_timeout_s`, when the request is cancelled, and when the r
 down. The worker limits its own address space (`pdf_max_memory_bytes`), refuses more pages
 than `pdf_max_pages` and more text than `max_document_chars` (the service would not take it).
 Every way a worker fails answers with a fixed message: no pypdf text reaches a client.
+
+A worker parses what a client sent, so it gets none of the router's secrets: its environment
+is `WORKER_ENV` alone (no API keys, Redis URL or password, store key, cloud credentials). A
+router runs at most `pdf_max_workers` at once, whichever tenants send them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import sys
 
 from pydantic import BaseModel, ValidationError
@@ -24,6 +29,9 @@ from wim_service.serving.http.pdf_worker import Refusal
 from wim_service.wim.errors import ErrorCode
 
 WORKER = "wim_service.serving.http.pdf_worker"
+# What a worker keeps of the router's environment: what Python needs to start and import this
+# package, and the locale.
+WORKER_ENV = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR")
 
 
 class ExtractedText(BaseModel):
@@ -45,11 +53,27 @@ class PdfExtractor:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self._workers: set[asyncio.subprocess.Process] = set()
+        self._running = 0  # extractions under way, workers starting included
         self._closed = False
 
     async def extract(self, data: bytes) -> ExtractedText:
-        """The text of the PDF `data`; `HTTPFailure` if it cannot be read within the bounds."""
+        """The text of the PDF `data`; `HTTPFailure` if it cannot be read within the bounds,
+        or now (`pdf_max_workers` are reading)."""
         self._check_open()
+        if self._running >= self.config.pdf_max_workers:
+            raise HTTPFailure(
+                ErrorCode.OVERLOADED,
+                f"this router is reading {self._running} PDFs, the most it reads at once; "
+                "retry later",
+                self.config.retry_after_s,
+            )
+        self._running += 1
+        try:
+            return await self._extract(data)
+        finally:
+            self._running -= 1
+
+    async def _extract(self, data: bytes) -> ExtractedText:
         config = self.config
         worker = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -63,6 +87,7 @@ class PdfExtractor:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,  # pypdf's warnings quote the document
+            env={name: os.environ[name] for name in WORKER_ENV if name in os.environ},
         )
         self._workers.add(worker)
         try:
