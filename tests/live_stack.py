@@ -50,18 +50,27 @@ ROUTER = {
     "load_poll_interval_s": 1.0,
     "replica_wait_s": 240,
     "max_body_bytes": 2**20,
+    # Short, so that a test of held bodies ends soon (tests/test_edge_live.py).
+    "body_timeout_s": 5,
     "max_document_chars": 200_000,
     # Every application's sessions in Redis (`LiveStack`'s server): switching between one
     # router and two is then a change of replica count, not of the application's args.
     "store": {"backend": "redis", "key_prefix": "wim-e2e:", "timeout_s": 1.0},
 }
 # alpha: every capability, limits high enough that only the engines' capacity refuses work.
-# beta: small documents only, no document session of its own. gamma: one-shot jobs only.
+# beta: small documents only, no document session of its own. gamma: one-shot jobs only, at
+# most `GAMMA_OPEN_REQUESTS` requests open at once.
 API_KEYS = {name: f"sk-{name}-test" for name in ("alpha", "beta", "gamma")}
+GAMMA_OPEN_REQUESTS = 8
 TENANTS: dict[str, dict[str, Any]] = {
-    "alpha": {"concurrent_jobs": 100, "requests_per_minute": 100_000, "open_documents": 16},
+    "alpha": {
+        "concurrent_jobs": 100,
+        "requests_per_minute": 100_000,
+        "open_documents": 16,
+        "open_requests": 1000,
+    },
     "beta": {"document_bytes": 50_000, "open_documents": 0, "requests_per_minute": 100_000},
-    "gamma": {"requests_per_minute": 100_000},
+    "gamma": {"requests_per_minute": 100_000, "open_requests": GAMMA_OPEN_REQUESTS},
 }
 ALLOW = {"gamma": ["jobs"]}
 # Engines scale on reserved KV as well as requests (wim_service/serving/replica/autoscaling.py); the
@@ -145,8 +154,13 @@ def ready_replicas(client: httpx.Client) -> list[str]:
 
 def metric(client: httpx.Client, name: str, **labels: str) -> float:
     """Sum of a metric's samples matching `labels` in GET /metrics."""
+    return metric_in(client.get("/metrics").text, name, **labels)
+
+
+def metric_in(text: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples matching `labels` in the Prometheus text `text`."""
     total = 0.0
-    for line in client.get("/metrics").text.splitlines():
+    for line in text.splitlines():
         if not line.startswith((name + "{", name + " ")):
             continue
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -156,11 +170,12 @@ def metric(client: httpx.Client, name: str, **labels: str) -> float:
 
 def settled(client: httpx.Client) -> bool:
     """The replicas report (their gauges are there) no session and no KV reservation."""
+    # One page: the router renders at most one per `metrics_interval_s`.
     text = client.get("/metrics").text
     return (
         "wim_kv_reserved_blocks{" in text
-        and metric(client, "wim_sessions_active") == 0
-        and metric(client, "wim_kv_reserved_blocks") == 0
+        and metric_in(text, "wim_sessions_active") == 0
+        and metric_in(text, "wim_kv_reserved_blocks") == 0
     )
 
 
