@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Callable
 
 import pytest
 
+from wim_service.serving.http.auth import Tenant, TenantLimits
 from wim_service.serving.openai.prompts import Turn, chat_prompt_ids
 from wim_service.serving.replica.plain import PlainParams, plain_blocks, plain_events
 from wim_service.wim.errors import ErrorCode, WiMError
@@ -72,10 +74,24 @@ def params(max_tokens: int, cache_salt: str) -> PlainParams:
     return PlainParams(max_tokens=max_tokens, cache_salt=cache_salt)
 
 
-async def test_another_tenant_gets_no_cache_hit_on_the_same_prompt(engine) -> None:
-    """The prefix-cache side channel (vLLM's CVE-2025-46570, through our `cached_tokens`):
-    a prompt tenant A sent is cached for A alone."""
+def two_tenants() -> tuple[str, str]:
     a, b = (f"tenant:{name}-{secrets.token_hex(4)}" for name in "ab")  # new to the engine
+    return a, b
+
+
+def two_users_of_one_tenant() -> tuple[str, str]:
+    """Two end users (OpenAI's `user`) of a tenant new to the engine."""
+    tenant = Tenant(f"tenant-{secrets.token_hex(4)}", TenantLimits())
+    return tenant.salt_for("alice"), tenant.salt_for("bob")
+
+
+@pytest.mark.parametrize("salts", [two_tenants, two_users_of_one_tenant])
+async def test_another_tenant_or_user_gets_no_cache_hit_on_the_same_prompt(
+    engine, salts: Callable[[], tuple[str, str]]
+) -> None:
+    """The prefix-cache side channel (vLLM's CVE-2025-46570, through our `cached_tokens`):
+    a prompt tenant A (or end user A of a tenant) sent is cached for A alone."""
+    a, b = salts()
     prompt = door_prompt(engine)
     first = [e async for e in plain_events(engine, prompt, params(4, a))]
     assert first[-1].usage.prompt_tokens_cached == 0

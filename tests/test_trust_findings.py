@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from redis import exceptions as redis_errors
 from redis._parsers.base import BaseParser as _Parser
 
+from tests.fake_service import ScriptedClient, ScriptedReplica
 from tests.redis_server import RedisServer, redis_binary
 from tests.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.test_router_trust import service
@@ -27,7 +28,7 @@ from tests.test_session_store import TEXT, redis_config, session
 from wim_service.engine.admission import AdmissionLoad
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.profile import EngineProfile
-from wim_service.serving.http.auth import ApiKeys, KeysConfig, hash_key
+from wim_service.serving.http.auth import ApiKeys, KeysConfig, Tenant, TenantLimits, hash_key
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.openai import service as openai_service
 from wim_service.serving.replica.backlog import Backlog
@@ -273,3 +274,38 @@ async def test_a_load_report_reads_the_held_sessions_whole() -> None:
     await held("doc-2", HookedSession(20, lambda: None))
     report = await replica.load()
     assert (report.documents, report.resident_kv_tokens) == (2, 120)
+
+
+# -- end users' prefix caches ----------------------------------------------------------------
+
+
+def test_two_end_users_of_one_tenant_share_no_prefix_cache() -> None:
+    """OpenAI's `user` names an end user of the tenant's application: its plain requests get a
+    cache salt of their own (vLLM's prefix cache hits only requests of one salt), so one end
+    user's `cached_tokens` cannot tell what another sent. The user's id is in no salt."""
+    one = Tenant("one", TenantLimits())
+    alice, bob = one.salt_for("alice"), one.salt_for("bob")
+    salts = {alice, bob, one.cache_salt, Tenant("globex", TenantLimits()).salt_for("alice")}
+    assert len(salts) == 4 and one.salt_for("alice") == alice
+    assert one.salt_for(None) == one.salt_for("") == one.cache_salt
+    assert not any("alice" in salt for salt in salts)
+
+    replica = ScriptedReplica("a")
+    router = WiMRouter(
+        None,
+        {"router": {"replica_wait_s": 0}},
+        client=ScriptedClient(replica),
+        keys=ApiKeys(V1_KEYS),
+        http_host="127.0.0.1",
+    )
+    with TestClient(build_http_app(router)) as client:
+        headers = {"Authorization": "Bearer one-key"}
+        model = client.get("/v1/models", headers=headers).json()["data"][0]["id"]
+        for user in ("alice", "bob", None):
+            body = {"model": model, "messages": [{"role": "user", "content": "Hi."}]}
+            answered = client.post(
+                "/v1/chat/completions", json={**body, "user": user}, headers=headers
+            )
+            assert answered.status_code == 200, answered.text
+    sent = [args[1].cache_salt for method, args in replica.streams if method == "complete"]
+    assert sent == [alice, bob, one.cache_salt]

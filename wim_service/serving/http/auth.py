@@ -90,6 +90,16 @@ class Tenant:
         secret (a client cannot choose a salt), and not `SALT_PREFIX`'s: nothing purges it."""
         return "tenant:" + hashlib.sha256(self.name.encode()).hexdigest()[:32]
 
+    def salt_for(self, user: str | None) -> str:
+        """The cache salt of a plain request on behalf of `user` (OpenAI's `user` field: an
+        end user of the tenant's application): one of its own, so that one end user's
+        `cached_tokens` cannot tell what another sent; the tenant's without one. A hash of
+        the tenant and the user: the user's id is in no salt (salts may be logged)."""
+        if not user:
+            return self.cache_salt
+        named = json.dumps([self.name, user]).encode()
+        return "user:" + hashlib.sha256(named).hexdigest()[:32]
+
     def require(self, capability: Capability) -> None:
         if capability not in self.allow:
             raise HTTPFailure(ServiceCode.FORBIDDEN, f"this API key may not use {capability}")

@@ -79,7 +79,8 @@ class _Request(_Strict):
     seed: int | None = None
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
-    user: str | None = Field(None, max_length=256)  # an end user's id: not used
+    # An end user's id: its plain requests share a prefix cache with no other end user's.
+    user: str | None = Field(None, max_length=256)
     wim: WiMOptions | None = Field(
         None, description="WiM options (`extra_body`), the fields of `WiMOptions`."
     )

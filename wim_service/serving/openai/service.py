@@ -205,7 +205,8 @@ class OpenAIService:
                 f"{param} or completion.",
                 param=param,
             )
-        params = PlainParams(max_tokens=max_tokens, stop=body.stops, cache_salt=tenant.cache_salt)
+        salt = tenant.salt_for(body.user)
+        params = PlainParams(max_tokens=max_tokens, stop=body.stops, cache_salt=salt)
         return Run(await self.router.start_plain(prompt_ids, params, tenant, lease), max_tokens)
 
     # -- answers ----------------------------------------------------------------------------

@@ -28,8 +28,8 @@ class PlainParams(BaseModel):
 
     max_tokens: int = Field(..., ge=1)
     stop: list[str] = Field(default_factory=list)  # strings that end the answer (excluded)
-    # The tenant's (`Tenant.cache_salt`): its requests reuse each other's prefix cache, never
-    # another tenant's, so `cached_tokens` cannot tell one tenant what another sent.
+    # The tenant's, or its end user's (`Tenant.salt_for`): its requests reuse each other's
+    # prefix cache, never another's, so `cached_tokens` cannot tell one what another sent.
     cache_salt: str = Field(..., min_length=1)
 
 
