@@ -3,16 +3,35 @@
 Both the expected-wait policy (live) and the simulator's engines read the same profile, so
 that the simulator replays what the policy believes. `wim sim --calibrate` measures one; the
 profile measured on the development machine ships as `profiles/default.json`.
+
+Every number of a profile is finite and bounded, the bounds orders of magnitude above any
+engine's (a step's fixed cost at most 600 s, a token's at most 60 s, a token of context's at
+most 1 s; KV at most 10^9 tokens; token counts at most 10^6), so that no cost the simulator or
+the router sums overflows to `inf` or `nan`; the file is at most `MAX_PROFILE_CHARS`.
 """
 
 from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DEFAULT_PROFILE = "default.json"
+MAX_PROFILE_CHARS = 1_000_000  # far above a calibrated profile, its samples included
+MAX_TOKENS = 1_000_000
+
+# Costs in seconds: finite, and bounded orders of magnitude above any engine's (the shipped
+# profile's), so that sums over a long trace stay finite.
+FixedCost = Annotated[float, Field(ge=0, le=600, allow_inf_nan=False)]
+TokenCost = Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)]
+ContextCost = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Measured = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be read, in one line naming its file and its first bad field."""
 
 
 class PrefillCost(BaseModel):
@@ -21,9 +40,9 @@ class PrefillCost(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    fixed_s: float = Field(ge=0)
-    per_token_s: float = Field(gt=0)
-    per_token_context_s: float = Field(ge=0)
+    fixed_s: FixedCost
+    per_token_s: Annotated[TokenCost, Field(gt=0)]
+    per_token_context_s: ContextCost
 
     def seconds(self, new: int, cached: int = 0) -> float:
         if new <= 0:
@@ -38,9 +57,9 @@ class DecodeCost(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    fixed_s: float = Field(ge=0)
-    per_sequence_s: float = Field(ge=0)
-    per_context_token_s: float = Field(ge=0)
+    fixed_s: FixedCost
+    per_sequence_s: TokenCost
+    per_context_token_s: ContextCost
 
     def step_seconds(self, batch: int, context_tokens: int) -> float:
         if batch <= 0:
@@ -60,12 +79,12 @@ class EngineProfile(BaseModel):
     dtype: str
     machine: str
     measured_at: str
-    load_average: tuple[float, float, float]
-    block_tokens: int = Field(gt=0)
-    kv_capacity_tokens: int = Field(gt=0)
-    max_batch: int = Field(gt=0)
+    load_average: tuple[Measured, Measured, Measured]
+    block_tokens: int = Field(gt=0, le=65_536)
+    kv_capacity_tokens: int = Field(gt=0, le=10**9)
+    max_batch: int = Field(gt=0, le=65_536)
     # What a margin adds to its segment's KV besides its own output (instruction and query).
-    margin_prompt_tokens: int = Field(ge=0)
+    margin_prompt_tokens: int = Field(ge=0, le=MAX_TOKENS)
     prefill: PrefillCost
     decode: DecodeCost
     # Tokens a WiM query that writes margins prefills after its document besides its margins'
@@ -73,18 +92,32 @@ class EngineProfile(BaseModel):
     # beside its last margins (`answer_early`), one per guess at the notes, whose prefills
     # attend to the whole document and pause the margins' decode. Fitted to real queries by
     # calibration; 0 in a profile measured before that.
-    query_extra_tokens: int = Field(0, ge=0)
+    query_extra_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     # The measurements the costs were fitted to, kept so that a fit can be checked.
-    samples: list[dict[str, float]] = Field(default_factory=list)
+    samples: list[dict[str, Measured]] = Field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path | None = None) -> EngineProfile:
-        """The profile in `path`, or the one shipped with the project."""
+        """The profile in `path`, or the one shipped with the project. A file out of bounds
+        or not a profile is a `ProfileError` (OSError if it cannot be read)."""
         if path is None:
             text = resources.files(__package__).joinpath("profiles", DEFAULT_PROFILE).read_text()
         else:
-            text = Path(path).read_text(encoding="utf-8")
-        return cls.model_validate_json(text)
+            with Path(path).open(encoding="utf-8") as file:
+                text = file.read(MAX_PROFILE_CHARS + 1)  # never a whole huge file
+            if len(text) > MAX_PROFILE_CHARS:
+                raise ProfileError(f"profile {path}: larger than {MAX_PROFILE_CHARS:,} characters")
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as exc:
+            raise ProfileError(f"profile {path or DEFAULT_PROFILE}: {first_error(exc)}") from None
+
+    def with_kv_capacity(self, tokens: int) -> EngineProfile:
+        """The profile with `tokens` of KV per replica, validated as a loaded one is."""
+        try:
+            return self.model_validate(self.model_dump() | {"kv_capacity_tokens": tokens})
+        except ValidationError as exc:
+            raise ProfileError(f"KV capacity: {first_error(exc)}") from None
 
     def dtype_mismatch(self, dtype: str) -> str | None:
         """Why this profile does not describe engines that run `dtype`, or None if it was
@@ -127,3 +160,14 @@ class EngineProfile(BaseModel):
             context = margins * (document_tokens + self.margin_prompt_tokens + margin_tokens / 2)
             seconds += self.decode_seconds(steps, margins, round(context))
         return seconds
+
+
+def first_error(exc: ValidationError) -> str:
+    """A validation error in one line: where its first error is, what, and the value."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"]) or "the profile"
+    value = repr(error["input"])
+    if len(value) > 40:
+        value = f"{value[:30]}... ({len(value):,} characters)"
+    more = exc.error_count() - 1
+    return f"{where}: {error['msg']}, not {value}" + (f" (and {more} more)" if more else "")
