@@ -394,6 +394,17 @@ def test_prometheus_rule_and_dashboard_ship_the_files_in_deploy() -> None:
     assert json.loads(text) == shipped
 
 
+def test_service_monitor_sends_the_key_a_keyed_metrics_route_needs() -> None:
+    """With `router.metrics_require_key`, Prometheus must send a tenant's API key."""
+    key = {"type": "Bearer", "credentials": {"name": "wim-metrics-key", "key": "token"}}
+    values = {"metrics": {"serviceMonitor": {"authorization": key}}}
+    (monitor,) = by_kind(render(merged(VALUE_SETS["monitoring"], values)), "ServiceMonitor")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["authorization"] == key
+    (plain,) = by_kind(render(VALUE_SETS["monitoring"]), "ServiceMonitor")
+    assert "authorization" not in plain["spec"]["endpoints"][0]
+
+
 def test_service_monitor_without_metrics_service_is_refused() -> None:
     values = {"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}}
     with pytest.raises(helm.HelmRenderError, match=r"metrics\.service\.enabled"):
