@@ -101,7 +101,7 @@ def test_requests_need_a_valid_key_and_public_endpoints_do_not() -> None:
     assert metric(client, "wim_requests_total", status="401") == 2
 
 
-PUBLIC_ROUTES = {"/", "/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc"}
+PUBLIC_ROUTES = {"/", "/healthz", "/readyz", "/metrics", "/openapi.json", "/docs"}
 
 
 def test_every_api_route_authenticates_at_the_edge_and_public_ones_take_no_body() -> None:

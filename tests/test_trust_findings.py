@@ -5,7 +5,10 @@ docs/security.md names each case and the test that shows it."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -309,3 +312,30 @@ def test_two_end_users_of_one_tenant_share_no_prefix_cache() -> None:
             assert answered.status_code == 200, answered.text
     sent = [args[1].cache_salt for method, args in replica.streams if method == "complete"]
     assert sent == [alice, bob, one.cache_salt]
+
+
+# -- the API's docs page -------------------------------------------------------------------
+
+
+def test_the_docs_page_runs_only_what_its_policy_names() -> None:
+    """`/docs` loads Swagger UI from a CDN: its Content-Security-Policy admits exactly the
+    page's CDN files and its own start-up script, lets scripts reach this origin only, and
+    forbids framing, forms and a changed base URL. ReDoc (more CDN code) is not served."""
+    client, _ = service()
+    page = client.get("/docs")
+    assert page.status_code == 200
+    header = page.headers["Content-Security-Policy"]
+    policy = dict(d.strip().split(" ", 1) for d in header.split(";"))
+    assert policy["default-src"] == "'none'" and policy["connect-src"] == "'self'"
+    for directive in ("frame-ancestors", "base-uri", "form-action"):
+        assert policy[directive] == "'none'", directive
+    assert policy["img-src"] == "'self' data:"
+    scripts = re.findall(r'<script src="([^"]+)"', page.text)
+    (inline,) = re.findall(r"<script>(.*?)</script>", page.text, re.DOTALL)
+    digest = base64.b64encode(hashlib.sha256(inline.encode()).digest()).decode()
+    assert sorted(policy["script-src"].split()) == sorted([*scripts, f"'sha256-{digest}'"])
+    styles = re.findall(r'rel="stylesheet" href="([^"]+)"', page.text)
+    assert policy["style-src"].split() == [*styles, "'unsafe-inline'"]
+    assert "unsafe-eval" not in header and page.headers["X-Content-Type-Options"] == "nosniff"
+    assert "https://" not in re.sub(r'(src|href)="https://cdn\.jsdelivr\.net/[^"]+"', "", page.text)
+    assert client.get("/redoc").status_code == 404

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 
 from wim_service.serving.config import RouterConfig
@@ -27,6 +27,7 @@ from wim_service.serving.http.bodies import (
     WiMRequest,
     WiMResponse,
 )
+from wim_service.serving.http.docs_page import docs_page
 from wim_service.serving.http.edge import (
     SMALL_BODY_BYTES,
     EdgeMiddleware,
@@ -122,6 +123,9 @@ def build_http_app(router: WiMRouter) -> FastAPI:
         ),
         version="0.1.0",
         lifespan=_lifespan(router),
+        # `/docs` is ours (under a Content-Security-Policy, `http/docs_page.py`); no ReDoc.
+        docs_url=None,
+        redoc_url=None,
     )
     app.add_middleware(
         EdgeMiddleware,
@@ -141,6 +145,11 @@ def build_http_app(router: WiMRouter) -> FastAPI:
     install_page(app)
     app.include_router(wim_routes(router), responses=API_ERRORS)
     app.include_router(probe_routes(router))
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return docs_page(app.openapi_url or "/openapi.json", app.title)
+
     return app
 
 
