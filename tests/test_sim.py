@@ -209,7 +209,7 @@ def test_a_generated_trace_reads_back_as_a_document_trace(tmp_path: Path) -> Non
 
 
 def test_generator_options_are_checked() -> None:
-    with pytest.raises(ValueError, match="document tokens"):
+    with pytest.raises(ValueError, match="document_tokens HIGH"):
         generate(GeneratorOptions(document_tokens=(900, 100)))
     with pytest.raises(ValueError, match="duration"):
         generate(GeneratorOptions(duration_s=0))

@@ -24,10 +24,11 @@ from wim_service.sim.floor import floor_line, ttft_floor
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
 from wim_service.sim.replay import simulate
 from wim_service.sim.report import percentile, plot_p95, summarise, table
-from wim_service.sim.settings import SimSettings
+from wim_service.sim.settings import SimSettings, check_bounds
 from wim_service.sim.traces import read_trace
 
 MAX_REPLICAS = 64
+TIME_SCALES = (0.001, 10_000)  # --time-scale's bounds
 GENERATOR_DEFAULTS = GeneratorOptions()
 SIM_DEFAULTS = SimSettings()
 
@@ -68,8 +69,8 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-scale",
         type=float,
         default=1.0,
-        help="multiply arrival times by this: above 1 spreads the trace for a smaller fleet "
-        "(%(default)s)",
+        help="multiply arrival times by this: above 1 spreads the trace for a smaller fleet; "
+        f"{TIME_SCALES[0]:g}-{TIME_SCALES[1]:,} (%(default)s)",
     )
     group.add_argument(
         "--kv-capacity-tokens",
@@ -205,15 +206,14 @@ def profile_from(args: argparse.Namespace) -> EngineProfile:
     if args.kv_capacity_tokens is not None:
         if args.kv_capacity_tokens < profile.block_tokens:
             raise ValueError(f"--kv-capacity-tokens must be at least {profile.block_tokens}")
-        profile = profile.model_copy(update={"kv_capacity_tokens": args.kv_capacity_tokens})
+        profile = profile.with_kv_capacity(args.kv_capacity_tokens)
     return profile
 
 
 def replay(args: argparse.Namespace) -> int:
     """Every policy at every fleet size: a table on stdout, the rows as JSON if asked."""
     counts, policies = parse_replicas(args.replicas), parse_policies(args.policies)
-    if not args.time_scale > 0:
-        raise ValueError("--time-scale must be above 0")
+    check_bounds([("--time-scale", args.time_scale, *TIME_SCALES)])
     settings, profile = settings_from(args), profile_from(args)
     trace = read_trace(args.trace).scaled(args.time_scale)
     print(

@@ -18,6 +18,16 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from wim_service.sim.settings import check_bounds
+from wim_service.sim.traces import (
+    DOCUMENT_BLOCK_TOKENS,
+    MAX_ARRIVAL_S,
+    MAX_REQUESTS,
+    MAX_TOKENS,
+    MAX_TRACE_BLOCKS,
+    margins_bound,
+)
+
 
 @dataclass(frozen=True)
 class GeneratorOptions:
@@ -36,24 +46,27 @@ class GeneratorOptions:
     seed: int = 0
 
     def check(self) -> None:
-        """Raise ValueError naming the first option out of its range."""
+        """Raise ValueError naming the first option out of its bounds: those of the trace it
+        writes (`traces`), and finite times and rates."""
         low, high = self.document_tokens
-        rules = [
-            (self.requests >= 1, "requests must be at least 1"),
-            (self.rate > 0, "rate must be above 0"),
-            (self.documents >= 1, "documents must be at least 1"),
-            (self.zipf_exponent >= 0, "zipf exponent must be at least 0"),
-            (self.queries_per_session >= 1, "queries per session must be at least 1"),
-            (self.think_s >= 0, "think time must be at least 0"),
-            (1 <= low <= high, "document tokens must be a range LOW-HIGH with 1 <= LOW <= HIGH"),
-            (self.query_tokens >= 1 and self.answer_tokens >= 1, "query/answer tokens >= 1"),
-            (0 <= self.wim_fraction <= 1, "wim fraction must be within 0-1"),
-            (self.duration_s is None or self.duration_s > 0, "duration must be above 0"),
-            (self.margins is None or self.margins >= 0, "margins must be at least 0"),
-        ]
-        for ok, message in rules:
-            if not ok:
-                raise ValueError(message)
+        check_bounds(
+            [
+                ("requests", self.requests, 1, MAX_REQUESTS),
+                ("rate", self.rate, 0.001, 1e6),
+                ("documents", self.documents, 1, MAX_REQUESTS),
+                ("zipf_exponent", self.zipf_exponent, 0, 10),  # k**exponent stays finite
+                ("queries_per_session", self.queries_per_session, 1, MAX_REQUESTS),
+                ("think_s", self.think_s, 0, 86_400),
+                ("document_tokens LOW", low, 1, MAX_TOKENS),
+                ("document_tokens HIGH", high, low, MAX_TOKENS),
+                ("query_tokens", self.query_tokens, 1, MAX_TOKENS),
+                ("answer_tokens", self.answer_tokens, 1, MAX_TOKENS),
+                ("wim_fraction", self.wim_fraction, 0, 1),
+                ("duration_s", self.duration_s, 0.001, MAX_ARRIVAL_S),
+                ("margins", self.margins, 0, margins_bound(low, None)),
+                ("seed", self.seed, 0, 2**63 - 1),
+            ]
+        )
 
 
 def zipf_weights(n: int, exponent: float) -> list[float]:
@@ -98,7 +111,27 @@ def generate(options: GeneratorOptions) -> list[dict[str, Any]]:
     rows = [row for session in _sessions(options, rng) for row in session]
     rows = [row for row in rows if row["timestamp_s"] <= end]
     rows.sort(key=lambda row: row["timestamp_s"])  # stable: a session's ties keep its order
-    return rows[: options.requests]
+    rows = rows[: options.requests]
+    check_readable(rows)
+    return rows
+
+
+def check_readable(rows: list[dict[str, Any]]) -> None:
+    """Raise ValueError if `read_trace` would refuse the trace of `rows` as a whole: its
+    options are each within bounds, but not every combination of them is."""
+    if rows and rows[-1]["timestamp_s"] > MAX_ARRIVAL_S:
+        raise ValueError(f"the trace would last beyond {MAX_ARRIVAL_S:g} s: raise rate")
+    blocks = sum(
+        margins_bound(row["document_tokens"], row.get("margins"))
+        if row["wim"]
+        else row["document_tokens"] // DOCUMENT_BLOCK_TOKENS
+        for row in rows
+    )
+    if blocks > MAX_TRACE_BLOCKS:
+        raise ValueError(
+            f"the trace would hold {blocks:,} prefix hashes and margins, more than "
+            f"{MAX_TRACE_BLOCKS:,}: fewer requests or shorter documents"
+        )
 
 
 def write_trace(rows: list[dict[str, Any]], path: Path) -> None:

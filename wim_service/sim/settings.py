@@ -1,10 +1,29 @@
-"""The simulator's settings besides the engine profile."""
+"""The simulator's settings besides the engine profile, and how options are checked."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from wim_service.placement.policy import DEFAULT_MAX_COPIES
+from wim_service.sim.traces import MAX_ARRIVAL_S, MIN_SEGMENT_TOKENS
+
+# A bound on one option: its name, its value, the least and the most it may be.
+Bound = tuple[str, float | None, float, float]
+
+
+def check_bounds(bounds: Iterable[Bound]) -> None:
+    """Raise ValueError naming the first option out of its bounds (None: not given). NaN and
+    infinities are refused too: they compare within no finite bounds."""
+    for name, value, least, most in bounds:
+        if value is not None and not least <= value <= most:
+            within = f"{_number(least)}-{_number(most)}"
+            raise ValueError(f"{name} must be within {within}, not {_number(value)}")
+
+
+def _number(value: float) -> str:
+    text = f"{value:,}" if isinstance(value, int) else f"{value:g}"
+    return text if len(text) <= 20 else f"{text[:12]}... ({len(text):,} characters)"
 
 
 @dataclass(frozen=True)
@@ -22,11 +41,13 @@ class SimSettings:
     backlog_decode: bool = True
 
     def check(self) -> None:
-        if self.slots < 1:
-            raise ValueError("session slots must be at least 1")
-        if self.copy_idle_s < 0:
-            raise ValueError("copy idle seconds must be at least 0")
-        if self.segment_tokens < 1 or self.margin_tokens < 1:
-            raise ValueError("segment and margin tokens must be at least 1")
-        if self.max_copies < 1:
-            raise ValueError("max copies must be at least 1")
+        """Within the bounds the live service takes (`WiMOptions`, `RouterConfig`)."""
+        check_bounds(
+            [
+                ("slots", self.slots, 1, 65_536),
+                ("copy_idle_s", self.copy_idle_s, 0, MAX_ARRIVAL_S),
+                ("segment_tokens", self.segment_tokens, MIN_SEGMENT_TOKENS, 65_536),
+                ("margin_tokens", self.margin_tokens, 1, 1_024),
+                ("max_copies", self.max_copies, 1, 64),
+            ]
+        )

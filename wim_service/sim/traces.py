@@ -57,8 +57,8 @@ DOCUMENT_FIELDS = (
 TraceKind = Literal["mooncake", "document"]
 
 # Bounds (the module's docstring): each far above any trace replayed here (Mooncake's released
-# traces hold ~24,000 rows of at most ~130,000 tokens), each low enough that arithmetic stays
-# finite and a trace's memory stays within a few hundred MB whatever its file holds.
+# traces included), each low enough that arithmetic stays finite and that a trace's memory is
+# bounded whatever its file holds (docs/routing.md, "Traces", has what it comes to).
 MAX_TOKENS = 1_000_000  # any token count of a row: beyond every context window served here
 MAX_ARRIVAL_S = 1e9  # about 31 years
 MAX_INT_DIGITS = 19  # a 64-bit integer: Mooncake's hash ids are remapped small integers
