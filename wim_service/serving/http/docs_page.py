@@ -32,13 +32,15 @@ def _script_hash(script: str) -> str:
 
 def docs_page(openapi_url: str, title: str) -> HTMLResponse:
     """Swagger UI for the schema at `openapi_url`, with its Content-Security-Policy."""
-    html = get_swagger_ui_html(
-        openapi_url=openapi_url,
-        title=title,
-        swagger_js_url=SWAGGER_JS,
-        swagger_css_url=SWAGGER_CSS,
-        swagger_favicon_url="data:,",  # no third party's icon
-    ).body.decode()
+    html = bytes(
+        get_swagger_ui_html(
+            openapi_url=openapi_url,
+            title=title,
+            swagger_js_url=SWAGGER_JS,
+            swagger_css_url=SWAGGER_CSS,
+            swagger_favicon_url="data:,",  # no third party's icon
+        ).body
+    ).decode()
     inline = " ".join(_script_hash(script) for script in _INLINE_SCRIPT.findall(html))
     policy = "; ".join(
         [
