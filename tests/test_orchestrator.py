@@ -14,10 +14,13 @@ from wim_service.wim.backend import (
     EngineLimits,
     GenerationChunk,
     GenerationParams,
+    KVRestore,
     PromptCost,
     RequestKind,
+    StoredDocument,
 )
 from wim_service.wim.errors import ErrorCode
+from wim_service.wim.events import WiMEvent
 from wim_service.wim.options import GroundingMode, RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import open_document, run_wim
 from wim_service.wim.prompts import MarginNote, PromptBuilder
@@ -69,6 +72,8 @@ class FakeContext:
     extra_reserved: list[int] = field(default_factory=list)  # reserve_more calls
     concluded: int = 0
 
+    stored: StoredDocument | None = None  # its pushes are saved in `backend.saved`
+
     @property
     def context_tokens(self) -> int:
         return len(self.ids)
@@ -78,7 +83,22 @@ class FakeContext:
         await steps(PUSH_STEPS)
         self.ids.extend(token_ids)
         self.backend.log.append(("extend-done", len(self.ids)))
+        if self.stored is not None:
+            self.backend.saved[self.stored] = list(self.ids)
         return PromptCost(len(token_ids), 0)
+
+    async def restore(self, token_ids: list[int]) -> KVRestore:
+        """Loads what a context of the same key saved, if it is these very tokens."""
+        assert not self.ids, "a restore is the first push"
+        saved = None if self.stored is None else self.backend.saved.get(self.stored)
+        if saved != token_ids:
+            fallback = (
+                "disabled" if self.stored is None else "missing" if saved is None else "digest"
+            )
+            return KVRestore(0, 0, 0.0, fallback, holds_document=False)
+        self.ids = list(token_ids)
+        self.backend.log.append(("restored", len(self.ids)))
+        return KVRestore(len(token_ids), 0, 0.0, None, holds_document=True)
 
     async def _stream(
         self, params: GenerationParams, prefix: int, prompt: int
@@ -144,15 +164,19 @@ class FakeBackend:
     gate: asyncio.Event = field(default_factory=_open_gate)
     reserved_blocks: int = 0  # what open contexts hold, like an engine's admission control
     capacity_blocks: int | None = None  # what `reserve_more(wait=False)` may fill (None: all)
+    # A KV store: what each stored document's context pushed (`FakeContext.stored`).
+    saved: dict[StoredDocument, list[int]] = field(default_factory=dict)
 
     @property
     def limits(self) -> EngineLimits:
         return EngineLimits(2048, 32, self.concurrent)
 
-    async def open_context(self, *, reserve_blocks: int) -> FakeContext:
+    async def open_context(
+        self, *, reserve_blocks: int, stored: StoredDocument | None = None
+    ) -> FakeContext:
         assert reserve_blocks > 0
         self.reserved_blocks += reserve_blocks
-        self.contexts.append(FakeContext(self, reserved_blocks=reserve_blocks))
+        self.contexts.append(FakeContext(self, reserved_blocks=reserve_blocks, stored=stored))
         return self.contexts[-1]
 
 
@@ -822,3 +846,34 @@ async def test_answer_early_off_answers_after_the_last_margin(tokenizer) -> None
     (answer,) = requests(backend.log, RequestKind.ANSWER)
     assert answer.start > max(m.end for m in requests(backend.log, RequestKind.MARGIN))
     assert backend.contexts[0].concluded == 1
+
+
+async def test_a_stored_document_is_restored_in_one_push_and_answers_as_read(tokenizer) -> None:
+    """A document session opened for a stored document on a second engine (here: a second
+    context of the same store) loads the first one's pushes in one push instead of reading
+    segment by segment, emits the same segment events, and answers the same."""
+    backend = FakeBackend(tokenizer, lambda params, prefix: "YES the harbour.")
+    key = StoredDocument("acme", "doc-1")
+    read_events: list[WiMEvent] = []
+    first = await open_document(
+        backend, tokenizer, DOC, options(), emit=read_events.append, stored=key
+    )
+    assert first.restored.fallback == "missing" and backend.saved[key] == backend.contexts[0].ids
+    pushes = sum(e[0] == "extend-done" for e in backend.log)
+    restored_events: list[WiMEvent] = []
+    second = await open_document(
+        backend, tokenizer, DOC, options(), emit=restored_events.append, stored=key
+    )
+    assert second.restored.restored_tokens == len(backend.contexts[0].ids)
+    assert sum(e[0] == "extend-done" for e in backend.log) == pushes  # nothing computed
+    assert restored_events == read_events
+    answers = [
+        [e async for e in session.query("Where is the gate?")][-1] for session in (first, second)
+    ]
+    assert [a.type for a in answers] == ["done", "done"] and answers[0].answer == answers[1].answer
+    # Another tenant's key (or other tokens) restores nothing: the document is read.
+    other = await open_document(
+        backend, tokenizer, DOC, options(), stored=StoredDocument("globex", "doc-1")
+    )
+    assert other.restored.fallback == "missing" and not other.restored.holds_document
+    assert other.context.context_tokens == second.context.context_tokens

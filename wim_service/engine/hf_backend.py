@@ -15,7 +15,15 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wim_service.wim.backend import EngineLimits, GenerationChunk, GenerationParams, PromptCost
+from wim_service.wim.backend import (
+    NOT_STORED,
+    EngineLimits,
+    GenerationChunk,
+    GenerationParams,
+    KVRestore,
+    PromptCost,
+    StoredDocument,
+)
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.tokenizer import HFTokenizer
 
@@ -58,8 +66,10 @@ class HFBackend:
             block_size=config.block_size,
         )
 
-    async def open_context(self, *, reserve_blocks: int) -> HFContext:
-        return HFContext(self)
+    async def open_context(
+        self, *, reserve_blocks: int, stored: StoredDocument | None = None
+    ) -> HFContext:
+        return HFContext(self)  # the reference keeps no KV store: `stored` changes nothing
 
     def forward(self, ids: list[int], cache: Any) -> Any:
         """Run `ids` through the model on `cache`; returns the last position's logits."""
@@ -112,6 +122,9 @@ class HFContext:
     @property
     def context_tokens(self) -> int:
         return len(self._ids)
+
+    async def restore(self, token_ids: list[int]) -> KVRestore:
+        return NOT_STORED
 
     def _check_room(self, total: int) -> None:
         if total > self.backend.limits.max_model_len:

@@ -34,16 +34,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from wim_service.engine.admission import KVAdmission
 from wim_service.engine.kv_transfer.documents import spine_extra_args
-from wim_service.engine.kv_transfer.keys import StoredDocument
 from wim_service.engine.request_params import PRIORITY, check_window, sampling_params
 from wim_service.engine.scheduler import SALT_PREFIX
 from wim_service.engine.timeline import RequestSpan
 from wim_service.wim.backend import (
+    NOT_STORED,
     EngineLimits,
     GenerationChunk,
     GenerationParams,
+    KVRestore,
     PromptCost,
     RequestKind,
+    StoredDocument,
 )
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 
@@ -66,19 +68,6 @@ def _generation_params(params: GenerationParams) -> SamplingParams:
         stop_token_ids=params.stop_token_ids,
         first_token_ids=params.first_token_ids,
     )
-
-
-@dataclass(frozen=True)
-class KVRestore:
-    """What `VLLMContext.restore` did. `holds_document`: the document was pushed (restored,
-    or computed in one pass after a failed block check); False: nothing was pushed and the
-    caller reads the document as usual."""
-
-    restored_tokens: int
-    computed_tokens: int
-    seconds: float
-    fallback: str | None
-    holds_document: bool
 
 
 @dataclass(frozen=True)
@@ -234,7 +223,7 @@ class VLLMContext:
             raise ValueError("a restore must be the context's first push")
         started = time.perf_counter()
         if self.stored is None:
-            return KVRestore(0, 0, 0.0, "disabled", holds_document=False)
+            return NOT_STORED
         probe = await self.engine.engine_core.call_utility_async(
             "wim_kv_probe", self.stored.tenant, self.stored.document, token_ids
         )

@@ -66,11 +66,42 @@ class EngineLimits:
     concurrent_branches: bool
 
 
+@dataclass(frozen=True)
+class StoredDocument:
+    """A document whose KV an engine saves as it is read and can restore elsewhere: set by
+    the service, never from a request."""
+
+    tenant: str
+    document: str
+
+
+@dataclass(frozen=True)
+class KVRestore:
+    """What restoring a stored document as a context's first push did. `holds_document`: the
+    document was pushed (restored, or computed in one pass after a failed block check);
+    False: nothing was pushed and the caller reads the document as usual."""
+
+    restored_tokens: int  # loaded from the store, not computed
+    computed_tokens: int
+    seconds: float
+    fallback: str | None  # why nothing was restored (None: it was)
+    holds_document: bool
+
+
+NOT_STORED = KVRestore(0, 0, 0.0, "disabled", holds_document=False)
+
+
 class ContextSession(Protocol):
     @property
     def context_tokens(self) -> int: ...
 
     async def extend(self, token_ids: list[int]) -> PromptCost: ...
+
+    async def restore(self, token_ids: list[int]) -> KVRestore:
+        """As the first push of a context opened with a `StoredDocument`: push `token_ids`,
+        loading their saved KV where the engine has it; pushes nothing when it has none
+        (`holds_document` False; an engine without a store answers `NOT_STORED`)."""
+        ...
 
     def branch(
         self, prefix_tokens: int, suffix_ids: list[int], params: GenerationParams
@@ -106,10 +137,14 @@ class Backend(Protocol):
         """The model's own tokenizer: segments and prompts are cut with it."""
         ...
 
-    async def open_context(self, *, reserve_blocks: int) -> ContextSession:
+    async def open_context(
+        self, *, reserve_blocks: int, stored: StoredDocument | None = None
+    ) -> ContextSession:
         """Start an empty session; its first `extend` carries the prompt prefix and segment 0.
 
         `reserve_blocks` is the session's worst-case KV footprint; an engine may wait for room
         or raise `WiMError(OVERLOADED)`, and raises `WiMError(TOO_LONG)` if it can never fit.
+        With `stored`, an engine that keeps KV in a store saves the document as it is read
+        (an engine without one ignores it, and its contexts restore nothing).
         """
         ...

@@ -20,7 +20,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from wim_service.wim.backend import Backend, ContextSession
+from wim_service.wim.backend import NOT_STORED, Backend, ContextSession, StoredDocument
 from wim_service.wim.early import EarlyAnswers, MarginTasks
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 from wim_service.wim.events import AnswerEvent, DoneEvent, ErrorEvent, SegmentEvent, WiMEvent
@@ -63,6 +63,8 @@ class WiMSession:
         # The session's own query blocks: one query at a time runs in them.
         self._own_room = asyncio.Lock()
         self._queries: set[asyncio.Task[None]] = set()  # queries running or waiting for room
+        # What `restore_document` loaded of a stored document (nothing until it is asked).
+        self.restored = NOT_STORED
 
     # What the session pins, as its document holds them (read by the serving layer too).
     @property
@@ -92,6 +94,9 @@ class WiMSession:
             chunk = self.plan.prefix_ids + chunk
         cost = await self.context.extend(chunk)
         ledger.add(cost, minimal=len(chunk))
+        self._emit_segments(group, emit)
+
+    def _emit_segments(self, group: list[Segment], emit: Emit) -> None:
         for segment in group:
             emit(
                 SegmentEvent(
@@ -109,6 +114,15 @@ class WiMSession:
         ledger = Ledger()  # a document session reports usage per query
         for segment in self.plan.segments:
             await self._push([segment], emit, ledger)
+
+    async def restore_document(self, emit: Emit) -> bool:
+        """Load the document's saved KV in one push, the same tokens the read would push
+        (a context opened for a stored document, as its first push); False if the engine
+        pushed nothing (nothing saved that fits), and the document is to be read."""
+        self.restored = await self.context.restore(self.plan.prefix_ids + self.plan.encoded.ids)
+        if self.restored.holds_document:
+            self._emit_segments(self.plan.segments, emit)
+        return self.restored.holds_document
 
     async def read(self, run: QueryRun, *, pipelined: bool = True) -> MarginTasks:
         """Prefill every segment, writing each margin as soon as its segment is in.
@@ -311,14 +325,15 @@ async def _open(
     plan: DocumentPlan,
     options: WiMOptions,
     reserve_blocks: int,
+    stored: StoredDocument | None = None,
 ) -> WiMSession:
-    """A session over a new context holding `reserve_blocks` of KV.
+    """A session over a new context holding `reserve_blocks` of KV (saved as `stored`).
 
     Everything that can refuse the job is checked before the reservation is taken; from the
     reservation on, any failure closes the context, which gives it back.
     """
     relevance_ids(builder)
-    context = await backend.open_context(reserve_blocks=reserve_blocks)
+    context = await backend.open_context(reserve_blocks=reserve_blocks, stored=stored)
     try:
         return WiMSession(backend, builder, plan, options, context)
     except BaseException:
@@ -367,16 +382,23 @@ async def open_document(
     options: WiMOptions | None = None,
     *,
     emit: Emit | None = None,
+    stored: StoredDocument | None = None,
 ) -> WiMSession:
-    """Read a document into a pinned context for later queries (a document session)."""
+    """Read a document into a pinned context for later queries (a document session).
+
+    With `stored`, the engine saves the document's KV as it is read, and a document saved
+    before (by any engine that keeps KV in the same store) is restored instead of read
+    (`WiMSession.restored` says what was loaded)."""
     options = options or WiMOptions()
     builder = PromptBuilder(tokenizer, options.prompts)
     limits = backend.limits
     plan, shape = await asyncio.to_thread(prepare_job, builder, document, options, limits)
     reserve = shape.session_blocks(limits.block_size, limits.max_model_len)
-    session = await _open(backend, builder, plan, options, reserve)
+    session = await _open(backend, builder, plan, options, reserve, stored)
+    emit = emit or (lambda _: None)
     try:
-        await session.read_document(emit or (lambda _: None))
+        if stored is None or not await session.restore_document(emit):
+            await session.read_document(emit)
     except BaseException:
         await session.close()
         raise

@@ -5,7 +5,7 @@ The API the serving layer uses (all in `engine/`; nothing here is ever set from 
 * `backend.open_context(reserve_blocks=n, stored=StoredDocument(tenant, document_id))`: a
   context whose document pushes (`extend`) are saved, write-through, whole blocks at a time.
 * `await context.restore(token_ids)`, as the context's *first* push, on any engine: returns a
-  `vllm_context.KVRestore` with `restored_tokens`, `computed_tokens`, `seconds` and
+  `wim.backend.KVRestore` with `restored_tokens`, `computed_tokens`, `seconds` and
   `fallback` (None, or why nothing was restored: "disabled", "missing", "mismatch",
   "digest", "tampered", "block_check", "store_down"). `holds_document` says whether the
   document was pushed; when False nothing was pushed and the caller reads the document as

@@ -16,13 +16,15 @@ import binascii
 import hashlib
 import hmac
 import os
-from dataclasses import dataclass
 from functools import lru_cache
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+# Named by the algorithm's backend protocol (a context opened for one saves its document).
+from wim_service.wim.backend import StoredDocument
 
 MASTER_KEY_ENV = "WIM_KV_MASTER_KEY"
 _NONCE_BYTES = 12
@@ -31,14 +33,6 @@ _FORMAT = b"wim-kv/1"
 
 class SealError(Exception):
     """A stored object that does not open: tampered, misplaced or sealed under another key."""
-
-
-@dataclass(frozen=True)
-class StoredDocument:
-    """A document whose KV is saved and restored: set by the service, never by a client."""
-
-    tenant: str
-    document: str
 
 
 def master_key_from_env() -> bytes | None:
