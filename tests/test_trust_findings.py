@@ -294,22 +294,13 @@ def test_two_end_users_of_one_tenant_share_no_prefix_cache() -> None:
     assert not any("alice" in salt for salt in salts)
 
     replica = ScriptedReplica("a")
-    router = WiMRouter(
-        None,
-        {"router": {"replica_wait_s": 0}},
-        client=ScriptedClient(replica),
-        keys=ApiKeys(V1_KEYS),
-        http_host="127.0.0.1",
-    )
-    with TestClient(build_http_app(router)) as client:
-        headers = {"Authorization": "Bearer one-key"}
-        model = client.get("/v1/models", headers=headers).json()["data"][0]["id"]
-        for user in ("alice", "bob", None):
-            body = {"model": model, "messages": [{"role": "user", "content": "Hi."}]}
-            answered = client.post(
-                "/v1/chat/completions", json={**body, "user": user}, headers=headers
-            )
-            assert answered.status_code == 200, answered.text
+    client, _ = service(client=ScriptedClient(replica), keys=V1_KEYS)
+    headers = {"Authorization": "Bearer one-key"}
+    model = client.get("/v1/models", headers=headers).json()["data"][0]["id"]
+    for user in ("alice", "bob", None):
+        body = {"model": model, "messages": [{"role": "user", "content": "Hi."}], "user": user}
+        answered = client.post("/v1/chat/completions", json=body, headers=headers)
+        assert answered.status_code == 200, answered.text
     sent = [args[1].cache_salt for method, args in replica.streams if method == "complete"]
     assert sent == [alice, bob, one.cache_salt]
 
