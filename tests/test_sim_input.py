@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -261,8 +262,15 @@ def test_a_profile_larger_than_its_bound_is_not_read_whole(tmp_path: Path) -> No
         EngineProfile.load(path)
 
 
-def test_the_shipped_profile_is_within_every_bound(tmp_path: Path) -> None:
-    """It is a calibrated one (`wim sim --calibrate` wrote it): as the router loads it."""
+@pytest.mark.parametrize("name", ["default.json", "one-core.json"])
+def test_the_shipped_profiles_are_within_every_bound(name: str) -> None:
+    """Both calibrated (`wim sim --calibrate` wrote them), as the router and `wim sim` load
+    them."""
+    path = resources.files("wim_service.placement").joinpath("profiles", name)
+    assert EngineProfile.load(Path(str(path))).block_tokens == 32
+
+
+def test_a_written_profile_loads_back_and_takes_kv_within_bounds(tmp_path: Path) -> None:
     shipped = EngineProfile.load()
     written = profile_file(tmp_path, shipped.model_dump_json(indent=2))
     assert EngineProfile.load(written) == shipped
