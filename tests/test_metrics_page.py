@@ -14,7 +14,9 @@ import pytest
 
 from tests.test_router_logic import FakeReplica, metric
 from tests.test_router_trust import ACME, service
+from wim_service.serving.observability.metrics import BINDING_RESULTS
 from wim_service.serving.routing import router as router_module
+from wim_service.serving.routing.bindings import BindResult
 from wim_service.serving.routing.recent import Paced
 
 
@@ -146,5 +148,12 @@ def test_counters_and_gauges_a_dashboard_divides_or_sums_read_zero_before_anythi
         'wim_session_failover_total{reason="session_missing"} 0.0',
         'wim_replica_draining{replica="a"} 0.0',
         'wim_replica_draining{replica="b"} 0.0',
+        'wim_session_binding_total{result="rejected"} 0.0',
+        'wim_copy_queries_total{role="copy"} 0.0',
+        'wim_margins_total{grounded="false",relevant="true"} 0.0',
     ):
         assert series in page.splitlines(), series
+
+
+def test_the_binding_results_exported_at_zero_are_the_routers_own() -> None:
+    assert set(BINDING_RESULTS) == {result.value for result in BindResult}

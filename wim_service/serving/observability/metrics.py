@@ -18,8 +18,11 @@ _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
 # Event-loop lag: a healthy loop wakes within a millisecond or two; from a second on, requests
 # and health checks visibly wait; 30 s and more is a stall (+Inf).
 _LAG_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-# Why a session moves off its replica (serving/routing/failover.py).
+# Every label value of the labelled counters (serving/routing/): each series is exported
+# from the start.
 FAILOVER_REASONS = ("replica_lost", "replica_left", "session_missing")
+BINDING_RESULTS = ("hit", "new", "repin", "rejected")  # routing.bindings.BindResult's
+COPY_ROLES = ("primary", "copy")
 
 
 def event_loop_lag(registry: CollectorRegistry) -> Histogram:
@@ -63,6 +66,13 @@ class WiMMetrics:
             self.requests.labels(str(status))
         for reason in FAILOVER_REASONS:
             self.failover.labels(reason)
+        for result in BINDING_RESULTS:
+            self.binding.labels(result)
+        for role in COPY_ROLES:
+            self.copy_queries.labels(role)
+        for relevant in ("true", "false"):
+            for grounded in ("true", "false"):
+                self.margins.labels(relevant, grounded)
 
     def _sessions(self, r: CollectorRegistry) -> None:
         """Requests, document sessions and the replicas' KV."""
@@ -84,7 +94,7 @@ class WiMMetrics:
         self.binding = Counter(
             "wim_session_binding",
             "Session-to-replica binding decisions.",
-            ["result"],  # hit | new | repin | rejected
+            ["result"],  # BINDING_RESULTS
             registry=r,
         )
         self.kv_reserved_blocks = Gauge(
@@ -171,7 +181,7 @@ class WiMMetrics:
         self.copy_queries = Counter(
             "wim_copy_queries",
             "Queries on document sessions, by the holder that ran them: the primary or a copy.",
-            ["role"],  # primary | copy
+            ["role"],  # COPY_ROLES
             registry=r,
         )
         self.document_copies = Gauge(
