@@ -276,6 +276,10 @@ class Cluster:
             *("--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats"),
             *node.ray_args,
         ]
+        if node.name == "head":
+            assert self.redis is not None
+            # The GCS keeps its tables in the password-protected Redis (`node_env`).
+            argv += ["--redis-password", self.redis.password]
         log = self.workdir / f"ray-start-{node.name}.log"
         with log.open("ab") as out:
             done = subprocess.run(

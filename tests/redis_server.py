@@ -1,5 +1,5 @@
-"""A real `redis-server` for tests: loopback (or a given address), a free port, no
-persistence, stopped after use.
+"""A real `redis-server` for tests: loopback (or a given address), a free port, a password of
+its own (`url` carries it), no persistence, stopped after use.
 
 The binary comes from the Debian package `redis-server` (scripts/bootstrap.sh installs it as
 root). Without it the Redis tests skip on a developer machine and fail in CI (`CI=true`):
@@ -9,6 +9,7 @@ CI must not pass by skipping them.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -49,11 +50,14 @@ class RedisServer:
         self.workdir = workdir
         self.host = host
         self.port = free_port(host)
+        # As a deployment runs it (docs/deploy.md): on a test bridge other network namespaces
+        # reach, and on loopback, nobody without the password gets in.
+        self.password = secrets.token_hex(16)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     def client(self) -> redis.Redis:
         """A plain synchronous client, to look at raw keys."""
@@ -68,9 +72,8 @@ class RedisServer:
                     *("--port", str(self.port), "--bind", self.host),
                     *("--save", "", "--appendonly", "no", "--dir", str(self.workdir)),
                     *("--daemonize", "no", "--loglevel", "warning"),
-                    # No password: off loopback (a test bridge, private) Redis would refuse
-                    # every client in its protected mode.
-                    *("--protected-mode", "no" if self.host != "127.0.0.1" else "yes"),
+                    # Protected mode refuses other hosts only while no password is set.
+                    *("--requirepass", self.password, "--protected-mode", "yes"),
                 ]
             ),
             stdout=subprocess.DEVNULL,

@@ -279,6 +279,36 @@ async def test_a_load_report_reads_the_held_sessions_whole() -> None:
     assert (report.documents, report.resident_kv_tokens) == (2, 120)
 
 
+# -- bring-up: Ray's token authentication, the tests' Redis password -----------------------
+
+DEPLOY = Path(__file__).parent.parent / "deploy"
+
+
+def test_a_multi_host_bring_up_sets_ray_token_auth_before_any_ray_start() -> None:
+    """Wherever a serve config tells an operator to start Ray on several hosts, Ray's token
+    authentication comes first (as docs/deploy.md has it): without it, anyone who reaches
+    Ray's ports runs code on every host."""
+    multi_host = [p for p in DEPLOY.glob("*.yaml") if "ray start --address" in p.read_text()]
+    assert multi_host, "no serve config describes a multi-host bring-up"
+    for path in multi_host:
+        lines = path.read_text().splitlines()
+        starts = [i for i, line in enumerate(lines) if re.search(r"ray start --", line)]
+        token = [i for i, line in enumerate(lines) if "RAY_AUTH_MODE=token" in line]
+        assert token and token[0] < starts[0], path.name
+        assert any("RAY_AUTH_TOKEN=" in lines[i] for i in token), path.name
+
+
+def test_the_tests_redis_needs_its_password(redis_server: RedisServer) -> None:
+    """The tests' Redis runs as a deployment's does: a client without the password is
+    refused, also on the bridge the multi-node tests reach it through (protected mode alone
+    let anyone in there)."""
+    anonymous = redis.Redis(host=redis_server.host, port=redis_server.port, socket_timeout=5)
+    with pytest.raises(redis_errors.AuthenticationError), anonymous:
+        anonymous.ping()
+    with redis_server.client() as client:
+        assert client.ping()
+
+
 # -- end users' prefix caches ----------------------------------------------------------------
 
 
