@@ -293,6 +293,11 @@ def test_a_written_profile_loads_back_and_takes_kv_within_bounds(tmp_path: Path)
         (["--trace", "{good}", "--segment-tokens", "1"], "segment_tokens must be within 32-"),
         (["--trace", "{good}", "--copy-idle-s", "inf"], "copy_idle_s must be within"),
         (["--trace", "{nan}"], "nan.jsonl:2: NaN is not a finite number"),
+        (["--trace", "{good}", "--replicas", ",".join(["1"] * 65)], "at most 64 counts, not 65"),
+        (
+            ["--trace", "{good}", "--replicas", "1" * 50],
+            "within 1-64, not 111111111111111111111111111111...",
+        ),
         (["--generate", "{tmp}/g.jsonl", "--think-s", "inf"], "think_s must be within 0-86,400"),
         (["--generate", "{tmp}/g.jsonl", "--document-tokens", "9-99999999"], "HIGH must be"),
     ],

@@ -169,12 +169,16 @@ def main(args: argparse.Namespace) -> int:
 
 
 def parse_replicas(text: str) -> list[int]:
+    shown = text if len(text) <= 40 else f"{text[:30]}..."  # an error stays one short line
+    parts = text.split(",")
+    if len(parts) > MAX_REPLICAS:  # a sweep's runs and rows, bounded as its fleet sizes are
+        raise ValueError(f"--replicas takes at most {MAX_REPLICAS} counts, not {len(parts):,}")
     try:
-        counts = [int(part) for part in text.split(",")]
+        counts = [int(part) for part in parts]
     except ValueError:
-        raise ValueError(f"--replicas takes counts like 8 or 1,2,4,8, not {text!r}") from None
+        raise ValueError(f"--replicas takes counts like 8 or 1,2,4,8, not {shown!r}") from None
     if any(not 1 <= n <= MAX_REPLICAS for n in counts):
-        raise ValueError(f"--replicas must be within 1-{MAX_REPLICAS}, not {text}")
+        raise ValueError(f"--replicas must be within 1-{MAX_REPLICAS}, not {shown}")
     return counts
 
 
