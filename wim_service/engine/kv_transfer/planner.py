@@ -175,6 +175,10 @@ class Planner:
             if result.load_failed:
                 report["restore_reason"] = result.load_failed
                 logger.warning("KV restore falls back to a recompute: %s", result.load_failed)
+                # vLLM recomputes the spine from token 0: its blocks are saved again, which
+                # repairs the stored copy that failed.
+                for spine in self._by_open(open_id):
+                    spine.saved = 0
             elif result.loaded_blocks:
                 report["restored_tokens"] += result.loaded_blocks * self.block_size
                 report["restore_seconds"] += result.load_seconds
@@ -183,9 +187,11 @@ class Planner:
             if result.save_failed and not report["save_failed"]:
                 report["save_failed"] = result.save_failed
                 logger.warning("KV save of a document stopped: %s", result.save_failed)
-                for spine in self._spines.values():
-                    if spine.open_id == open_id:
-                        spine.stopped = True
+                for spine in self._by_open(open_id):
+                    spine.stopped = True
+
+    def _by_open(self, open_id: str) -> list[_Spine]:
+        return [spine for spine in self._spines.values() if spine.open_id == open_id]
 
     def finished(self, request: Any) -> None:
         self._spines.pop(request.request_id, None)

@@ -88,6 +88,10 @@ class WorkerSide:
     def save(self, jobs: list[SaveJob]) -> None:
         for job in jobs:
             result = self._result(job.open_id)
+            if result.load_failed:
+                # This step's tokens attended to blocks that did not load: vLLM recomputes
+                # them, and the recompute saves them.
+                continue
             try:
                 result.saved_bytes += self._save(job)
             except StoreError as exc:

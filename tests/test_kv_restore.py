@@ -1,0 +1,129 @@
+"""Document KV that outlives its engine, on real engines (fp32, the default model).
+
+Engine process A reads a 3,603-token document segment by segment into a stored context (a
+directory store), asks greedy margins and an answer, and is SIGKILLed with its whole process
+tree. A new engine process B restores the document: it computes at most one block and one
+token of it, and the same margins and answer come out token for token. B then runs each
+fallback (another tenant, other tokens, a store that is down, a tampered block): each loads
+nothing, reads or recomputes the document, and still gives the same answer. Deleting the
+document leaves nothing in the store, and a restore then loads nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.process_tree import ProcessTree
+
+# Two engine starts and five reads of the document: minutes on two busy cores.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 32
+
+
+def _results(tree: ProcessTree) -> dict[str, dict[str, Any]]:
+    lines = tree.log.read_text(errors="replace").splitlines()
+    found = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
+    return {r["kind"]: r for r in found}
+
+
+def _run(role: str, store: Path, log: Path, env: dict[str, str]) -> ProcessTree:
+    argv = [sys.executable, "-m", "tests.kv_engine_proc", role, str(store)]
+    return ProcessTree(argv, log, env=env)
+
+
+def _end(tree: ProcessTree) -> None:
+    """SIGKILL every process of the tree; fail if any outlives it."""
+    tree.kill()
+    psutil.wait_procs(tree.record(), timeout=30)
+    assert not tree.record(), f"left running: {tree.record()}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    work = tmp_path_factory.mktemp("kv")
+    store = work / "store"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "WIM_KV_MASTER_KEY": base64.b64encode(secrets.token_bytes(32)).decode(),
+    }
+    saver = _run("save", store, work / "a.log", env)
+    try:
+        saver.wait_for(lambda _: "saved" in _results(saver), timeout_s=600)
+        saver.record()
+        saver.root.send_signal(signal.SIGKILL)  # the front end first, then what it leaves
+    finally:
+        _end(saver)
+    restorer = _run("restore", store, work / "b.log", env)
+    try:
+        restorer.wait_for(lambda _: "after_delete" in _results(restorer), timeout_s=1200)
+        restorer.root.wait(120)
+    finally:
+        _end(restorer)
+    return {**_results(saver), **_results(restorer)}
+
+
+def test_a_restored_document_answers_token_for_token(runs: dict[str, dict[str, Any]]) -> None:
+    saved, restored = runs["saved"], runs["restored"]
+    tokens = saved["tokens"]
+    assert tokens >= 3000
+    assert saved["saved_tokens"] == tokens // BLOCK * BLOCK  # every whole block
+    restore = restored["restore"]
+    assert restore["fallback"] is None and restore["holds_document"]
+    assert restore["computed_tokens"] <= BLOCK + 1
+    assert restore["restored_tokens"] + restore["computed_tokens"] == tokens
+    assert restored["margins"] == saved["margins"]
+    assert restored["answer"] == saved["answer"]
+    # The margins and the answer read the restored blocks through the prefix cache.
+    ends = [*range(1000, tokens, 1000), tokens, tokens]
+    assert restored["cached"] == [end // BLOCK * BLOCK for end in ends]
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("wrong_tenant", "missing"),
+        ("store_down", "store_down"),
+        ("tampered", "block_check"),
+        ("wrong_digest", "digest"),
+        ("after_delete", "missing"),
+    ],
+)
+def test_a_failed_check_loads_nothing_and_still_answers(
+    runs: dict[str, dict[str, Any]], case: str, reason: str
+) -> None:
+    outcome = runs[case]
+    assert outcome["restore"]["restored_tokens"] == 0
+    assert outcome["restore"]["fallback"] == reason
+    if case == "after_delete":
+        assert not outcome["restore"]["holds_document"]
+        return
+    if case != "wrong_digest":  # the same document, read again or recomputed
+        assert outcome["answer"] == runs["saved"]["answer"]
+    assert len(outcome["answer"]) > 0
+    if case == "wrong_tenant":  # read segment by segment, as the saving engine did
+        assert outcome["margins"] == runs["saved"]["margins"]
+
+
+def test_a_recomputed_spine_saves_its_blocks_again(runs: dict[str, dict[str, Any]]) -> None:
+    """The tampered block failed the whole load; the recompute wrote it again."""
+    assert runs["tampered"]["restore"]["holds_document"]
+    assert runs["repaired"]["restore"]["fallback"] is None
+    assert runs["repaired"]["answer"] == runs["saved"]["answer"]
+
+
+def test_deleting_a_document_leaves_nothing_in_the_store(runs: dict[str, dict[str, Any]]) -> None:
+    assert runs["deleted"]["deleted"] == [True, True]
+    assert runs["deleted"]["left"] == []
