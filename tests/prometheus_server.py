@@ -8,34 +8,25 @@ root, for promtool). Without it the test skips on a developer machine and fails 
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 
 from tests.redis_server import free_port
+from tests.system_tools import end, system_tool
 from wim_service.engine.lifetime import dies_with_this_thread
 
 JOB = "wim-service"
 
 
 def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        reason = (
-            "prometheus is not installed: ./test.sh installs it when run as root, or "
-            "`apt-get install prometheus` (Debian)"
-        )
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI must check the dashboard and alerts on a real Prometheus; {reason}")
-        pytest.skip(reason)
-    return path
+    return system_tool(
+        "prometheus", "prometheus", "check the dashboard and alerts on a real Prometheus"
+    )
 
 
 class PrometheusServer:
@@ -113,10 +104,5 @@ class PrometheusServer:
         self.api.close()
         if self.process is None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        end(self.process)
         self.process = None

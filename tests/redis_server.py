@@ -8,32 +8,23 @@ CI must not pass by skipping them.
 
 from __future__ import annotations
 
-import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import redis
 
+from tests.system_tools import end, system_tool
 from wim_service.engine.lifetime import dies_with_this_thread
 
 
 def redis_binary() -> str:
-    path = shutil.which("redis-server")
-    if path is None:
-        reason = (
-            "redis-server is not installed: ./test.sh installs it when run as root, or "
-            "`apt-get install redis-server` (Debian)"
-        )
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI must test the Redis session store on a real Redis; {reason}")
-        pytest.skip(reason)
-    return path
+    return system_tool(
+        "redis-server", "redis-server", "test the Redis session store on a real Redis"
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -103,10 +94,5 @@ class RedisServer:
         if self.process is None:
             return
         self.process.send_signal(signal.SIGCONT)  # a paused server cannot handle SIGTERM
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        end(self.process)
         self.process = None

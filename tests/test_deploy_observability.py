@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ import promql_parser
 import pytest
 import yaml
 
+from tests.system_tools import system_tool
 from wim_service.serving.observability.metrics import METRIC_NAMES, WiMMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,16 +154,7 @@ def test_alert_rules_cover_the_required_conditions() -> None:
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        reason = (
-            "promtool is not installed: ./test.sh installs it when run as root, or "
-            "`apt-get install prometheus` (Debian)"
-        )
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI must check the alert rules with promtool; {reason}")
-        pytest.skip(reason)
-    return path
+    return system_tool("promtool", "prometheus", "check the alert rules with promtool")
 
 
 def run_promtool(promtool: str, *args: str) -> None:

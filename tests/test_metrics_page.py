@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.test_recent import Counting
 from tests.test_router_logic import FakeReplica, metric
 from tests.test_router_trust import ACME, service
 from wim_service.serving.observability.metrics import BINDING_RESULTS
@@ -20,24 +21,17 @@ from wim_service.serving.routing.bindings import BindResult
 from wim_service.serving.routing.recent import Paced
 
 
-class Renders:
-    """A render that counts its calls, each one's result its number."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.gate = asyncio.Event()
-        self.gate.set()
-
-    async def render(self) -> int:
-        self.calls += 1
-        await self.gate.wait()
-        return self.calls
+def counted_renders() -> Counting:
+    """A render that counts its calls, each one's result its number (the gate open)."""
+    renders = Counting()
+    renders.gate.set()
+    return renders
 
 
 async def test_callers_together_share_one_render_and_later_ones_get_a_new_one() -> None:
-    renders = Renders()
+    renders = counted_renders()
     renders.gate.clear()
-    paced = Paced(renders.render, interval_s=0)
+    paced = Paced(renders.fetch, interval_s=0)
     together = [asyncio.create_task(paced.get()) for _ in range(20)]
     await asyncio.sleep(0)
     renders.gate.set()
@@ -48,9 +42,9 @@ async def test_callers_together_share_one_render_and_later_ones_get_a_new_one() 
 
 
 async def test_a_caller_during_a_render_waits_for_the_next_one() -> None:
-    renders = Renders()
+    renders = counted_renders()
     renders.gate.clear()
-    paced = Paced(renders.render, interval_s=0)
+    paced = Paced(renders.fetch, interval_s=0)
     first = asyncio.create_task(paced.get())
     await asyncio.sleep(0)  # the render has started (and waits on its gate)
     second = asyncio.create_task(paced.get())
@@ -60,9 +54,9 @@ async def test_a_caller_during_a_render_waits_for_the_next_one() -> None:
 
 
 async def test_a_flood_of_callers_gets_at_most_one_render_per_interval() -> None:
-    renders = Renders()
+    renders = counted_renders()
     interval = 0.05
-    paced = Paced(renders.render, interval_s=interval)
+    paced = Paced(renders.fetch, interval_s=interval)
     pages = 0
 
     async def scrape_for(seconds: float) -> None:
@@ -82,9 +76,9 @@ async def test_a_flood_of_callers_gets_at_most_one_render_per_interval() -> None
 
 
 async def test_a_caller_that_leaves_does_not_cancel_the_others_render() -> None:
-    renders = Renders()
+    renders = counted_renders()
     renders.gate.clear()
-    paced = Paced(renders.render, interval_s=0)
+    paced = Paced(renders.fetch, interval_s=0)
     leaving = asyncio.create_task(paced.get())
     staying = asyncio.create_task(paced.get())
     await asyncio.sleep(0)
