@@ -15,6 +15,7 @@ synchronous in the step, `requires_kv_delivery` is False), and it never fails on
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     import torch
     from vllm.v1.outputs import KVConnectorOutput
 
+logger = logging.getLogger(__name__)
+
 MODULE = "wim_service.engine.kv_transfer.connector"
 NAME = "WiMDocumentKV"
 
@@ -55,6 +58,10 @@ class WiMDocumentKV(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         kv = DocumentKV.from_env()
+        if str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
+            # A quantized cache's scales live beside the blocks, not in them: not stored.
+            logger.warning("stored document KV is off: quantized KV caches are not supported")
+            kv = None
         self.block_size: int = vllm_config.cache_config.block_size
         self.signature, _ = engine_signature(vllm_config, kv_cache_config)
         self._num_blocks: int = kv_cache_config.num_blocks
