@@ -187,6 +187,7 @@ class Refusing:
         "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.",
         "NOREPLICAS Not enough good replicas to write.",
         "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+        "TRYAGAIN Multiple keys request during rehashing of slot",
     ],
 )
 async def test_redis_passing_states_are_unavailable_and_script_bugs_are_not(answer: str) -> None:
