@@ -173,7 +173,12 @@ class ScriptedReplica(FakeReplica):
         self.streams: list[tuple[str, tuple[Any, ...]]] = []  # (method, args) of each job
 
     async def open_document(
-        self, document_id: str, document: str, options: WiMOptions
+        self,
+        document_id: str,
+        document: str,
+        options: WiMOptions,
+        tenant: str = "",
+        restore: bool = False,
     ) -> OpenResult:
         self.documents[document_id] = options
         self.texts[document_id] = document

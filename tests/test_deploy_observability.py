@@ -19,9 +19,10 @@ from typing import Any
 import promql_parser
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
 from tests.system_tools import system_tool
-from wim_service.serving.observability.metrics import METRIC_NAMES, WiMMetrics
+from wim_service.serving.observability.metrics import METRIC_NAMES, StoredKVMetrics, WiMMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "deploy" / "prometheus" / "wim-alerts.yaml"
@@ -52,8 +53,13 @@ VLLM_METRICS_USED_BY_THE_DASHBOARD = {
 
 def wim_series() -> set[str]:
     """Series names the service's own metrics appear under."""
+    replica = CollectorRegistry()
+    StoredKVMetrics(replica)  # an engine replica's own, merged into the router's /metrics
     histograms = {
-        family.name for family in WiMMetrics().registry.collect() if family.type == "histogram"
+        family.name
+        for registry in (WiMMetrics().registry, replica)
+        for family in registry.collect()
+        if family.type == "histogram"
     }
     assert histograms <= set(METRIC_NAMES)
     return set(METRIC_NAMES) | {h + s for h in histograms for s in HISTOGRAM_SERIES}

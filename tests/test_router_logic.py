@@ -99,6 +99,9 @@ class FakeReplica:
         self.running = 0  # the jobs it reports running
         self.max_sessions = 1 << 30
         self.dtype = "bfloat16"  # the dtype it reports its engine runs in
+        self.opens: list[tuple[str, str, bool]] = []  # (tenant, document, restore) of each read
+        # A KV store shared with other fakes: (tenant, document) saved by a read; None: none.
+        self.kv_store: set[tuple[str, str]] | None = None
 
     async def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -114,11 +117,21 @@ class FakeReplica:
         )
 
     async def open_document(
-        self, document_id: str, document: str, options: WiMOptions
+        self,
+        document_id: str,
+        document: str,
+        options: WiMOptions,
+        tenant: str = "",
+        restore: bool = False,
     ) -> OpenResult:
         assert isinstance(options, WiMOptions)
         self.documents[document_id] = options
-        return DocumentOpened(context_tokens=len(document) // 4, segments=SEGMENTS)
+        self.opens.append((tenant, document_id, restore))
+        tokens, key = len(document) // 4, (tenant, document_id)
+        restored = tokens if restore and self.kv_store is not None and key in self.kv_store else 0
+        if self.kv_store is not None:
+            self.kv_store.add(key)  # saved as it is read
+        return DocumentOpened(context_tokens=tokens, segments=SEGMENTS, restored_tokens=restored)
 
     async def close_document(self, document_id: str) -> bool:
         return self.documents.pop(document_id, None) is not None

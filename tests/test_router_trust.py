@@ -626,7 +626,9 @@ class ReadsPastTheirCancel(FakeReplica):
         super().__init__(name)
         self.reading = asyncio.Event()
 
-    async def open_document(self, document_id: str, document: str, options: WiMOptions) -> Any:
+    async def open_document(
+        self, document_id: str, document: str, options: WiMOptions, *_: Any
+    ) -> Any:
         self.documents[document_id] = options  # read and held, whoever awaits it
         self.reading.set()
         await asyncio.Event().wait()  # its answer never comes before the client leaves

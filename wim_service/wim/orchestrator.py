@@ -383,12 +383,13 @@ async def open_document(
     *,
     emit: Emit | None = None,
     stored: StoredDocument | None = None,
+    restore: bool = True,
 ) -> WiMSession:
     """Read a document into a pinned context for later queries (a document session).
 
-    With `stored`, the engine saves the document's KV as it is read, and a document saved
-    before (by any engine that keeps KV in the same store) is restored instead of read
-    (`WiMSession.restored` says what was loaded)."""
+    With `stored`, the engine saves the document's KV as it is read, and with `restore` a
+    document saved before (by any engine that keeps KV in the same store) is restored instead
+    of read (`WiMSession.restored` says what was loaded)."""
     options = options or WiMOptions()
     builder = PromptBuilder(tokenizer, options.prompts)
     limits = backend.limits
@@ -397,7 +398,7 @@ async def open_document(
     session = await _open(backend, builder, plan, options, reserve, stored)
     emit = emit or (lambda _: None)
     try:
-        if stored is None or not await session.restore_document(emit):
+        if stored is None or not restore or not await session.restore_document(emit):
             await session.read_document(emit)
     except BaseException:
         await session.close()

@@ -25,6 +25,54 @@ BINDING_RESULTS = ("hit", "new", "repin", "rejected")  # routing.bindings.BindRe
 COPY_ROLES = ("primary", "copy")
 
 
+# Why a restore loaded nothing (`engine/kv_transfer`); the document was read instead.
+KV_FALLBACK_REASONS = ("missing", "mismatch", "digest", "tampered", "block_check", "store_down")
+# Why a save stopped part-way (the document is read as usual; a later restore finds less).
+KV_SAVE_FAILURES = ("store_down", "store_full")
+
+
+class StoredKVMetrics:
+    """An engine replica's stored document KV (`engine/kv_transfer`), counted where the reads
+    and restores happen, once per read however many routers asked for it; they reach
+    `/metrics` through the router with a `replica` label, beside `wim_kv_store_bytes`, which
+    the router measures."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.saved_tokens = Counter(
+            "wim_kv_saved_tokens",
+            "Document tokens whose KV was saved to the KV store as the document was read.",
+            registry=registry,
+        )
+        self.restored_tokens = Counter(
+            "wim_kv_restored_tokens",
+            "Document tokens loaded from the KV store instead of computed.",
+            registry=registry,
+        )
+        self.restore_seconds = Histogram(
+            "wim_kv_restore_seconds",
+            "Restoring a stored document: from its first push to the document in the KV cache.",
+            buckets=_SECONDS,
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "wim_kv_restore_fallbacks",
+            "Documents that had to be read again although a restore was asked: nothing usable "
+            "was stored, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.save_failures = Counter(
+            "wim_kv_save_failures",
+            "Documents whose KV could not all be saved, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in KV_FALLBACK_REASONS:
+            self.fallbacks.labels(reason)
+        for reason in KV_SAVE_FAILURES:
+            self.save_failures.labels(reason)
+
+
 def event_loop_lag(registry: CollectorRegistry) -> Histogram:
     """`wim_event_loop_lag_seconds` in `registry`: the router's (`WiMMetrics`), and each engine
     replica's own, which reaches `/metrics` through the router (`vllm_metrics`)."""
@@ -155,7 +203,14 @@ class WiMMetrics:
         )
         self.reprefill_tokens = Counter(
             "wim_reprefill_tokens",
-            "Context tokens prefilled again after a failover.",
+            "Context tokens computed again to rebuild a session elsewhere (not those restored "
+            "from the KV store).",
+            registry=r,
+        )
+        self.kv_store_bytes = Gauge(
+            "wim_kv_store_bytes",
+            "Bytes of document KV in the KV store (engine/kv_transfer), as last measured; 0 "
+            "without a store.",
             registry=r,
         )
         self.prefix_cache_hit_tokens = Counter(
@@ -247,4 +302,10 @@ METRIC_NAMES = (
     "wim_copy_queries_total",
     "wim_document_copies",
     "wim_metrics_renders_total",
+    "wim_kv_saved_tokens_total",
+    "wim_kv_restored_tokens_total",
+    "wim_kv_restore_seconds",
+    "wim_kv_store_bytes",
+    "wim_kv_restore_fallbacks_total",
+    "wim_kv_save_failures_total",
 )

@@ -44,6 +44,9 @@ class DocumentOpened(BaseModel):
     type: Literal["opened"] = "opened"
     context_tokens: int
     segments: int
+    # Of `context_tokens`, those loaded from the KV store instead of computed (a rebuild or
+    # a copy of a document whose KV was saved: engine/kv_transfer).
+    restored_tokens: int = 0
 
 
 # `open_document`'s answer: the opened document, or why it could not be read.

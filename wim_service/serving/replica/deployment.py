@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import time
@@ -26,7 +27,7 @@ from wim_service.engine.config import EngineConfig
 from wim_service.placement.profile import EngineProfile
 from wim_service.serving.observability.logs import log_through_serve
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
-from wim_service.serving.observability.metrics import event_loop_lag
+from wim_service.serving.observability.metrics import StoredKVMetrics, event_loop_lag
 from wim_service.serving.replica.backlog import Backlog
 from wim_service.serving.replica.contracts import (
     DocumentOpened,
@@ -43,10 +44,13 @@ from wim_service.serving.replica.work import (
     plain_work,
     session_work,
 )
+from wim_service.wim.backend import StoredDocument
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
 from wim_service.wim.orchestrator import WiMSession, open_document, run_wim
+
+logger = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 5.0
 
@@ -67,11 +71,14 @@ class EngineReplica:
         self.config = EngineConfig.model_validate(engine)
         self.backend = VLLMBackend.start(self.config, rank=context.rank.local_rank)
         self.documents = HeldDocuments()
+        # The stored KV (engine/kv_transfer) of each document read here, for the reaper.
+        self._stored: dict[str, StoredDocument] = {}
         self.backlog = Backlog(EngineProfile.load(Path(cost_profile) if cost_profile else None))
         self._reaper: asyncio.Task[None] | None = None
         # This replica's own metrics; vLLM's are in the process's global registry.
         self.registry = CollectorRegistry()
         lag = event_loop_lag(self.registry).labels(deployment="replica", replica=self.replica)
+        self.kv_metrics = StoredKVMetrics(self.registry)
         self.loop_lag = LoopLagMonitor(lag)
         # Serve calls the constructor and `__del__` from a coroutine on the event loop that
         # runs this replica's async methods: the loop to watch.
@@ -82,10 +89,17 @@ class EngineReplica:
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def _reap(self) -> None:
-        """Close the sessions no router claims (`HeldDocuments`: never one in use)."""
+        """Close the sessions no router claims (`HeldDocuments`: never one in use), and
+        delete their stored KV: no router knows them any more."""
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
-            await self.documents.reap(time.monotonic())
+            now = time.monotonic()
+            orphans = self.documents.orphans(now)
+            await self.documents.reap(now)
+            for document_id in orphans:
+                stored = self._stored.pop(document_id, None)
+                if stored is not None and document_id not in self.documents:
+                    await self.backend.delete_stored(stored)
 
     async def claim(self, document_ids: list[str], orphan_timeout_s: float) -> int:
         """A router holds these sessions (sent every load poll); unclaimed ones are reaped.
@@ -127,26 +141,65 @@ class EngineReplica:
                 yield event
 
     async def open_document(
-        self, document_id: str, document: str, options: WiMOptions
+        self,
+        document_id: str,
+        document: str,
+        options: WiMOptions,
+        tenant: str = "",
+        restore: bool = False,
     ) -> OpenResult:
         """Read a document into a pinned context (unless this replica holds or is reading it:
-        `HeldDocuments.open`); returns its size or an error event."""
+        `HeldDocuments.open`), saving its KV to the KV store under (`tenant`, `document_id`),
+        or restoring it from there if asked and saved; returns its size or an error event."""
         self._ensure_reaper()
         self._check_engine()
+        stored = StoredDocument(tenant, document_id) if self.backend.kv_store else None
 
         async def read() -> WiMSession:
             work = session_work(document_id, estimated_tokens(document), 0, options)
             with self.backlog.job(work, copy=True):
-                return await open_document(self.backend, self.backend.tokenizer, document, options)
+                session = await open_document(
+                    self.backend,
+                    self.backend.tokenizer,
+                    document,
+                    options,
+                    stored=stored,
+                    restore=restore,
+                )
+            await self._count_stored_kv(session, restore)
+            return session
 
         try:
             session = await self.documents.open(document_id, read, time.monotonic)
         except WiMError as exc:
             self._check_engine()
             return ErrorEvent.of(exc)
+        if stored is not None:
+            self._stored[document_id] = stored
         return DocumentOpened(
-            context_tokens=session.plan.context_tokens, segments=len(session.plan.segments)
+            context_tokens=session.plan.context_tokens,
+            segments=len(session.plan.segments),
+            restored_tokens=session.restored.restored_tokens,
         )
+
+    async def _count_stored_kv(self, session: WiMSession, restore: bool) -> None:
+        """Count what a read restored or saved (`wim_kv_*`, once per read)."""
+        from wim_service.engine.vllm_context import VLLMContext
+
+        restored, context = session.restored, session.context
+        if not isinstance(context, VLLMContext) or context.stored is None:
+            return
+        if restored.restored_tokens:
+            self.kv_metrics.restored_tokens.inc(restored.restored_tokens)
+            self.kv_metrics.restore_seconds.observe(restored.seconds)
+        elif restore and restored.fallback is not None:
+            self.kv_metrics.fallbacks.labels(restored.fallback).inc()
+            logger.info("a stored document was read again: %s", restored.fallback)
+        report = await context.kv_report()
+        self.kv_metrics.saved_tokens.inc(report.saved_tokens)
+        if report.save_failed is not None:
+            self.kv_metrics.save_failures.labels(report.save_failed).inc()
+            logger.warning("a document's KV could not all be saved: %s", report.save_failed)
 
     async def query_document(
         self, document_id: str, query: str, options: WiMOptions

@@ -53,6 +53,9 @@ class HeldDocuments:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, document_id: object) -> bool:
+        return document_id in self._held
+
     def sessions(self) -> Iterator[WiMSession]:
         return (held.session for held in self._held.values())
 

@@ -46,9 +46,16 @@ class ReplicaProtocol(Protocol):
         ...
 
     async def open_document(
-        self, document_id: str, document: str, options: WiMOptions
+        self,
+        document_id: str,
+        document: str,
+        options: WiMOptions,
+        tenant: str = "",
+        restore: bool = False,
     ) -> OpenResult:
-        """Read a document into a pinned context: its size, or why not."""
+        """Read a document into a pinned context: its size, or why not. With a KV store, its
+        KV is saved under (`tenant`, `document_id`) as it is read; `restore` loads it from
+        there instead when it was saved (a rebuild or a copy: a new document has none)."""
         ...
 
     def query_document(
@@ -92,9 +99,16 @@ class NamedReplica:
         return self.calls.stream(self.name, "complete", prompt_ids, params)
 
     async def open_document(
-        self, document_id: str, document: str, options: WiMOptions
+        self,
+        document_id: str,
+        document: str,
+        options: WiMOptions,
+        tenant: str = "",
+        restore: bool = False,
     ) -> OpenResult:
-        result = await self.calls.call(self.name, "open_document", document_id, document, options)
+        result = await self.calls.call(
+            self.name, "open_document", document_id, document, options, tenant, restore
+        )
         return cast(OpenResult, result)
 
     def query_document(

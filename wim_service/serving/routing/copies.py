@@ -186,8 +186,9 @@ class DocumentCopies:
         if text is None:
             return False
         try:
+            # Restored from the KV store when the document's KV was saved (docs/kv-store.md).
             opened = await self.client.replica(replica).open_document(
-                document_id, text, session.options
+                document_id, text, session.options, session.tenant, True
             )
         except ReplicaLost:
             self.fleet.lost(replica, "replica_lost")

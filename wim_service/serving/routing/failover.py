@@ -34,6 +34,7 @@ from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.prefixes import prompt_blocks
 from wim_service.serving.routing.progress import StreamProgress
 from wim_service.serving.routing.sizing import JobSizer
+from wim_service.serving.routing.stored_kv import StoredKV
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
 from wim_service.wim.events import ErrorEvent, WiMEvent
@@ -93,12 +94,18 @@ class Dispatcher:
         self.config = config
         self.metrics = metrics
         self.copies = DocumentCopies(client, fleet, documents, config, metrics)
+        self.stored_kv = StoredKV.from_env(metrics)
 
     # -- document sessions -----------------------------------------------------------------
 
     async def open_document(self, session: StoredSession, text: str) -> StoredSession:
-        """Read a new document on a replica with room and store its session, bound there."""
-        replica, opened, blocks = await self._read(session, text, set(), fresh=True)
+        """Read a new document on a replica with room and store its session, bound there.
+        Nothing of a read that fails stays in the KV store: no session names it."""
+        try:
+            replica, opened, blocks = await self._read(session, text, set(), fresh=True)
+        except BaseException:
+            await asyncio.shield(self.stored_kv.delete(session.tenant, session.session_id))
+            raise
         try:
             return await self.documents.add(
                 replace(
@@ -113,13 +120,16 @@ class Dispatcher:
         except HTTPFailure:
             # Not stored (the store is down): no KV may stay pinned for a session nobody has.
             await self._close_on(replica, session.session_id)
+            await self.stored_kv.delete(session.tenant, session.session_id)
             raise
 
     async def _read(
         self, session: StoredSession, text: str, exclude: set[str], *, fresh: bool = False
     ) -> tuple[str, DocumentOpened, int]:
         """Read the document on a replica with room, retried elsewhere if one dies: there,
-        what was read, and the KV blocks the session reserves.
+        what was read, and the KV blocks the session reserves. The replica saves the
+        document's KV as it reads it (with a KV store); a read that is not `fresh` (a rebuild)
+        restores it from there when it was saved.
 
         A read whose caller goes away is cancelled on the replica (`ReplicaClient.call`), which
         stops it unless another caller shares it (`HeldDocuments.open`). A `fresh` document's
@@ -133,7 +143,7 @@ class Dispatcher:
             replica = booking.replica
             try:
                 result = await self.client.replica(replica).open_document(
-                    session.session_id, text, session.options
+                    session.session_id, text, session.options, session.tenant, not fresh
                 )
             except ReplicaLost:
                 self.fleet.table.cancel(booking)
@@ -162,9 +172,10 @@ class Dispatcher:
         return ended is not None
 
     async def close_ended(self, session: StoredSession) -> None:
-        """Free an ended session's KV on every replica holding it."""
+        """Free an ended session's KV on every replica holding it, and in the KV store."""
         await asyncio.gather(
-            *(self._close_on(replica, session.session_id) for replica in session.holders)
+            *(self._close_on(replica, session.session_id) for replica in session.holders),
+            self.stored_kv.delete(session.tenant, session.session_id),
         )
 
     async def _close_on(self, replica: str, document_id: str) -> None:
@@ -245,7 +256,7 @@ class Dispatcher:
             raise _gone(document_id)
         if exclude is None:
             exclude = {old} if old else set()
-        replica, _, _ = await self._read(session, text, exclude)
+        replica, opened, _ = await self._read(session, text, exclude)
         try:
             moved = await self.documents.rebind(document_id, old, replica)
         except HTTPFailure:
@@ -255,7 +266,8 @@ class Dispatcher:
             await close_unless_held(self.client, self.documents, replica, document_id)
             return None
         self.metrics.binding.labels(BindResult.REPIN).inc()
-        self.metrics.reprefill_tokens.inc(session.context_tokens)
+        # What was computed again; restored KV is not re-read (wim_kv_restored_tokens_total).
+        self.metrics.reprefill_tokens.inc(opened.context_tokens - opened.restored_tokens)
         # Document ids stay out of logs at the default level (they name customers' data).
         logger.info("a document session moved %s -> %s (%s)", old, replica, reason)
         return replica

@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 # The engine replicas' metrics in `/metrics` are at most this old (a scrape every 15 s or
 # more is usual; faster scrapes share one fetch).
 METRICS_MAX_AGE_S = 5.0
+KV_STORE_MEASURE_S = 15.0
 
 
 class WiMRouter:
@@ -107,6 +108,8 @@ class WiMRouter:
         # (`serving/routing/recent.py`).
         self._loads = Recent(self.fleet.refresh_loads, router.load_poll_interval_s)
         self._replica_metrics = Recent(self._fetch_replica_metrics, METRICS_MAX_AGE_S)
+        # The KV store's size (`wim_kv_store_bytes`): a directory store is walked to measure.
+        self._kv_store_size = Recent(self.dispatcher.stored_kv.measure, KV_STORE_MEASURE_S)
         self._metrics_page = Paced(self._render_metrics, router.metrics_interval_s)
         # The document sessions as last listed from the store (claimed while it is down).
         self._listed: list[Holding] = []
@@ -155,6 +158,7 @@ class WiMRouter:
             self.documents.renew_held,
             self._claim_documents,
             self._retire_copies,
+            self._kv_store_size.get,
         )
         while True:
             for step in steps:
