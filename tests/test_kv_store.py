@@ -360,3 +360,20 @@ def test_the_planner_saves_only_a_stored_spines_document_blocks(kv: DocumentKV) 
     spine.num_computed_tokens = 100
     output.num_scheduled_tokens = {"spine": 40}
     assert planner.build(output).saves == []
+
+
+def test_only_the_engine_layer_names_the_connectors_parameters() -> None:
+    """A request takes part in saving or restoring only through `kv_transfer_params`, which
+    one function of the engine layer writes (`documents.spine_extra_args`); the one builder of
+    every request's sampling parameters never writes them."""
+    from wim_service.engine.request_params import sampling_params
+
+    package = Path(__file__).resolve().parent.parent / "wim_service"
+    writers = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if '"kv_transfer_params"' in path.read_text()
+    )
+    assert writers == ["engine/kv_transfer/documents.py", "engine/kv_transfer/planner.py"]
+    params = sampling_params(4, first_token_ids=[1, 2], stop_token_ids=[3])
+    assert "kv_transfer_params" not in (params.extra_args or {})

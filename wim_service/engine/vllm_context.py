@@ -98,6 +98,10 @@ class ContextHost(Protocol):
 
     async def purge(self, salt: str) -> dict[str, int]: ...
 
+    async def kv_restorable(
+        self, doc: StoredDocument, token_ids: list[int]
+    ) -> tuple[int, str | None]: ...
+
 
 class VLLMContext:
     """One WiM context: a streaming-input session plus same-salt branch requests."""
@@ -215,21 +219,20 @@ class VLLMContext:
         """Push a stored document's `token_ids` as this context's first push, loading its
         saved KV instead of computing it (at most one block and one token are computed).
 
-        The engine core checks the stored manifest first; when it would load nothing (no
-        store, no saved document, another tenant or engine, other tokens), nothing is pushed
-        and `fallback` says why.
+        The stored manifest is checked first (`VLLMBackend.kv_restorable`); when a restore
+        would load nothing (no store, no saved document, another tenant or engine, other
+        tokens, the store down), nothing is pushed and `fallback` says why. A document saved
+        only in part restores what was saved and computes the rest in the same push.
         """
         if self._ids:
             raise ValueError("a restore must be the context's first push")
         started = time.perf_counter()
         if self.stored is None:
             return NOT_STORED
-        probe = await self.engine.engine_core.call_utility_async(
-            "wim_kv_probe", self.stored.tenant, self.stored.document, token_ids
-        )
-        if not probe["tokens"]:
+        tokens, reason = await self.backend.kv_restorable(self.stored, token_ids)
+        if not tokens:
             seconds = time.perf_counter() - started
-            return KVRestore(0, 0, seconds, probe["reason"], holds_document=False)
+            return KVRestore(0, 0, seconds, reason, holds_document=False)
         self._restore = True
         await self.extend(token_ids)
         report = await self.kv_report()

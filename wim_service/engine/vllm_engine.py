@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wim_service.engine import kv_memory
 from wim_service.engine.admission import AdmissionLoad, KVAdmission
@@ -90,6 +90,7 @@ class VLLMBackend:
         self.timeline: deque[RequestSpan] = deque(maxlen=TIMELINE_SPANS)
         # This process's own access to the KV store (deletes, size); None without a store.
         self.kv_store = DocumentKV.from_env() if engine.vllm_config.kv_transfer_config else None
+        self._kv_signature: dict[str, Any] | None = None  # the connector's, asked once
 
     @classmethod
     def start(cls, config: EngineConfig, *, rank: int = 0) -> VLLMBackend:
@@ -164,6 +165,23 @@ class VLLMBackend:
             raise WiMError(ErrorCode.ENGINE_ERROR, "the engine is not running")
         await self.admission.acquire(reserve_blocks)
         return VLLMContext(self, reserve_blocks, stored if self.kv_store else None)
+
+    async def kv_restorable(
+        self, doc: StoredDocument, token_ids: list[int]
+    ) -> tuple[int, str | None]:
+        """Tokens of `token_ids` a restore of `doc` would load, or 0 and why not. Checked in
+        this process, not the engine core: a store that does not answer stalls no step."""
+        if self.kv_store is None:
+            return 0, "disabled"
+        if self._kv_signature is None:
+            self._kv_signature = await self.engine.engine_core.call_utility_async(
+                "wim_kv_signature"
+            )
+        signature, block_size = self._kv_signature["signature"], self._kv_signature["block_size"]
+        blocks, reason = await asyncio.to_thread(
+            self.kv_store.restorable, doc, signature, block_size, token_ids
+        )
+        return blocks * block_size, reason
 
     async def delete_stored(self, doc: StoredDocument) -> bool:
         """Remove `doc`'s stored KV (True: gone or never stored; False: store unreachable)."""

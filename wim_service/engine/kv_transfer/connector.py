@@ -6,8 +6,9 @@ core (scheduler role, `planner.Planner`) and once in each worker (`worker.Worker
 builds its own store access from the environment (`documents.DocumentKV.from_env`): keys and
 store credentials are never in vLLM's config, which vLLM logs. Importing this module also adds
 two utility methods to `EngineCore`, called from the front end with
-`engine_core.call_utility_async(name, ...)`: `wim_kv_probe` (would a restore load anything?)
-and `wim_kv_report` (what a context restored and saved).
+`engine_core.call_utility_async(name, ...)`: `wim_kv_signature` (what the front end checks a
+manifest against before a restore, off the engine core) and `wim_kv_report` (what a context
+restored and saved).
 
 It is a best-effort cache, not a hand-off: a request never waits on it (loads and saves are
 synchronous in the step, `requires_kv_delivery` is False), and it never fails one.
@@ -28,7 +29,6 @@ from vllm.v1.engine.core import EngineCore
 
 from wim_service.engine.kv_transfer.documents import DocumentKV
 from wim_service.engine.kv_transfer.jobs import StepJobs, WorkerResults
-from wim_service.engine.kv_transfer.keys import StoredDocument
 from wim_service.engine.kv_transfer.objects import engine_signature
 from wim_service.engine.kv_transfer.planner import Planner
 from wim_service.engine.kv_transfer.worker import WorkerSide
@@ -141,17 +141,14 @@ def _connector(core: EngineCore) -> WiMDocumentKV:
     return connector
 
 
-def _engine_wim_kv_probe(
-    self: EngineCore, tenant: str, document: str, token_ids: list[int]
-) -> dict[str, Any]:
+def _engine_wim_kv_signature(self: EngineCore) -> dict[str, Any]:
     connector = _connector(self)
-    blocks, reason = connector.planner.check(StoredDocument(tenant, document), token_ids)
-    return {"tokens": blocks * connector.block_size, "reason": reason}
+    return {"signature": connector.signature, "block_size": connector.block_size}
 
 
 def _engine_wim_kv_report(self: EngineCore, open_id: str) -> dict[str, Any]:
     return dict(_connector(self).planner.report(open_id))
 
 
-EngineCore.wim_kv_probe = _engine_wim_kv_probe
+EngineCore.wim_kv_signature = _engine_wim_kv_signature
 EngineCore.wim_kv_report = _engine_wim_kv_report

@@ -16,10 +16,11 @@ from pathlib import Path
 from wim_service.engine.kv_transfer.keys import (
     MASTER_KEY_ENV,
     KVCipher,
+    SealError,
     StoredDocument,
     master_key_from_env,
 )
-from wim_service.engine.kv_transfer.objects import Manifest, manifest_name
+from wim_service.engine.kv_transfer.objects import Manifest, manifest_name, restorable_blocks
 from wim_service.engine.kv_transfer.redis_store import RedisKVStore
 from wim_service.engine.kv_transfer.store import DirectoryKVStore, KVStore, StoreError
 
@@ -74,6 +75,25 @@ class DocumentKV:
         name = manifest_name(signature)
         data = self.get(doc, name, signature)
         return None if data is None else Manifest.decode(data)
+
+    def restorable(
+        self, doc: StoredDocument, signature: str, block_size: int, token_ids: list[int]
+    ) -> tuple[int, str | None]:
+        """Whole blocks of `token_ids` an engine of `signature` can restore from `doc`'s
+        stored KV, or 0 and the reason (the fallback reasons of docs/kv-store.md)."""
+        try:
+            manifest = self.read_manifest(doc, signature)
+        except StoreError as exc:
+            logger.warning("KV restore falls back to a re-read: %s", exc)
+            return 0, exc.reason
+        except (SealError, ValueError, KeyError):
+            return 0, "tampered"
+        if manifest is None:
+            return 0, "missing"
+        if (manifest.doc, manifest.signature, manifest.block_size) != (doc, signature, block_size):
+            return 0, "mismatch"
+        blocks = restorable_blocks(manifest, token_ids)
+        return (blocks, None) if blocks else (0, "digest")
 
     def write_manifest(self, manifest: Manifest) -> int:
         name = manifest_name(manifest.signature)

@@ -25,9 +25,8 @@ from typing import Any
 
 from wim_service.engine.kv_transfer.documents import PARAMS_KEY, DocumentKV
 from wim_service.engine.kv_transfer.jobs import LoadJob, OpenResult, SaveJob, StepJobs
-from wim_service.engine.kv_transfer.keys import SealError, StoredDocument
-from wim_service.engine.kv_transfer.objects import restorable_blocks, token_chain
-from wim_service.engine.kv_transfer.store import StoreError
+from wim_service.engine.kv_transfer.keys import StoredDocument
+from wim_service.engine.kv_transfer.objects import token_chain
 
 logger = logging.getLogger(__name__)
 
@@ -91,23 +90,7 @@ class Planner:
         """Whole blocks of `token_ids` restorable from `doc`'s stored KV, or 0 and why not."""
         if self.kv is None:
             return 0, "disabled"
-        try:
-            manifest = self.kv.read_manifest(doc, self.signature)
-        except StoreError as exc:
-            logger.warning("KV restore falls back to a re-read: %s", exc)
-            return 0, exc.reason
-        except (SealError, ValueError, KeyError):
-            return 0, "tampered"
-        if manifest is None:
-            return 0, "missing"
-        if (manifest.doc, manifest.signature, manifest.block_size) != (
-            doc,
-            self.signature,
-            self.block_size,
-        ):
-            return 0, "mismatch"
-        blocks = restorable_blocks(manifest, token_ids)
-        return (blocks, None) if blocks else (0, "digest")
+        return self.kv.restorable(doc, self.signature, self.block_size, token_ids)
 
     def matched(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens to load for `request` beyond its `num_computed_tokens` local hit."""
