@@ -7,10 +7,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, generate_latest
+
 from tests.test_router_logic import DOCUMENT, FakeReplica, make_service, metric
 from wim_service.engine.kv_transfer.documents import DocumentKV
 from wim_service.engine.kv_transfer.keys import KVCipher
 from wim_service.engine.kv_transfer.store import DirectoryKVStore
+from wim_service.serving.observability.metrics import StoredKVMetrics
 from wim_service.serving.replica.contracts import OpenResult
 from wim_service.wim.backend import StoredDocument
 from wim_service.wim.errors import ErrorCode
@@ -88,3 +91,29 @@ def test_a_failed_new_read_leaves_nothing_in_the_store(tmp_path: Path) -> None:
     refused = client.post("/documents", json={"context": DOCUMENT})
     assert refused.status_code == 429, refused.text
     assert store.total_bytes() == 0
+
+
+class CountingReplica(FakeReplica):
+    """A replica that restored one document and fell back on another, as its
+    `StoredKVMetrics` count them."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.registry = CollectorRegistry()
+        counts = StoredKVMetrics(self.registry)
+        counts.restored_tokens.inc(3000)
+        counts.fallbacks.labels("tampered").inc()
+
+    async def metrics_text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def test_the_replicas_stored_kv_counts_reach_metrics_with_their_replica() -> None:
+    client, _ = make_service(CountingReplica("a"))
+    assert client.get("/readyz").status_code == 200  # the router learns replica "a"
+    assert metric(client, "wim_kv_restored_tokens_total", replica="a") == 3000
+    assert metric(client, "wim_kv_restore_fallbacks_total", replica="a", reason="tampered") == 1
+    assert metric(client, "wim_kv_restore_fallbacks_total", replica="a", reason="digest") == 0
+    assert (
+        'wim_kv_restore_fallbacks_total{reason="digest",replica="a"}' in client.get("/metrics").text
+    )  # exported at 0, not missing
