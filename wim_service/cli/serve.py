@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import os
+import secrets
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from wim_service.cli.lifecycle import run_subprocess
@@ -47,11 +50,33 @@ def main(args: argparse.Namespace) -> int:
         "RAY_worker_niceness": "0",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
+        **local_kv_store(os.environ),
     }
     serve = Path(sys.executable).with_name("serve")
     url = service_url(args.config)
     threading.Thread(target=announce_ready, args=(url,), daemon=True).start()
     return run_subprocess([str(serve), "run", str(args.config)], env)
+
+
+def local_kv_store(env: Mapping[str, str]) -> dict[str, str]:
+    """The KV store of one machine, unless `env` names one (`WIM_KV_STORE`): a directory in
+    the cache folder, sealed with a master key kept beside it (made once, readable by this
+    user only), so that a restarted service or a replaced engine restores documents instead
+    of reading them again (docs/kv-store.md). A deployment gives the key as a secret."""
+    from wim_service.assets.paths import cache_dir
+    from wim_service.engine.kv_transfer.documents import STORE_ENV
+    from wim_service.engine.kv_transfer.keys import MASTER_KEY_ENV
+
+    if env.get(STORE_ENV):
+        return {}
+    key_file = cache_dir() / "kv-master.key"
+    if not key_file.exists():
+        with os.fdopen(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(base64.b64encode(secrets.token_bytes(32)).decode())
+    return {
+        STORE_ENV: str(cache_dir() / "kv"),
+        MASTER_KEY_ENV: env.get(MASTER_KEY_ENV) or key_file.read_text().strip(),
+    }
 
 
 def service_url(config: Path) -> str:
