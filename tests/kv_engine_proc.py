@@ -1,10 +1,12 @@
 """An engine process for tests/test_kv_restore.py: `python -m tests.kv_engine_proc ROLE STORE`.
 
 `save`: read the test document into a stored context segment by segment, ask the same greedy
-margins and answer the test asks everywhere, print them, then wait to be killed. `restore`:
-restore the document on a fresh engine, ask them again, then run each fallback (another
-tenant, other tokens, a tampered block, a store that is down) and the deletion. Each outcome
-is one `RESULT {json}` line on stdout; the test reads them from the process's log.
+margins and answer the test asks everywhere, print them, then wait to be killed. `restore`
+(a directory store): restore the document on a fresh engine, ask them again, then run each
+fallback (another tenant, other tokens, a tampered block, a store that is down) and the
+deletion. `restore-redis STORE GO` (a Redis store): restore, then a restore while the test
+holds the server paused, then the deletion, each after the test writes to the FIFO `GO`.
+Each outcome is one `RESULT {json}` line on stdout; the test reads them from the log.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def engine_config(store: str) -> EngineConfig:
 
 
 def document_ids(backend: Any) -> list[int]:
-    """The harbor report three times: 3,603 tokens."""
+    """The harbor report three times: 3,605 tokens."""
     text = (EXAMPLES / "harbor_report.txt").read_text()
     return backend.tokenizer.encode_template_text("\n\n".join([text] * 3))
 
@@ -137,13 +139,29 @@ async def restore(backend: Any, store: Path) -> None:
     await context.close()
 
 
+async def restore_redis(backend: Any, go: Path) -> None:
+    """Restore from Redis; then, each time the test says go (it pauses, then resumes the
+    server), a restore that finds the store down, and the deletion."""
+    ids = document_ids(backend)
+    await _case(backend, "restored", DOC, ids, margins=True)
+    await asyncio.to_thread(go.read_text)  # a FIFO: returns when the test has paused Redis
+    await _case(backend, "store_down", DOC, ids)
+    await asyncio.to_thread(go.read_text)  # resumed
+    result("deleted", deleted=[await backend.delete_stored(DOC)])
+
+
 def main() -> None:
     from wim_service.engine.vllm_engine import VLLMBackend
 
-    role, store = sys.argv[1], Path(sys.argv[2])
-    backend = VLLMBackend.start(engine_config(str(store)))
+    role, store = sys.argv[1], sys.argv[2]
+    backend = VLLMBackend.start(engine_config(store))
     try:
-        asyncio.run(save(backend) if role == "save" else restore(backend, store))
+        if role == "save":
+            asyncio.run(save(backend))
+        elif role == "restore":
+            asyncio.run(restore(backend, Path(store)))
+        else:
+            asyncio.run(restore_redis(backend, Path(sys.argv[3])))
     finally:
         backend.shutdown()
 
