@@ -31,6 +31,10 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
 from wim_service.engine.config import EngineConfig
+from wim_service.engine.kv_transfer import documents
+from wim_service.engine.kv_transfer.documents import MAX_GIB_ENV, STORE_ENV, DocumentKV
+from wim_service.engine.kv_transfer.keys import MASTER_KEY_ENV
+from wim_service.engine.kv_transfer.redis_store import RedisKVStore
 from wim_service.serving.config import RouterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,6 +83,18 @@ TWO_ROUTERS = {
         ],
     },
 }
+KV_KEY_SECRET = {"name": "wim-kv-key", "key": "key"}
+KV_MOUNT = "/var/lib/wim/kv"
+KV_CLAIM = "wim-kv"
+# Documents' KV on a shared volume (the multinode values keep it in Redis).
+KV_VOLUME = {
+    "kvStore": {
+        "enabled": True,
+        "volume": {"claimName": KV_CLAIM},
+        "masterKeySecret": KV_KEY_SECRET,
+    }
+}
+KV_ENV = {STORE_ENV, MASTER_KEY_ENV, MAX_GIB_ENV}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_worker_niceness": "0"}
 DEPLOYMENTS = {"WiMRouter", "EngineReplica"}
 SERVE_PORT = 8000
@@ -234,6 +250,8 @@ VALUE_SETS = {
     # group of their own, apart from the engines, and GCS fault tolerance.
     "multinode": merged(values_file("values-multinode.yaml"), WITH_KEYS),
     "open": merged(OPEN, {"autoscaler": {"enabled": False}}),
+    # The KV store on a volume every Ray pod mounts, routers in a group of their own.
+    "kv-volume": merged(KV_VOLUME, {"router": {"workerGroup": {"enabled": True}}}, WITH_KEYS),
 }
 
 
@@ -426,6 +444,10 @@ def test_service_monitor_without_metrics_service_is_refused() -> None:
         {"store": {"backend": "etcd"}},
         {"store": {"redis": {"url": "redis://secret@redis:6379"}}},
         {"auth": {"keys": ["sk-plain-text"]}},
+        {"kvStore": {"enabled": True, "url": "redis://secret@redis:6379"}},
+        {"kvStore": {"enabled": True, "masterKey": "c2VjcmV0"}},
+        {"kvStore": {"enabled": True, "maxGiB": 0}},
+        {"kvStore": {"enabled": True, "volume": {"mountPath": "kv"}}},
         {"networkPolicy": {"serveFrom": [{"podSelektor": {}}]}},
         {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis://host"}},
         {"worker": {"rayStartParams": {"num-cpus": "4"}}},
@@ -455,6 +477,10 @@ def test_service_monitor_without_metrics_service_is_refused() -> None:
         "store-backend",
         "redis-url-in-values",
         "keys-in-values",
+        "kv-url-in-values",
+        "kv-key-in-values",
+        "kv-unbounded",
+        "kv-relative-mount",
         "peer-typo",
         "gcs-address-without-port",
         "ray-resources-beside-the-groups",
@@ -581,7 +607,9 @@ def test_every_container_is_non_root_read_only_and_without_capabilities(
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
-def test_ray_containers_write_only_to_their_empty_dirs(manifests: list[dict[str, Any]]) -> None:
+def test_ray_containers_write_only_to_their_empty_dirs(
+    value_set: str, manifests: list[dict[str, Any]]
+) -> None:
     cluster = rayservice(manifests)["spec"]["rayClusterConfig"]
     for spec, container in ray_containers(manifests):
         volumes = {v["name"]: v for v in spec["volumes"]}
@@ -590,6 +618,15 @@ def test_ray_containers_write_only_to_their_empty_dirs(manifests: list[dict[str,
             for m in container["volumeMounts"]
             if not m.get("readOnly")
         }
+        # ...and to the KV store's volume when it is one.
+        kv_volume = writable.pop(KV_MOUNT, None)
+        if value_set == "kv-volume":
+            assert kv_volume == {
+                "name": "kv-store",
+                "persistentVolumeClaim": {"claimName": KV_CLAIM},
+            }
+        else:
+            assert kv_volume is None
         # Ray's session dir and torch's cache, vLLM's shared memory, the caches under $HOME.
         assert set(writable) == {"/tmp", "/dev/shm", "/home/ray"}
         assert all(set(v) == {"name", "emptyDir"} for v in writable.values())
@@ -853,6 +890,134 @@ def test_gcs_fault_tolerance_uses_redis_with_the_password_from_a_secret() -> Non
     manifests = render(merged(WITH_KEYS, {"gcsFaultTolerance": TWO_ROUTERS["gcsFaultTolerance"]}))
     policies = by_kind(manifests, "NetworkPolicy")
     assert allowed(policies, release_pods(manifests)["head"], REDIS, 6379, "egress")
+
+
+# --- stored document KV -----------------------------------------------------------------------
+
+KV_SECRETS = {
+    ("wim-redis", "url"): "redis://:PASSWORD@redis-master.redis.svc:6379/0",
+    ("wim-kv-key", "key"): base64.b64encode(bytes(range(32))).decode(),
+}
+
+
+def kv_store_opened(
+    container: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, int] | None:
+    """What `DocumentKV.from_env` (the routers' and the engines' code) opens in a process
+    with the container's environment, its Secret keys read from KV_SECRETS: the store's URL
+    and bound, or None for no store."""
+    for name in KV_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for variable in container["env"]:
+        if variable["name"] in KV_ENV:
+            ref = variable.get("valueFrom", {}).get("secretKeyRef")
+            value = KV_SECRETS[ref["name"], ref["key"]] if ref else variable["value"]
+            monkeypatch.setenv(variable["name"], value)
+    opened: list[tuple[str, int]] = []
+    # The directory backend would create its folder here: record what would be opened.
+    monkeypatch.setattr(documents, "open_store", lambda url, size: opened.append((url, size)))
+    store = DocumentKV.from_env()
+    assert (store is None) == (opened == [])
+    return opened[0] if opened else None
+
+
+def test_kv_store_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for spec, container in ray_containers(render(WITH_KEYS)):
+        assert KV_ENV.isdisjoint(env_of(container))
+        assert not any("persistentVolumeClaim" in v for v in spec["volumes"])
+        assert kv_store_opened(container, monkeypatch) is None
+
+
+def test_kv_store_on_a_volume_every_ray_pod_mounts(monkeypatch: pytest.MonkeyPatch) -> None:
+    manifests = render(VALUE_SETS["kv-volume"])
+    # The head (a router may run there), the engines and the routers' own group.
+    assert {group for group, _ in pod_templates(rayservice(manifests))} == {
+        "head",
+        "engines",
+        "routers",
+    }
+    for spec, container in ray_containers(manifests):
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == KV_MOUNT]
+        assert not mount.get("readOnly")
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes[mount["name"]]["persistentVolumeClaim"] == {"claimName": KV_CLAIM}
+        env = env_of(container)
+        assert env[MASTER_KEY_ENV]["valueFrom"] == {"secretKeyRef": KV_KEY_SECRET}
+        assert kv_store_opened(container, monkeypatch) == (KV_MOUNT, 8 * 2**30)
+    # The bound reaches the processes as a number they read.
+    half = merged(VALUE_SETS["kv-volume"], {"kvStore": {"maxGiB": 0.5}})
+    for _, container in ray_containers(render(half)):
+        assert kv_store_opened(container, monkeypatch) == (KV_MOUNT, 2**29)
+    # The directory store needs no Redis.
+    policies = by_kind(manifests, "NetworkPolicy")
+    assert not allowed(policies, release_pods(manifests)["head"], REDIS, 6379, "egress")
+
+
+def test_kv_store_in_redis_with_the_url_from_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The multinode values keep documents' KV in the session store's Redis."""
+    manifests = render(VALUE_SETS["multinode"])
+    url = KV_SECRETS["wim-redis", "url"]
+    for spec, container in ray_containers(manifests):
+        env = env_of(container)
+        assert env[STORE_ENV]["valueFrom"] == {"secretKeyRef": REDIS_URL_SECRET}
+        assert env[MASTER_KEY_ENV]["valueFrom"] == {"secretKeyRef": KV_KEY_SECRET}
+        assert not any("persistentVolumeClaim" in v for v in spec["volumes"])
+        assert kv_store_opened(container, monkeypatch) == (url, 8 * 2**30)
+    monkeypatch.undo()
+    assert isinstance(documents.open_store(url, 2**30), RedisKVStore)
+    # No secret lands in the manifests.
+    assert "redis://" not in json.dumps(manifests)
+    # With the memory session store and no GCS fault tolerance, the KV store alone opens the
+    # way to Redis.
+    kv_redis = {
+        "kvStore": {
+            "enabled": True,
+            "redisUrlSecret": REDIS_URL_SECRET,
+            "masterKeySecret": KV_KEY_SECRET,
+        }
+    }
+    manifests = render(merged(WITH_KEYS, kv_redis))
+    policies = by_kind(manifests, "NetworkPolicy")
+    for pod in ("head", "worker"):
+        assert allowed(policies, release_pods(manifests)[pod], REDIS, 6379, "egress")
+
+
+@pytest.mark.parametrize(
+    ("kv_store", "message"),
+    [
+        ({"volume": {"claimName": KV_CLAIM}}, r"needs kvStore\.masterKeySecret\.name"),
+        ({"masterKeySecret": KV_KEY_SECRET}, r"needs a backend"),
+        (
+            {
+                "volume": {"claimName": KV_CLAIM},
+                "redisUrlSecret": REDIS_URL_SECRET,
+                "masterKeySecret": KV_KEY_SECRET,
+            },
+            r"both set: choose one backend",
+        ),
+        (
+            {
+                "volume": {"claimName": KV_CLAIM, "mountPath": "/tmp/kv"},
+                "masterKeySecret": KV_KEY_SECRET,
+            },
+            r"mountPath=/tmp/kv is inside /tmp",
+        ),
+    ],
+    ids=["no-master-key", "no-backend", "two-backends", "mount-over-scratch"],
+)
+def test_kv_store_values_that_would_not_work_are_refused(
+    kv_store: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render(merged(WITH_KEYS, {"kvStore": {"enabled": True} | kv_store}))
+
+
+@pytest.mark.parametrize(("option", "value"), [("kv_store", KV_MOUNT), ("kv_store_max_gib", 1)])
+def test_kv_store_is_named_in_the_environment_only(option: str, value: object) -> None:
+    """The routers read the store from the environment, not from the engine's config."""
+    engine = {"serve": {"application": {"args": {"engine": {option: value}}}}}
+    with pytest.raises(helm.HelmRenderError, match=rf"engine\.{option}: set kvStore"):
+        render(merged(WITH_KEYS, engine))
 
 
 # --- placement: worker groups and the resources replicas ask for --------------------------------

@@ -108,6 +108,50 @@ routers group (router.workerGroup). deploy/serve_config_multinode.yaml uses the 
 {{- if and .Values.gcsFaultTolerance.enabled (not .Values.gcsFaultTolerance.redisAddress) }}
 {{- fail "gcsFaultTolerance.enabled needs gcsFaultTolerance.redisAddress (host:port)" }}
 {{- end }}
+{{- include "wim-service.kvStoreChecks" . }}
+{{- end }}
+
+{{/*
+Stored document KV (kvStore): one backend and a master key. The store is named in the
+environment only: the routers read it there (they delete a session's stored KV), and a Redis
+URL belongs in a Secret, so the engine's own kv_store options are refused in the serve config.
+*/}}
+{{- define "wim-service.kvStoreChecks" -}}
+{{- $engine := .Values.serve.application.args.engine | default dict }}
+{{- range $option := list "kv_store" "kv_store_max_gib" }}
+{{- if hasKey $engine $option }}
+{{- fail (printf "serve.application.args.engine.%s: set kvStore.* instead (the routers read the KV store from the environment, and a Redis URL belongs in a Secret)" $option) }}
+{{- end }}
+{{- end }}
+{{- with .Values.kvStore }}
+{{- if .enabled }}
+{{- if not .masterKeySecret.name }}
+{{- fail "kvStore.enabled needs kvStore.masterKeySecret.name: a Secret whose key holds base64 of 32 random bytes (stored KV is customer data and is never written in clear)" }}
+{{- end }}
+{{- if and .redisUrlSecret.name .volume.claimName }}
+{{- fail "kvStore.redisUrlSecret and kvStore.volume are both set: choose one backend for the KV store" }}
+{{- end }}
+{{- if not (or .redisUrlSecret.name .volume.claimName) }}
+{{- fail "kvStore.enabled needs a backend: kvStore.redisUrlSecret.name (a Secret whose key holds a redis:// URL) or kvStore.volume.claimName (a ReadWriteMany PersistentVolumeClaim)" }}
+{{- end }}
+{{- $path := .volume.mountPath }}
+{{- range $taken := list "/tmp" "/home/ray" "/dev/shm" (include "wim-service.keysDir" $) }}
+{{- if and $.Values.kvStore.volume.claimName (or (eq $path $taken) (hasPrefix (printf "%s/" $taken) $path)) }}
+{{- fail (printf "kvStore.volume.mountPath=%s is inside %s, which the chart mounts already: choose a path of its own" $path $taken) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the KV store lives on the shared volume (kvStore.volume), else empty. */}}
+{{- define "wim-service.kvVolume" -}}
+{{- if and .Values.kvStore.enabled .Values.kvStore.volume.claimName }}true{{- end }}
+{{- end }}
+
+{{/* "true" when the KV store is a Redis (kvStore.redisUrlSecret), else empty. */}}
+{{- define "wim-service.kvRedis" -}}
+{{- if and .Values.kvStore.enabled .Values.kvStore.redisUrlSecret.name }}true{{- end }}
 {{- end }}
 
 {{- define "wim-service.labels" -}}
@@ -184,6 +228,27 @@ replica on either). Secrets are referenced, never copied into the manifest.
       name: {{ .name }}
       key: {{ .key }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- with .Values.kvStore }}
+{{- if .enabled }}
+{{- /* Engines save and restore documents' KV; routers delete it and measure the store. */}}
+- name: WIM_KV_STORE
+  {{- if .redisUrlSecret.name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .redisUrlSecret.name }}
+      key: {{ .redisUrlSecret.key }}
+  {{- else }}
+  value: {{ .volume.mountPath | quote }}
+  {{- end }}
+- name: WIM_KV_MASTER_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .masterKeySecret.name }}
+      key: {{ .masterKeySecret.key }}
+- name: WIM_KV_STORE_MAX_GIB
+  value: {{ .maxGiB | quote }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -274,6 +339,11 @@ spec:
           mountPath: {{ include "wim-service.keysDir" $root }}
           readOnly: true
         {{- end }}
+        {{- if include "wim-service.kvVolume" $root }}
+        # The KV store, shared by every Ray pod of the release.
+        - name: kv-store
+          mountPath: {{ $root.Values.kvStore.volume.mountPath }}
+        {{- end }}
   volumes:
     # Ray's object store and vLLM's shared-memory queues.
     - name: dshm
@@ -295,6 +365,11 @@ spec:
             path: keys.json
         # Readable by the pod's group (fsGroup) only.
         defaultMode: 0440
+    {{- end }}
+    {{- if include "wim-service.kvVolume" $root }}
+    - name: kv-store
+      persistentVolumeClaim:
+        claimName: {{ $root.Values.kvStore.volume.claimName }}
     {{- end }}
   {{- with $group.nodeSelector }}
   nodeSelector:
