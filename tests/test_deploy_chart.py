@@ -960,6 +960,7 @@ def test_kv_store_in_redis_with_the_url_from_a_secret(monkeypatch: pytest.Monkey
     for spec, container in ray_containers(manifests):
         env = env_of(container)
         assert env[STORE_ENV]["valueFrom"] == {"secretKeyRef": REDIS_URL_SECRET}
+        assert env[STORE_ENV]["valueFrom"] == env["WIM_REDIS_URL"]["valueFrom"]
         assert env[MASTER_KEY_ENV]["valueFrom"] == {"secretKeyRef": KV_KEY_SECRET}
         assert not any("persistentVolumeClaim" in v for v in spec["volumes"])
         assert kv_store_opened(container, monkeypatch) == (url, 8 * 2**30)
@@ -1211,7 +1212,9 @@ def test_two_router_config_is_the_local_config_with_two_routers_on_redis() -> No
     del app["args"]["router"]["store"]
     deployments(app)["WiMRouter"]["num_replicas"] = 1
     assert config == local_config()
-    assert "WIM_REDIS_URL" in TWO_ROUTERS_CONFIG.read_text()
+    assert {"WIM_REDIS_URL", STORE_ENV, MASTER_KEY_ENV} <= set(
+        re.findall(r"WIM_[A-Z_]+", TWO_ROUTERS_CONFIG.read_text())
+    )
 
 
 def placement(config: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -1227,6 +1230,11 @@ def test_multinode_config_is_the_two_router_config_placed_on_hosts() -> None:
     config = local_config(MULTINODE_CONFIG)
     check_serve_config(config, routers=2)
     assert placement(config) == PLACEMENT
+    # Sessions and documents' KV in Redis, named in the hosts' environment (as the chart's
+    # multinode values do).
+    assert {"WIM_REDIS_URL", STORE_ENV, MASTER_KEY_ENV} <= set(
+        re.findall(r"WIM_[A-Z_]+", MULTINODE_CONFIG.read_text())
+    )
     # A proxy on every node, listening beyond loopback: any host takes requests.
     assert config["proxy_location"] == "EveryNode"
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
