@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.serving, pytest.mark.timeout(900)]
 
 LIVE_APP = MAIN
 SCRAPERS = 16
-CALLS = 80
+CALLS = 200
 # The tenant's calls under the flood go on until the scrapers have had this many renders'
 # pages each (at least this many metrics intervals).
 FLOOD_RENDERS = 5
