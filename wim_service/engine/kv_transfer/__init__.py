@@ -14,7 +14,9 @@ The API the serving layer uses (all in `engine/`; nothing here is ever set from 
 * `await context.kv_report()`: a `vllm_context.KVReport` of what the context restored and
   saved so far (`saved_tokens`, `saved_bytes`, `save_failed`).
 * `DocumentKV.from_env()` (`documents`), in any process, an engine or not: `delete(doc)` for
-  DELETE, TTL expiry and orphans; `total_bytes()` for `wim_kv_store_bytes`.
+  DELETE, TTL expiry and orphans; `total_bytes()` for `wim_kv_store_bytes`. On an engine
+  replica, `backend.delete_stored(doc)`; `backend.kv_restorable(doc, token_ids)` says what a
+  restore would load without pushing anything.
 
 Modules: `keys` (per-tenant AES-GCM keys), `store`/`redis_store` (directory and Redis
 backends, bounded, LRU eviction), `objects` (engine signature, token chain, manifest),
