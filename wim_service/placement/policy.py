@@ -73,12 +73,12 @@ def first_token_s(
     profile: EngineProfile, work: Work, replica: ReplicaState, *, copy: bool = False
 ) -> float:
     """Seconds of engine work before the job's first answer token on `replica`, with nothing
-    queued ahead of it: the prefill still to do (the tokens not already in its cache; a whole
-    document on a replica without a copy, `copy`), then the job's margins."""
+    queued ahead of it: the prefill still to do (the tokens not already in its cache; on a
+    replica without a copy, `copy`, the document's read or restore), then the job's margins."""
     p = profile
     extra = p.query_extra_tokens if work.margins else 0  # the answers started early
     if work.document is not None:
-        read = p.prefill.seconds(work.document_tokens) if copy else 0.0
+        read = p.read_seconds(work.document_tokens, saved=work.restorable) if copy else 0.0
         query = work.prompt_tokens - work.document_tokens
         prefill = read + p.prefill.seconds(query + extra, cached=work.document_tokens)
         context = work.document_tokens

@@ -69,6 +69,21 @@ class DecodeCost(BaseModel):
         )
 
 
+class RestoreCost(BaseModel):
+    """Restoring a document's saved KV from the KV store into a new context
+    (docs/kv-store.md): a fixed cost (the manifest's check, one engine step, the tail of at
+    most a block and a token computed) and a cost per token of the document (its blocks read,
+    opened and copied in)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fixed_s: FixedCost
+    per_token_s: TokenCost
+
+    def seconds(self, tokens: int) -> float:
+        return self.fixed_s + tokens * self.per_token_s if tokens > 0 else 0.0
+
+
 class EngineProfile(BaseModel):
     """An engine's costs and sizes, with where and how they were measured."""
 
@@ -93,6 +108,10 @@ class EngineProfile(BaseModel):
     # attend to the whole document and pause the margins' decode. Fitted to real queries by
     # calibration; 0 in a profile measured before that.
     query_extra_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
+    # What a copy or a rebuild of a document already read costs when the service has a KV
+    # store and restores it (`read_seconds`); None in a profile measured before restores
+    # were, or for a service without a store (`for_store`): such a copy is charged a re-read.
+    restore: RestoreCost | None = None
     # The measurements the costs were fitted to, kept so that a fit can be checked.
     samples: list[dict[str, Measured]] = Field(default_factory=list)
 
@@ -118,6 +137,20 @@ class EngineProfile(BaseModel):
             return self.model_validate(self.model_dump() | {"kv_capacity_tokens": tokens})
         except ValidationError as exc:
             raise ProfileError(f"KV capacity: {first_error(exc)}") from None
+
+    def for_store(self, restores: bool) -> EngineProfile:
+        """The profile a service charges its copies by: with `restores` off (no KV store, or
+        placement told not to count on it) a copy is charged a re-read of its document."""
+        return self if restores else self.model_copy(update={"restore": None})
+
+    def read_seconds(self, document_tokens: int, *, saved: bool) -> float:
+        """What putting a document's KV on an engine costs: restoring it when it was saved
+        (`saved`: a copy or a rebuild of a document read before, never a first read) and the
+        profile has a restore cost, else prefilling the whole document. The live placement,
+        the replicas' backlogs and `wim sim` all charge a copy here."""
+        if saved and self.restore is not None:
+            return self.restore.seconds(document_tokens)
+        return self.prefill.seconds(document_tokens)
 
     def dtype_mismatch(self, dtype: str) -> str | None:
         """Why this profile does not describe engines that run `dtype`, or None if it was

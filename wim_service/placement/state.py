@@ -61,6 +61,10 @@ class Work:
     document: str | None = None
     document_tokens: int = 0  # what a copy of the document costs to prefill
     document_blocks: int = 0  # what a copy of the document holds in KV
+    # The document was read before (a query's, or a session's rebuild): with a KV store its
+    # KV was saved then, so a copy restores it (`EngineProfile.read_seconds`). A new
+    # session's first read has nothing saved.
+    restorable: bool = False
     margins: int = 0  # margins the job writes (one per segment it reads)
     margin_tokens: int = 0  # tokens decoded per margin
     # Whether the job takes one of the replica's session slots while it runs: a WiM job

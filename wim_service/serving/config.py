@@ -105,6 +105,12 @@ class RouterConfig(BaseModel):
     # The engine cost profile the `wim` placement and the replicas' backlogs are computed with
     # (`wim sim --calibrate` measures one); unset: the profile shipped with the service.
     cost_profile: str | None = None
+    # Whether placement charges a copy or a rebuild of a document read before what restoring
+    # its saved KV costs (the profile's `restore`) instead of a re-read: None (the default)
+    # when the service has a KV store (env WIM_KV_STORE, which the router's deletes read
+    # too; docs/kv-store.md). False for a store that often misses (a bound far below the
+    # documents held): its copies then cost a re-read after the failed restore.
+    restore_copies: bool | None = None
     # Where document sessions (text, options, binding, expiry) live.
     store: StoreConfig = Field(default_factory=StoreConfig)
 

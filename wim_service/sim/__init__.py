@@ -9,7 +9,9 @@ document traces), `engine` (one replica's time line), `jobs` (how a request runs
 What the model simplifies, on purpose:
 
 * Costs are the `EngineProfile`'s fitted formulas, not a model run: a prefill costs
-  `prefill.seconds(new, cached)`, a decode step `decode.step_seconds(batch, context)`.
+  `prefill.seconds(new, cached)`, a decode step `decode.step_seconds(batch, context)`; a
+  copy of a document read before, a restore of its KV (`restore`, unless `--no-restore-copies`)
+  or else its prefill (`EngineProfile.read_seconds`, as the live placement charges it).
 * An engine does one thing at a time: prefills one after another (first queued, first run),
   and between them decode runs of the whole batch. A prefill pauses decoding (no chunked-prefill
   overlap); it waits only for the decode step under way.

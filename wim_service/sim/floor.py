@@ -38,6 +38,8 @@ def ttft_floor(trace: Trace, profile: EngineProfile, settings: SimSettings) -> d
         if request.margins is not None:  # the margins its row says are written
             work = replace(work, margins=request.margins)
         first_read = work.document is not None and work.document not in read
+        if first_read:  # read from its text: nothing of it was saved yet
+            work = replace(work, restorable=False)
         floors[request.index] = first_token_s(profile, work, idle, copy=first_read)
         if work.document is not None:
             read.add(work.document)

@@ -55,6 +55,7 @@ def work_for(
         + query_blocks(request, profile, margins, settings.margin_tokens),
         margins=margins,
         margin_tokens=settings.margin_tokens,
+        restorable=True,  # its session's read came first
     )
 
 
@@ -70,7 +71,12 @@ def read_work(query: Work) -> Work:
     """The session's first read of a query's document (`POST /documents`): placed on its own,
     as the live client opens a session before its first query."""
     return replace(
-        query, prompt_tokens=query.document_tokens, answer_tokens=0, margins=0, margin_tokens=0
+        query,
+        prompt_tokens=query.document_tokens,
+        answer_tokens=0,
+        margins=0,
+        margin_tokens=0,
+        restorable=False,
     )
 
 
@@ -100,7 +106,7 @@ class Job:
             engine.book(work.kv_blocks, estimate, document=None)
             engine.submit(PlainPrefill(self, estimate), now)
             return
-        read = profile.prefill.seconds(work.document_tokens) if self.copy else 0.0
+        read = read_seconds(profile, work) if self.copy else 0.0
         if work.reads_only:  # a new copy (no holder had the document)
             copy = engine.book(0, read, document=work.document, copy_blocks=work.document_blocks)
             assert copy is not None
@@ -176,6 +182,11 @@ class Job:
         self.on_done(self, engine, now)
 
 
+def read_seconds(profile: EngineProfile, work: Work) -> float:
+    """A copy's read of its document: restored from the KV store if it was read before."""
+    return profile.read_seconds(work.document_tokens, saved=work.restorable)
+
+
 def plain_seconds(profile: EngineProfile, work: Work, cached_blocks: int) -> float:
     cached = min(work.cached_tokens(cached_blocks), work.prompt_tokens - 1)
     return profile.prefill.seconds(work.prompt_tokens - cached, cached=cached)
@@ -207,7 +218,7 @@ class ReadPrefill:
     estimate_s: float
 
     def begin(self, engine: Engine) -> float:
-        return engine.profile.prefill.seconds(self.job.work.document_tokens)
+        return read_seconds(engine.profile, self.job.work)
 
     def finish(self, engine: Engine, now: float) -> None:
         # The copy's KV was reserved at booking; a query's margins come next, already queued.

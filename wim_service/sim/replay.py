@@ -67,6 +67,8 @@ class Replay:
         profile: EngineProfile,
         settings: SimSettings,
     ) -> None:
+        # Every copy is charged through this profile, in placement and on the engines alike.
+        profile = profile.for_store(settings.restore_copies)
         self.trace, self.profile, self.settings = trace, profile, settings
         self.policy: PlacementPolicy = make_policy(policy, profile, max_copies=settings.max_copies)
         self.engines = [

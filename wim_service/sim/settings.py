@@ -39,6 +39,10 @@ class SimSettings:
     # Whether a replica's backlog (what placement reads) counts its batch's decode left, or
     # only the prefills booked ahead (engine.py says why both are defensible).
     backlog_decode: bool = True
+    # Whether a copy of a document read before restores its KV from the KV store (the
+    # profile's `restore` cost, if measured) instead of reading it again: `RouterConfig.
+    # restore_copies`. On by default, as `./run.sh` runs with a store (docs/kv-store.md).
+    restore_copies: bool = True
 
     def check(self) -> None:
         """Within the bounds the live service takes (`WiMOptions`, `RouterConfig`)."""

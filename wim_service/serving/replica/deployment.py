@@ -73,7 +73,8 @@ class EngineReplica:
         self.documents = HeldDocuments()
         # The stored KV (engine/kv_transfer) of each document read here, for the reaper.
         self._stored: dict[str, StoredDocument] = {}
-        self.backlog = Backlog(EngineProfile.load(Path(cost_profile) if cost_profile else None))
+        profile = EngineProfile.load(Path(cost_profile) if cost_profile else None)
+        self.backlog = Backlog(profile.for_store(self.backend.kv_store is not None))
         self._reaper: asyncio.Task[None] | None = None
         # This replica's own metrics; vLLM's are in the process's global registry.
         self.registry = CollectorRegistry()
@@ -156,7 +157,9 @@ class EngineReplica:
         stored = StoredDocument(tenant, document_id) if self.backend.kv_store else None
 
         async def read() -> WiMSession:
-            work = session_work(document_id, estimated_tokens(document), 0, options)
+            work = session_work(
+                document_id, estimated_tokens(document), 0, options, restorable=restore
+            )
             with self.backlog.job(work, copy=True):
                 session = await open_document(
                     self.backend,

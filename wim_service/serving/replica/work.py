@@ -28,9 +28,11 @@ def session_work(
     *,
     query: str | None = None,
     segments: int = 0,
+    restorable: bool = False,
 ) -> Work:
-    """A document session's job: its read (`query` None; a first read or a copy), or a query
-    on it. A query reserves nothing new: the session's own reservation holds one query."""
+    """A document session's job: its read (`query` None; a first read, or `restorable`: a
+    rebuild or a copy of a document read before), or a query on it. A query reserves nothing
+    new: the session's own reservation holds one query; a copy it opens restores."""
     if query is None:
         return Work(
             prompt_tokens=context_tokens,
@@ -38,6 +40,7 @@ def session_work(
             document=document_id,
             document_tokens=context_tokens,
             document_blocks=kv_blocks,
+            restorable=restorable,
         )
     return Work(
         prompt_tokens=context_tokens + estimated_tokens(query),
@@ -47,6 +50,7 @@ def session_work(
         document_blocks=kv_blocks,
         margins=segments,
         margin_tokens=options.margin_max_tokens,
+        restorable=True,
     )
 
 

@@ -162,7 +162,7 @@ class DocumentCopies:
             self._opening.discard(session.session_id)
         if opened:
             # Read: the query's own part of the booking stays.
-            table.done(booking, table.profile.prefill.seconds(session.context_tokens))
+            table.done(booking, table.profile.read_seconds(session.context_tokens, saved=True))
             settled = HolderChoice(choice.replica, booking)
         else:
             table.cancel(booking)  # nothing read or kept there

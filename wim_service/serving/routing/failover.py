@@ -137,7 +137,9 @@ class Dispatcher:
         reached it is closed too, before the tenant's reservation of it goes back."""
         shape = await self.sizer.shape(text, session.options, None)
         blocks = self.sizer.blocks(shape, one_shot=False)
-        work = session_work(session.session_id, shape.context_tokens, blocks, session.options)
+        work = session_work(
+            session.session_id, shape.context_tokens, blocks, session.options, restorable=not fresh
+        )
         while True:
             booking = await self.fleet.place(None, work, exclude)
             replica = booking.replica

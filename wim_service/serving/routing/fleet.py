@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
+from wim_service.engine.kv_transfer.documents import store_url
 from wim_service.placement.policy import make_policy
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import NoRoom, Work
@@ -44,7 +45,10 @@ class ReplicaFleet:
         self.config = config
         self.metrics = metrics
         path = Path(config.cost_profile) if config.cost_profile else None
-        profile = EngineProfile.load(path)
+        restores = config.restore_copies
+        if restores is None:
+            restores = store_url() is not None
+        profile = EngineProfile.load(path).for_store(restores)
         policy = make_policy(config.placement, profile, max_copies=config.max_copies)
         self.table = BindingTable(policy, profile)
         # Each replica's load call, until it answers (one at a time per replica).
