@@ -242,6 +242,8 @@ def _other_value(name: str) -> tuple[list[str], object]:
         return [flag, choice], choice
     if isinstance(default, int | float):
         return [flag, str(2 * default)], 2 * default  # doubling keeps every bound and rule
+    if default is None and float in get_args(field.annotation):  # an optional number
+        return [flag, "2.5"], 2.5
     if default is None or isinstance(default, str):
         return [flag, "value-from-cli"], "value-from-cli"
     raise AssertionError(f"no test value for {name}: {field.annotation}")
