@@ -13,6 +13,7 @@ real-stack tests; `TWO_ROUTERS` (two routers over the same store) serves
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
@@ -210,6 +211,19 @@ def parse_sse(text: str) -> list[tuple[str, dict]]:
     return events
 
 
+# The stored KV's master key in the tests (a deployment takes it from a Secret).
+KV_MASTER_KEY = base64.b64encode(bytes(range(32))).decode()
+
+
+def kv_store_env(url: str) -> dict[str, str]:
+    """Documents' KV saved in `url` (engine/kv_transfer), bounded to 1 GiB: a 3,000-token
+    document of the default model takes ~140 MB in float32."""
+    from wim_service.engine.kv_transfer.documents import MAX_GIB_ENV, STORE_ENV
+    from wim_service.engine.kv_transfer.keys import MASTER_KEY_ENV
+
+    return {STORE_ENV: url, MASTER_KEY_ENV: KV_MASTER_KEY, MAX_GIB_ENV: "1"}
+
+
 def application(
     app: LiveApp,
     engines: int,
@@ -235,7 +249,9 @@ def application(
     router = {"name": "WiMRouter", "num_replicas": app.routers, **(router_options or {})}
     env = {"WIM_API_KEYS": keys_json(), **app.env}
     if redis_url is not None:
+        # Sessions and documents' KV in the same Redis, as docs/deploy.md deploys them.
         env["WIM_REDIS_URL"] = redis_url
+        env.update(kv_store_env(redis_url))
     return {
         "name": "wim",
         "route_prefix": "/",
@@ -297,6 +313,15 @@ class LiveStack:
             # proxy may send a request to a router Serve is stopping, and Serve kills it with
             # the request still open (a stream cut short, a bare 500).
             wait_for(lambda: self._routers_settled(app), f"the routers of {app.name}", 900)
+
+    def restart(self, app: LiveApp, engines: int) -> None:
+        """Stop the application, routers and engines alike (its sessions and documents' KV
+        stay in Redis), then deploy it again: a service restart."""
+        from ray import serve
+
+        serve.delete("wim")
+        self.deployed = None
+        self.deploy(app, engines)
 
     @staticmethod
     def _routers_settled(app: LiveApp) -> bool:

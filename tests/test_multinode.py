@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from tests.conftest import SharedEngine
-from tests.live_stack import OPTIONS, query_body, settled
+from tests.live_stack import OPTIONS, metric_in, query_body, settled
 from tests.multinode import Cluster, netns_inode, processes_in
 from tests.redis_server import redis_binary
 
@@ -244,6 +244,17 @@ def test_router_node_loss_loses_no_request(
     assert {a.router for a in outcome.answers[IN_FLIGHT:]} == {survivor}
 
 
+def per_router(client: httpx.Client, name: str, **labels: str) -> dict[str, float]:
+    """A metric as each of the two routers counts it (Serve's proxy picks one per scrape)."""
+    seen: dict[str, float] = {}
+    for _ in range(60):
+        response = client.get("/metrics")
+        seen[response.headers["X-WiM-Router"]] = metric_in(response.text, name, **labels)
+        if len(seen) == 2:
+            return seen
+    pytest.fail(f"one router answered 60 scrapes in a row: {sorted(seen)}")
+
+
 @pytest.mark.replica_step(4)
 def test_engine_node_loss_loses_no_request(
     cluster: Cluster,
@@ -253,6 +264,12 @@ def test_engine_node_loss_loses_no_request(
 ) -> None:
     lost_replica = document["replica"]
     node = cluster.nodes[cluster.node_of("EngineReplica", lost_replica)]
+    (survivor,) = {r for r, _ in cluster.replicas()["EngineReplica"]} - {lost_replica}
+    with cluster.client() as client:
+        reprefilled = per_router(client, "wim_reprefill_tokens_total")
+        restored = metric_in(
+            client.get("/metrics").text, "wim_kv_restored_tokens_total", replica=survivor
+        )
     outcome = under_fault(
         cluster,
         document["document_id"],
@@ -267,6 +284,15 @@ def test_engine_node_loss_loses_no_request(
     # Every answer after the loss came from the session on the surviving engine.
     survivors = outcome.replicas_after()
     assert lost_replica not in survivors and len(survivors) == 1, survivors
+    # The session was rebuilt there from the KV the lost engine saved as it read the
+    # document (in the cluster's Redis), not read again (docs/kv-store.md).
+    tokens = document["context_tokens"]
+    with cluster.client() as client:
+        after = metric_in(
+            client.get("/metrics").text, "wim_kv_restored_tokens_total", replica=survivor
+        )
+        assert after - restored >= 0.8 * tokens
+        assert per_router(client, "wim_reprefill_tokens_total") == reprefilled
 
 
 @pytest.mark.replica_step(3)

@@ -337,6 +337,9 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     document = open_document(client, report)
     failovers = metric(client, "wim_session_failover_total", reason="replica_lost")
     reprefilled = metric(client, "wim_reprefill_tokens_total")
+    restored = {
+        r: metric(client, "wim_kv_restored_tokens_total", replica=r) for r in ready_replicas(client)
+    }
     stream = Stream(query_body(document["document_id"]))
     stream.wait_for_event("margin")  # the query is running on the pinned replica
     ray.kill(_replica_actor(document["replica"]), no_restart=True)
@@ -349,7 +352,12 @@ def test_killing_the_pinned_replica_mid_request_still_answers(
     done = events[-1][1]
     assert done["answer"] and done["replica"] != document["replica"]
     assert metric(client, "wim_session_failover_total", reason="replica_lost") > failovers
-    assert metric(client, "wim_reprefill_tokens_total") >= reprefilled + document["context_tokens"]
+    # Rebuilt from the document's KV that the lost replica saved as it read it: restored,
+    # not read again (counted by the replica that restored it).
+    tokens, survivor = document["context_tokens"], done["replica"]
+    now_restored = metric(client, "wim_kv_restored_tokens_total", replica=survivor)
+    assert now_restored - restored.get(survivor, 0.0) >= 0.8 * tokens
+    assert metric(client, "wim_reprefill_tokens_total") - reprefilled <= 0.2 * tokens
     # The router says so in its Serve log (docs/serving.md, "Logs").
     move = f"a document session moved {document['replica']} -> {done['replica']} (replica_lost)"
     wait_for(lambda: move in router_log(), "the move in the router's log", 10)
@@ -545,3 +553,31 @@ def test_parked_sessions_start_a_second_replica_before_anyone_is_refused(
     finally:
         for document in documents:
             client.delete(f"/documents/{document['document_id']}")
+
+
+# Last of all: it stops the application and deploys it again, with one engine.
+@pytest.mark.replica_step(6)
+def test_a_restarted_service_restores_an_open_document_instead_of_reading_it(
+    live_stack: LiveStack, one_engine_client: httpx.Client, report: str
+) -> None:
+    """Routers and engines stopped and started again, the sessions and the documents' KV in
+    Redis: an open document's next query is answered from its restored KV, nothing of it
+    read again."""
+    client = one_engine_client
+    document = open_document(client, report)
+    tokens = document["context_tokens"]
+    live_stack.restart(MAIN, engines=1)
+    (replica,) = wait_for(
+        lambda: (r := ready_replicas(client)) and len(r) == 1 and r, "the restarted engine", 900
+    )
+    assert replica != document["replica"]
+    response = client.post("/wim", json=query_body(document["document_id"]))
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["replica"] == replica and answer["answer"]
+    # Restored on the new engine; the new router computed at most the tail block again.
+    assert metric(client, "wim_kv_restored_tokens_total", replica=replica) >= 0.8 * tokens
+    assert metric(client, "wim_reprefill_tokens_total") <= 0.2 * tokens
+    # Its answer read the restored document from the prefix cache.
+    assert answer["usage"]["prompt_tokens_cached"] >= 0.8 * tokens
+    assert client.delete(f"/documents/{document['document_id']}").status_code == 204
