@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.redis_server import RedisServer, free_port
+from wim_service.engine.kv_transfer import worker as worker_module
 from wim_service.engine.kv_transfer.block_io import BlockIO
 from wim_service.engine.kv_transfer.documents import DocumentKV, open_store
 from wim_service.engine.kv_transfer.jobs import LoadJob, SaveJob
@@ -269,7 +270,11 @@ def _save(kv: DocumentKV, ids: list[int], blocks: list[int]) -> dict[str, torch.
     return caches
 
 
-def test_a_saved_document_restores_bit_for_bit(kv: DocumentKV) -> None:
+@pytest.mark.parametrize("batch", [16, 2])
+def test_a_saved_document_restores_bit_for_bit(
+    kv: DocumentKV, monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    monkeypatch.setattr(worker_module, "LOAD_BATCH_BLOCKS", batch)
     ids = list(range(100))
     saved = _save(kv, ids, [3, 5, 6])
     planner = Planner(kv, SIG, 32)
@@ -299,8 +304,10 @@ def test_restore_checks_fall_back_with_a_reason(kv: DocumentKV, cipher: KVCipher
 
 @pytest.mark.parametrize("damage", ["tampered", "missing"])
 def test_a_block_that_fails_its_check_fails_the_whole_load(
-    kv: DocumentKV, cipher: KVCipher, damage: str
+    kv: DocumentKV, cipher: KVCipher, damage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The last block fails, after a first batch of blocks was copied in.
+    monkeypatch.setattr(worker_module, "LOAD_BATCH_BLOCKS", 2)
     ids = list(range(100))
     _save(kv, ids, [3, 5, 6])
     block = kv.store.root / cipher.storage_id(DOC) / block_name(SIG, 0, 2)  # type: ignore[attr-defined]

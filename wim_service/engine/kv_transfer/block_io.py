@@ -54,8 +54,11 @@ class BlockIO:
 
         if any(len(p) != self.block_bytes for p in payloads):
             raise ValueError("a stored block does not have this engine's block size in bytes")
-        joined = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        rows = joined.view(len(payloads), self.block_bytes)
+        size = self.block_bytes
+        buffer = bytearray(len(payloads) * size)
+        for i, payload in enumerate(payloads):
+            buffer[i * size : (i + 1) * size] = payload
+        rows = torch.frombuffer(buffer, dtype=torch.uint8).view(len(payloads), size)
         offset = 0
         for (_, kv, dim), size in zip(self._layers, self._sizes, strict=True):
             shape = kv.select(dim, 0).shape

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+LOAD_BATCH_BLOCKS = 16
+
 
 class _BlockMissing(Exception):
     pass
@@ -76,14 +78,17 @@ class WorkerSide:
 
     def _load(self, job: LoadJob) -> None:
         assert self.kv is not None and self.io is not None
-        payloads = []
-        for offset, link in enumerate(job.chain):
-            name = block_name(job.signature, self.rank, job.first_index + offset)
-            data = self.kv.get(job.doc, name, self._binding(job.signature, link))
-            if data is None:
-                raise _BlockMissing(f"stored block {name} is missing")
-            payloads.append(data)
-        self.io.write(job.block_ids, payloads)
+        # A few blocks at a time: a long document's KV is never all in memory twice.
+        for start in range(0, len(job.block_ids), LOAD_BATCH_BLOCKS):
+            payloads = []
+            for offset in range(start, min(start + LOAD_BATCH_BLOCKS, len(job.block_ids))):
+                name = block_name(job.signature, self.rank, job.first_index + offset)
+                binding = self._binding(job.signature, job.chain[offset])
+                data = self.kv.get(job.doc, name, binding)
+                if data is None:
+                    raise _BlockMissing(f"stored block {name} is missing")
+                payloads.append(data)
+            self.io.write(job.block_ids[start : start + len(payloads)], payloads)
 
     def save(self, jobs: list[SaveJob]) -> None:
         for job in jobs:
