@@ -5,6 +5,7 @@ wim sim --trace wim_service/sim/traces/mooncake_conversation_4000.jsonl.gz --rep
 wim sim --trace docs.jsonl --replicas 1,2,4,8 --policies sticky,wim --json-out sim.json
 wim sim --generate docs.jsonl --requests 2000 --rate 2 --documents 20 --zipf-exponent 1.2
 wim sim --calibrate --out profile.json --kv-cache-gib 2
+wim sim --calibrate --restore-only --profile profile.json --out profile.json
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_replay_arguments(parser)
     _add_generator_arguments(parser)
     parser.add_argument("--out", type=Path, help="where --calibrate writes the profile")
+    parser.add_argument(
+        "--restore-only",
+        action="store_true",
+        help="with --calibrate: measure only the restore cost (a temporary KV store) and write "
+        "--profile with it to --out (the engine flags must match the profile's engine)",
+    )
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(main=main)
 
@@ -99,6 +106,18 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.margin_tokens,
         help="tokens decoded per margin (%(default)s)",
     )
+    _add_copy_arguments(group)
+    group.add_argument(
+        "--backlog",
+        choices=["prefill+decode", "prefill"],
+        default="prefill+decode",
+        help="what a replica's backlog counts for placement: booked prefills and the batch's "
+        "decode left, or the prefills only (%(default)s)",
+    )
+
+
+def _add_copy_arguments(group: argparse._ArgumentGroup) -> None:
+    d = SIM_DEFAULTS
     group.add_argument(
         "--max-copies",
         type=int,
@@ -106,11 +125,12 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         help="copies of one document the wim policy may open (%(default)s)",
     )
     group.add_argument(
-        "--backlog",
-        choices=["prefill+decode", "prefill"],
-        default="prefill+decode",
-        help="what a replica's backlog counts for placement: booked prefills and the batch's "
-        "decode left, or the prefills only (%(default)s)",
+        "--restore-copies",
+        action=argparse.BooleanOptionalAction,
+        default=d.restore_copies,
+        help="a copy of a document read before restores its KV, as a service with a KV store "
+        "does (the profile's restore cost); --no-restore-copies: it re-reads the document "
+        "(default: restore, as ./run.sh runs with a store)",
     )
 
 
@@ -198,6 +218,7 @@ def settings_from(args: argparse.Namespace) -> SimSettings:
         margin_tokens=args.margin_tokens,
         max_copies=args.max_copies,
         backlog_decode=args.backlog == "prefill+decode",
+        restore_copies=args.restore_copies,
     )
     settings.check()
     return settings
@@ -214,6 +235,15 @@ def profile_from(args: argparse.Namespace) -> EngineProfile:
     return profile
 
 
+def copies_line(profile: EngineProfile, settings: SimSettings) -> str:
+    """How a copy of a document read before is charged in this replay."""
+    if not settings.restore_copies:
+        return "copies re-read their document (--no-restore-copies)"
+    if profile.restore is None:
+        return "copies re-read their document (the profile has no restore cost)"
+    return "copies restore their document's KV"
+
+
 def replay(args: argparse.Namespace) -> int:
     """Every policy at every fleet size: a table on stdout, the rows as JSON if asked."""
     counts, policies = parse_replicas(args.replicas), parse_policies(args.policies)
@@ -223,7 +253,7 @@ def replay(args: argparse.Namespace) -> int:
     print(
         f"{args.trace}: {len(trace.requests)} {trace.kind} requests, time scale "
         f"{args.time_scale:g}; profile {profile.model} ({profile.machine}), "
-        f"{profile.kv_capacity_tokens} KV tokens per replica",
+        f"{profile.kv_capacity_tokens} KV tokens per replica; {copies_line(profile, settings)}",
         file=sys.stderr,
     )
     rows: list[dict[str, Any]] = []
@@ -266,11 +296,15 @@ def calibrate_profile(args: argparse.Namespace) -> int:
     if args.out is None:
         raise ValueError("--calibrate needs --out FILE")
     try:  # vLLM: imported only when calibrating
-        from wim_service.engine.calibration import calibrate
+        from wim_service.engine.calibration import calibrate, calibrate_restore
     except ImportError as exc:  # a build without the engine's extras (vLLM)
         raise ValueError(f"cannot calibrate here: {exc}") from None
 
-    profile = calibrate(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    if args.restore_only:
+        profile = calibrate_restore(config, profile_from(args))
+    else:
+        profile = calibrate(config)
     args.out.write_text(profile.model_dump_json(indent=2) + "\n", encoding="utf-8")
     print(f"wrote the engine profile to {args.out}")
     return 0

@@ -15,7 +15,9 @@ what a sample means it to):
   outputs the engine merged still count). Fitted to `fixed_s + batch * per_sequence_s +
   total_context * per_context_token_s`, where total_context is what the batch attends to;
 * WiM queries on a document session (`engine/query_samples.py`): what they take beyond
-  those two fits is `query_extra_tokens`.
+  those two fits is `query_extra_tokens`;
+* restores (`engine/restore_samples.py`, a temporary KV store): fitted to `fixed_s + tokens *
+  per_token_s` (`EngineProfile.restore`); `calibrate_restore` measures only them.
 
 Both fits are least squares of the relative errors (samples span 0.1 s to a minute; plain
 least squares fits the longest and misses short prefills by 2-3x). A coefficient that comes
@@ -56,7 +58,8 @@ from wim_service.engine.query_samples import (
     measure_queries,
 )
 from wim_service.engine.request_params import PRIORITY, sampling_params
-from wim_service.placement.profile import DecodeCost, EngineProfile, PrefillCost
+from wim_service.engine.restore_samples import RESTORE, measure_restores, temporary_kv_store
+from wim_service.placement.profile import DecodeCost, EngineProfile, PrefillCost, RestoreCost
 from wim_service.wim.backend import RequestKind
 from wim_service.wim.capacity import JobShape
 from wim_service.wim.options import WiMOptions
@@ -146,8 +149,9 @@ def relative_lstsq(columns: np.ndarray, seconds: Sequence[float]) -> np.ndarray:
 def refit(profile: EngineProfile) -> EngineProfile:
     """`profile` with its costs fitted again to its own samples."""
     samples = profile.samples
+    prefill, decode, restore = fit_prefill(samples), fit_decode(samples), fit_restore(samples)
     fitted = profile.model_copy(
-        update={"prefill": fit_prefill(samples), "decode": fit_decode(samples)}
+        update={"prefill": prefill, "decode": decode, "restore": restore or profile.restore}
     )
     return fitted.model_copy(update={"query_extra_tokens": fit_query_extra(fitted)})
 
@@ -179,8 +183,20 @@ def fit_decode(samples: Iterable[dict[str, float]]) -> DecodeCost:
     return DecodeCost(fixed_s=fixed, per_sequence_s=per_sequence, per_context_token_s=per_context)
 
 
+def fit_restore(samples: Iterable[dict[str, float]]) -> RestoreCost | None:
+    """`RestoreCost` fitted to samples of `tokens` and `seconds`; None without any."""
+    rows = [s for s in samples if s["kind"] == RESTORE]
+    if not rows:
+        return None
+    columns = np.array([[1.0, s["tokens"]] for s in rows])
+    fixed, per_token = relative_lstsq(columns, [s["seconds"] for s in rows])
+    return RestoreCost(fixed_s=fixed, per_token_s=per_token)
+
+
 def predicted(profile: EngineProfile, sample: dict[str, float]) -> float:
     """What `profile` predicts for one sample."""
+    if sample["kind"] == RESTORE:
+        return profile.read_seconds(int(sample["tokens"]), saved=True)
     if sample["kind"] == PREFILL:
         return profile.prefill.seconds(int(sample["new"]), int(sample["cached"]))
     if sample["kind"] == QUERY:
@@ -188,7 +204,7 @@ def predicted(profile: EngineProfile, sample: dict[str, float]) -> float:
     return profile.decode.step_seconds(int(sample["batch"]), int(sample["context"]))
 
 
-KIND_NAMES = {PREFILL: "prefill", DECODE: "decode", QUERY: "query"}
+KIND_NAMES = {PREFILL: "prefill", DECODE: "decode", QUERY: "query", RESTORE: "restore"}
 
 
 def fit_errors(profile: EngineProfile) -> dict[str, float]:
@@ -350,6 +366,7 @@ def build_profile(
         margin_prompt_tokens=margin_prompt_tokens(builder),
         prefill=fit_prefill(samples),
         decode=fit_decode(samples),
+        restore=fit_restore(samples),
         samples=samples,
     )
     return profile.model_copy(update={"query_extra_tokens": fit_query_extra(profile)})
@@ -364,21 +381,35 @@ async def calibrate_on(backend: VLLMBackend, *, quick: bool = False) -> EnginePr
     load = os.getloadavg()
     plan = QUICK if quick else FULL
     queries = await measure_queries(backend, plan.query_documents, plan.queries_per_document)
-    samples = await measure(backend, plan) + queries
+    samples = await measure(backend, plan) + queries + await _restores(backend, plan)
     return build_profile(backend, samples, _max_load(load, os.getloadavg()))
 
 
-async def calibrate_async(config: EngineConfig, *, quick: bool = False) -> EngineProfile:
-    """`calibrate` inside a running event loop."""
+async def _restores(backend: VLLMBackend, plan: Plan) -> list[dict[str, float]]:
+    tokens = Probe(backend, seed=1).tokens  # other ids than `measure`'s: nothing cached
+    return await measure_restores(backend, tokens, quick=plan is QUICK)
+
+
+async def calibrate_async(
+    config: EngineConfig, *, quick: bool = False, restore_into: EngineProfile | None = None
+) -> EngineProfile:
+    """`calibrate` inside a running event loop (`calibrate_restore` with `restore_into`)."""
     from wim_service.engine.vllm_engine import VLLMBackend
 
-    backend = VLLMBackend.start(config)
-    # Always ends the engine: an error, a cancelled task, or the KeyboardInterrupt that the
-    # CLI raises on SIGTERM/SIGINT (cli/lifecycle.py) all pass through here.
-    try:
-        return await calibrate_on(backend, quick=quick)
-    finally:
-        backend.shutdown()
+    with temporary_kv_store(config) as stored:
+        backend = VLLMBackend.start(stored)
+        # Always ends the engine: errors, cancels, the CLI's KeyboardInterrupt on SIGTERM.
+        try:
+            if restore_into is None:
+                return await calibrate_on(backend, quick=quick)
+            if mismatch := restore_into.dtype_mismatch(backend.dtype):
+                raise ValueError(f"cannot add restores: {mismatch}")
+            samples = [s for s in restore_into.samples if s["kind"] != RESTORE]
+            samples += await _restores(backend, QUICK if quick else FULL)
+            update = {"samples": samples, "restore": fit_restore(samples)}
+            return restore_into.model_copy(update=update)
+        finally:
+            backend.shutdown()
 
 
 def calibrate(config: EngineConfig, *, quick: bool = False) -> EngineProfile:
@@ -390,6 +421,13 @@ def calibrate(config: EngineConfig, *, quick: bool = False) -> EngineProfile:
     return asyncio.run(calibrate_async(config, quick=quick))
 
 
+def calibrate_restore(
+    config: EngineConfig, profile: EngineProfile, *, quick: bool = False
+) -> EngineProfile:
+    """`profile` with its restore cost measured (again) on an engine started with `config`."""
+    return asyncio.run(calibrate_async(config, quick=quick, restore_into=profile))
+
+
 def describe(profile: EngineProfile) -> list[str]:
     """One line per sample, predicted against measured, then the fit's errors."""
     lines = []
@@ -398,6 +436,8 @@ def describe(profile: EngineProfile) -> list[str]:
             shape = f"prefill new={s['new']:.0f} cached={s['cached']:.0f}"
         elif s["kind"] == DECODE:
             shape = f"decode batch={s['batch']:.0f} context={s['context']:.0f}"
+        elif s["kind"] == RESTORE:
+            shape = f"restore tokens={s['tokens']:.0f} computed={s['computed']:.0f}"
         else:
             shape = f"WiM query document={s['document']:.0f} margins={s['margins']:.0f}"
         lines.append(
