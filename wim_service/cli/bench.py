@@ -1,5 +1,6 @@
-"""`wim bench`: the engine benchmark, or with `--serving` the service benchmark
-(docs/benchmarks.md); both in `wim_service.benchmarks`."""
+"""`wim bench`: the engine benchmark, or with `--serving` the service benchmark, `--store` the
+session store's, `--kv-restore` a restore against a re-read (docs/benchmarks.md); all in
+`wim_service.benchmarks`."""
 
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         action="store_true",
         help="benchmark the session store instead (in-process vs Redis, routers agreeing)",
     )
+    parser.add_argument(
+        "--kv-restore",
+        action="store_true",
+        help="benchmark restoring a document's stored KV against re-reading it instead "
+        "(a temporary KV store; --rounds rounds)",
+    )
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(main=main)
 
@@ -76,6 +83,10 @@ def main(args: argparse.Namespace) -> int:
         settings = settings_from(args)
     except (OSError, ValueError) as exc:  # an unreadable or invalid --options file
         return refused(exc)
+    if args.kv_restore:
+        from wim_service.benchmarks.restore import run_restore_bench
+
+        return run_command(run_restore_bench(settings))
     if args.store:
         from wim_service.benchmarks.store import run_store_bench
 
