@@ -58,7 +58,12 @@ from wim_service.engine.query_samples import (
     measure_queries,
 )
 from wim_service.engine.request_params import PRIORITY, sampling_params
-from wim_service.engine.restore_samples import RESTORE, measure_restores, temporary_kv_store
+from wim_service.engine.restore_samples import (
+    RESTORE,
+    measure_restores,
+    restore_medians,
+    temporary_kv_store,
+)
 from wim_service.placement.profile import DecodeCost, EngineProfile, PrefillCost, RestoreCost
 from wim_service.wim.backend import RequestKind
 from wim_service.wim.capacity import JobShape
@@ -184,12 +189,12 @@ def fit_decode(samples: Iterable[dict[str, float]]) -> DecodeCost:
 
 
 def fit_restore(samples: Iterable[dict[str, float]]) -> RestoreCost | None:
-    """`RestoreCost` fitted to samples of `tokens` and `seconds`; None without any."""
-    rows = [s for s in samples if s["kind"] == RESTORE]
-    if not rows:
+    """`RestoreCost` fitted to restore samples (`restore_medians`); None without any."""
+    medians = restore_medians(samples)
+    if not medians:
         return None
-    columns = np.array([[1.0, s["tokens"]] for s in rows])
-    fixed, per_token = relative_lstsq(columns, [s["seconds"] for s in rows])
+    columns = np.array([[1.0, tokens] for tokens in medians])
+    fixed, per_token = relative_lstsq(columns, list(medians.values()))
     return RestoreCost(fixed_s=fixed, per_token_s=per_token)
 
 
@@ -381,13 +386,9 @@ async def calibrate_on(backend: VLLMBackend, *, quick: bool = False) -> EnginePr
     load = os.getloadavg()
     plan = QUICK if quick else FULL
     queries = await measure_queries(backend, plan.query_documents, plan.queries_per_document)
-    samples = await measure(backend, plan) + queries + await _restores(backend, plan)
+    samples = await measure(backend, plan) + queries
+    samples += await measure_restores(backend, Probe(backend, seed=1).tokens, quick=quick)
     return build_profile(backend, samples, _max_load(load, os.getloadavg()))
-
-
-async def _restores(backend: VLLMBackend, plan: Plan) -> list[dict[str, float]]:
-    tokens = Probe(backend, seed=1).tokens  # other ids than `measure`'s: nothing cached
-    return await measure_restores(backend, tokens, quick=plan is QUICK)
 
 
 async def calibrate_async(
@@ -405,7 +406,7 @@ async def calibrate_async(
             if mismatch := restore_into.dtype_mismatch(backend.dtype):
                 raise ValueError(f"cannot add restores: {mismatch}")
             samples = [s for s in restore_into.samples if s["kind"] != RESTORE]
-            samples += await _restores(backend, QUICK if quick else FULL)
+            samples += await measure_restores(backend, Probe(backend, seed=1).tokens, quick=quick)
             update = {"samples": samples, "restore": fit_restore(samples)}
             return restore_into.model_copy(update=update)
         finally:

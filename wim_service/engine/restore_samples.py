@@ -17,9 +17,10 @@ import contextlib
 import math
 import os
 import secrets
+import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from wim_service.engine.config import EngineConfig
@@ -37,7 +38,8 @@ RESTORE = 3.0
 READ_PUSH_TOKENS = 1024
 # The tenant the samples are saved under (a temporary store only this run uses).
 _TENANT = "calibration"
-# Documents (tokens) a calibration reads and restores, each twice; a quick one fewer, once.
+# Documents (tokens) a calibration reads and restores, each three times (their median is
+# fitted); a quick one fewer, once.
 RESTORE_TOKENS = (1024, 2048, 4096)
 QUICK_RESTORE_TOKENS = (256, 1024)
 
@@ -58,6 +60,18 @@ def temporary_kv_store(config: EngineConfig) -> Iterator[EngineConfig]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def restore_medians(samples: Iterable[dict[str, float]]) -> dict[float, float]:
+    """The median seconds of the restore samples of each document size, by size: what the
+    restore cost is fitted to. A restore is one engine step, so a burst of other work on a
+    shared machine slows one sample severalfold, where a prefill's many steps average it
+    out (docs/kv-store.md)."""
+    sizes: dict[float, list[float]] = {}
+    for sample in samples:
+        if sample["kind"] == RESTORE:
+            sizes.setdefault(sample["tokens"], []).append(sample["seconds"])
+    return {tokens: statistics.median(seconds) for tokens, seconds in sorted(sizes.items())}
 
 
 async def read_document(
@@ -113,7 +127,7 @@ async def measure_restores(
     none on an engine without a KV store. Each document is deleted after its sample."""
     if backend.kv_store is None:  # `calibrate_async` gives its engine a temporary one
         return []
-    sizes, repeats = (QUICK_RESTORE_TOKENS, 1) if quick else (RESTORE_TOKENS, 2)
+    sizes, repeats = (QUICK_RESTORE_TOKENS, 1) if quick else (RESTORE_TOKENS, 3)
     # Warm-up, not recorded: an engine's first restore also asks the engine core for its
     # signature and runs the save and load paths for the first time (several times slower).
     await _restored(backend, tokens(2 * backend.limits.block_size), "warm-up")
