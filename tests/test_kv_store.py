@@ -384,3 +384,50 @@ def test_only_the_engine_layer_names_the_connectors_parameters() -> None:
     assert writers == ["engine/kv_transfer/documents.py", "engine/kv_transfer/planner.py"]
     params = sampling_params(4, first_token_ids=[1, 2], stop_token_ids=[3])
     assert "kv_transfer_params" not in (params.extra_args or {})
+
+
+class _BrokenStore(DirectoryKVStore):
+    """A store whose reads and writes fail in a way no backend names (a bug, a driver)."""
+
+    def get(self, doc_id: str, name: str) -> bytes | None:
+        raise RuntimeError("unexpected")
+
+    def put(self, doc_id: str, name: str, data: bytes) -> None:
+        raise RuntimeError("unexpected")
+
+
+def test_an_unexpected_failure_is_a_fallback_never_an_engine_error(
+    kv: DocumentKV, cipher: KVCipher, tmp_path: Path
+) -> None:
+    ids = list(range(100))
+    _save(kv, ids, [3, 5, 6])
+    broken = DocumentKV(_BrokenStore(kv.store.root, 10**8), cipher)  # type: ignore[attr-defined]
+    assert Planner(broken, SIG, 32).check(DOC, ids) == (0, "error")
+    worker, _ = _worker(broken)
+    worker.load([LoadJob("open-2", DOC, SIG, 0, [1, 2, 4], token_chain(ids, 32, 3))])
+    assert worker.results["open-2"].load_failed == "block_check"
+    assert worker.take_load_errors() == {1, 2, 4}
+    worker.save([SaveJob("open-3", DOC, SIG, 0, [1], token_chain(ids, 32, 1))])
+    assert worker.results["open-3"].save_failed == "error"
+
+
+def test_a_worker_that_cannot_read_its_kv_tensors_stores_nothing(kv: DocumentKV) -> None:
+    worker = WorkerSide(kv, 32)
+    worker.register({"layer.0": torch.zeros(5, 3, 32, 128)}, 9, 0)  # no block dimension
+    worker.load([LoadJob("open-1", DOC, SIG, 0, [1], token_chain(list(range(40)), 32, 1))])
+    assert worker.take_load_errors() == {1}
+    worker.save([SaveJob("open-1", DOC, SIG, 0, [1], token_chain(list(range(40)), 32, 1))])
+    assert kv.store.documents() == []
+
+
+def test_malformed_wim_kv_parameters_take_no_part(kv: DocumentKV) -> None:
+    planner = Planner(kv, SIG, 32)
+    for params in ({"tenant": "t"}, {"tenant": 1, "document": "d", "open": "o"}):
+        request = _request("r", list(range(64)), {"wim_kv": params})
+        planner.on_new_request(request)
+        output = SimpleNamespace(
+            num_scheduled_tokens={"r": 64},
+            kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: ([1, 2],)),
+        )
+        assert planner.build(output).saves == []
+        assert planner.matched(request, 0) == 0

@@ -88,6 +88,9 @@ class DocumentKV:
             return 0, exc.reason
         except (SealError, ValueError, KeyError):
             return 0, "tampered"
+        except Exception:  # in the engine core, an exception would end the engine
+            logger.exception("KV restore falls back to a re-read")
+            return 0, "error"
         if manifest is None:
             return 0, "missing"
         if (manifest.doc, manifest.signature, manifest.block_size) != (doc, signature, block_size):

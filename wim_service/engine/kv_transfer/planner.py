@@ -81,8 +81,12 @@ class Planner:
         params = wim_params(request.kv_transfer_params)
         if params is None or self.kv is None:
             return
-        doc = StoredDocument(str(params["tenant"]), str(params["document"]))
-        spine = _Spine(request, doc, str(params["open"]), bool(params.get("restore")))
+        tenant, document, open_id = (params.get(name) for name in ("tenant", "document", "open"))
+        if not (isinstance(tenant, str) and isinstance(document, str) and isinstance(open_id, str)):
+            logger.warning("a request's wim_kv parameters are malformed: not stored")
+            return
+        doc = StoredDocument(tenant, document)
+        spine = _Spine(request, doc, open_id, params.get("restore") is True)
         self._spines[request.request_id] = spine
         self.report(spine.open_id)
 

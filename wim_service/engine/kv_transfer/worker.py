@@ -47,9 +47,15 @@ class WorkerSide:
         self._load_errors: set[int] = set()
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, rank: int) -> None:
-        self.io = BlockIO(kv_caches, num_blocks)
-        self._layout = self.io.layout()
         self.rank = rank
+        try:
+            self.io = BlockIO(kv_caches, num_blocks)
+        except RuntimeError:
+            # KV tensors laid out in a way not understood: every load fails (and is
+            # recomputed), nothing is saved; the engine itself runs on.
+            logger.exception("stored document KV is off on this worker")
+            return
+        self._layout = self.io.layout()
 
     def _binding(self, signature: str, link: bytes) -> str:
         return f"{signature}|{self._layout}|{link.hex()}"
@@ -67,9 +73,11 @@ class WorkerSide:
             result = self._result(job.open_id)
             try:
                 self._load(job)
-            except (StoreError, SealError, _BlockMissing, ValueError) as exc:
+            # Anything at all: an exception here would end the engine, not just the load.
+            except Exception as exc:
                 reason = getattr(exc, "reason", "block_check")
-                logger.warning("KV restore failed (%s): %s", reason, exc)
+                expected = isinstance(exc, StoreError | SealError | _BlockMissing | ValueError)
+                logger.warning("KV restore failed (%s): %r", reason, exc, exc_info=not expected)
                 result.load_failed = reason
                 self._load_errors.update(job.block_ids)
                 continue
@@ -77,7 +85,8 @@ class WorkerSide:
             result.load_seconds += time.perf_counter() - started
 
     def _load(self, job: LoadJob) -> None:
-        assert self.kv is not None and self.io is not None
+        if self.kv is None or self.io is None:
+            raise _BlockMissing("this worker keeps no stored KV")
         # A few blocks at a time: a long document's KV is never all in memory twice.
         for start in range(0, len(job.block_ids), LOAD_BATCH_BLOCKS):
             payloads = []
@@ -99,14 +108,21 @@ class WorkerSide:
                 continue
             try:
                 result.saved_bytes += self._save(job)
-            except StoreError as exc:
-                result.save_failed = exc.reason
-                logger.warning("KV save of a document stopped (%s): %s", exc.reason, exc)
+            except Exception as exc:  # never an engine failure: the document is still read
+                result.save_failed = getattr(exc, "reason", "error")
+                expected = isinstance(exc, StoreError)
+                logger.warning(
+                    "KV save of a document stopped (%s): %r",
+                    result.save_failed,
+                    exc,
+                    exc_info=not expected,
+                )
                 continue
             result.saved_blocks += len(job.block_ids)
 
     def _save(self, job: SaveJob) -> int:
-        assert self.kv is not None and self.io is not None
+        if self.kv is None or self.io is None:
+            raise _BlockMissing("this worker keeps no stored KV")
         written = 0
         payloads = self.io.read(job.block_ids)
         links = job.chain[job.first_index :]
