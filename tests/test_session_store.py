@@ -316,6 +316,27 @@ async def test_reservations_count_against_the_tenants_limit_for_every_router(
     assert await two.reserve(session(), 2, lease_s=60) == {"acme": 2, "globex": 1}
 
 
+async def test_a_sessions_copies_are_on_its_tenants_books_but_not_its_open_documents(
+    routers: tuple[SessionStore, SessionStore],
+) -> None:
+    """A copy of a hot document holds a session slot and the document's KV on another replica:
+    the slots a reservation reports count it (the fair share), the tenant's open documents
+    (its limit) do not: the service, not the tenant, chose to copy."""
+    one, two = routers
+    hot = session(replica="r1")
+    assert await one.reserve(hot, 2, lease_s=60) == {"acme": 1}
+    await one.create(hot, TEXT)
+    assert await two.add_copy(hot.session_id, "r2", 4)
+    assert await one.add_copy(hot.session_id, "r3", 4)
+    assert await two.reserve(session(), 2, lease_s=60) == {"acme": 4}  # 1 + 2 copies + 1
+    assert await one.reserve(session(), 2, lease_s=60) is None  # two open documents
+    assert await two.drop_copy(hot.session_id, "r3")
+    assert await one.reserve(session(tenant_name="globex"), 2, lease_s=60) == {
+        "acme": 3,
+        "globex": 1,
+    }
+
+
 async def test_job_leases_count_until_they_end_or_run_out(
     routers: tuple[SessionStore, SessionStore],
 ) -> None:

@@ -166,8 +166,9 @@ class SessionStore(Protocol):
         self, session: StoredSession, limit: int, lease_s: float
     ) -> dict[str, int] | None:
         """Reserve a new session for its tenant for `lease_s` unless the tenant holds `limit`
-        (sessions and reservations); None if refused, else every tenant's holdings, this
-        reservation included."""
+        (sessions and reservations); None if refused, else the session slots every tenant
+        holds, this reservation included: a copy of a session (`add_copy`) holds a slot of
+        its own, so that the fair share counts what the tenant's documents take."""
         ...
 
     async def unreserve(self, session: StoredSession) -> None:

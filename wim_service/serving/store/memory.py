@@ -147,13 +147,17 @@ class MemorySessionStore:
     ) -> dict[str, int] | None:
         now = time.monotonic()
         self._reserved = {s: r for s, r in self._reserved.items() if r[1] > now}
-        held = Counter(s.tenant for s in self._live_sessions())
-        held.update(tenant for tenant, _ in self._reserved.values())
-        if held[session.tenant] >= limit:
+        live = self._live_sessions()
+        documents = Counter(s.tenant for s in live)
+        documents.update(tenant for tenant, _ in self._reserved.values())
+        if documents[session.tenant] >= limit:
             return None
         self._reserved[session.session_id] = (session.tenant, now + lease_s)
-        held[session.tenant] += 1
-        return dict(held)
+        documents[session.tenant] += 1
+        slots = Counter(documents)
+        for s in live:  # a copy holds a session slot of its own
+            slots[s.tenant] += len(s.copies)
+        return dict(slots)
 
     async def unreserve(self, session: StoredSession) -> None:
         self._reserved.pop(session.session_id, None)

@@ -190,18 +190,27 @@ end
 
 # KEYS: expiry index, reservations. ARGV: key prefix, reservation (`id|tenant`), tenant, limit,
 # lease_ms. Returns nil if the tenant holds `limit` sessions and reservations, else every
-# tenant's holdings with this reservation: tenant, count, tenant, count, ...
+# tenant's session slots with this reservation (a session's copies hold one each): tenant,
+# count, tenant, count, ...
 _RESERVE = """
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-local held = {}
-local function count(tenant) held[tenant] = (held[tenant] or 0) + 1 end
-each_live(KEYS[1], ARGV[1], function(_, key) count(redis.call('HGET', key, 'tenant')) end)
-for _, reservation in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  count(string.sub(reservation, string.find(reservation, '|', 1, true) + 1))
+local documents, held = {}, {}
+local function count(tenant, copies)
+  documents[tenant] = (documents[tenant] or 0) + 1
+  held[tenant] = (held[tenant] or 0) + 1 + copies
 end
-if (held[ARGV[3]] or 0) >= tonumber(ARGV[4]) then return false end
+each_live(KEYS[1], ARGV[1], function(_, key)
+  local session = redis.call('HMGET', key, 'tenant', 'copies')
+  local copies = 0
+  for _ in string.gmatch(session[2] or '', '[^,]+') do copies = copies + 1 end
+  count(session[1], copies)
+end)
+for _, reservation in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  count(string.sub(reservation, string.find(reservation, '|', 1, true) + 1), 0)
+end
+if (documents[ARGV[3]] or 0) >= tonumber(ARGV[4]) then return false end
 redis.call('ZADD', KEYS[2], now + ARGV[5], ARGV[2])
-count(ARGV[3])
+count(ARGV[3], 0)
 local out = {}
 for tenant, n in pairs(held) do
   out[#out + 1] = tenant
