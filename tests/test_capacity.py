@@ -51,8 +51,8 @@ class _Spy:
         self.contexts: list[Any] = []
         self._open = engine.open_context
 
-    async def open_context(self, *, reserve_blocks: int) -> Any:
-        context = await self._open(reserve_blocks=reserve_blocks)
+    async def open_context(self, *, reserve_blocks: int, stored: Any = None) -> Any:
+        context = await self._open(reserve_blocks=reserve_blocks, stored=stored)
         self.contexts.append(context)
         return context
 

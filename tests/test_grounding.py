@@ -10,7 +10,7 @@ import pytest
 from tests.test_orchestrator import FakeBackend, FakeContext
 from tests.test_vllm_engine import spans_since, wait_for_baseline
 from wim_service.eval.tasks import TaskKind, generate_tasks
-from wim_service.wim.backend import EngineLimits, GenerationParams, RequestKind
+from wim_service.wim.backend import EngineLimits, GenerationParams, RequestKind, StoredDocument
 from wim_service.wim.grounding import Claim, SegmentText, may_still_copy, query_overlap
 from wim_service.wim.options import GroundingMode, PromptTemplates, RelevanceMode, WiMOptions
 from wim_service.wim.orchestrator import run_wim
@@ -281,7 +281,9 @@ class RecordingBackend(FakeBackend):
     def limits(self) -> EngineLimits:
         return EngineLimits(self.window, 32, self.concurrent)
 
-    async def open_context(self, *, reserve_blocks: int) -> RecordingContext:
+    async def open_context(
+        self, *, reserve_blocks: int, stored: StoredDocument | None = None
+    ) -> RecordingContext:
         self.contexts.append(RecordingContext(self))
         return self.contexts[-1]
 

@@ -105,7 +105,7 @@ class FaultyBackend(FakeBackend):
             raise Injected(f"injected failure at {name}")
         await asyncio.Event().wait()  # until cancelled
 
-    async def open_context(self, *, reserve_blocks: int) -> FaultyContext:
+    async def open_context(self, *, reserve_blocks: int, stored: Any = None) -> FaultyContext:
         assert reserve_blocks > 0
         self.reserved_blocks += reserve_blocks
         self.contexts.append(FaultyContext(self, reserved_blocks=reserve_blocks))
