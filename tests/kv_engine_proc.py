@@ -29,9 +29,13 @@ SEGMENT_TOKENS = 1000  # not a multiple of the block size: pushes end inside blo
 MARGIN_TOKENS, ANSWER_TOKENS = 12, 16
 
 
+# The engines' dtype: float32 unless the test asks for another (`KV_TEST_DTYPE`).
+DTYPE_ENV = "KV_TEST_DTYPE"
+
+
 def engine_config(store: str) -> EngineConfig:
     return EngineConfig(
-        dtype="float32",
+        dtype=os.environ.get(DTYPE_ENV, "float32"),
         max_model_len=4096,
         kv_cache_gib=0.5,
         max_sessions=4,

@@ -7,8 +7,9 @@ same margins and answer come out token for token. With a directory store, B then
 fallback (another tenant, other tokens, a store that is down, a tampered block): each loads
 nothing, reads or recomputes the document, and still gives the same answer; deleting the
 document leaves nothing in the store, and a restore then loads nothing. With a Redis store
-(its own server), B restores, then restores while the server is paused (store down), then
-deletes.
+(its own server), both engines run bfloat16: B restores (the same bytes, so the same tokens,
+where bf16 KV read again segment by segment may differ), then restores while the server is
+paused (store down), then deletes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.kv_engine_proc import DTYPE_ENV
 from tests.process_tree import ProcessTree
 from tests.redis_server import RedisServer, redis_binary
 
@@ -96,7 +98,7 @@ def redis_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     go = work / "go"
     os.mkfifo(go)
     try:
-        env = _env()
+        env = {**_env(), DTYPE_ENV: "bfloat16"}
         saved = _save_and_kill(server.url, work / "a.log", env)
         restorer = _run("restore-redis", server.url, work / "b.log", env, str(go))
         try:
@@ -177,6 +179,8 @@ def test_deleting_a_document_leaves_nothing_in_the_store(runs: dict[str, dict[st
 
 
 def test_a_document_restored_from_redis_answers_the_same(redis_runs: dict[str, Any]) -> None:
+    """In bfloat16: the restored KV is the saved bytes, so margins and answer are the saving
+    engine's token for token."""
     saved, restored = redis_runs["saved"], redis_runs["restored"]
     assert restored["restore"]["fallback"] is None
     assert restored["restore"]["computed_tokens"] <= BLOCK + 1
