@@ -108,6 +108,12 @@ class Outcome:
     def longest_s(self) -> float:
         return max(a.seconds for a in self.answers)
 
+    @property
+    def longest_after_fault_s(self) -> float:
+        """From the fault having struck to the latest answer: the questions in flight had run
+        a second before it, work the lost node took with it."""
+        return max(a.ended for a in self.answers) - self.struck
+
     def replicas_after(self) -> set[str]:
         """The replicas that answered the questions ending once the fault had struck (one that
         ended while it was striking may still come from the replica it took)."""
@@ -155,7 +161,8 @@ def report(
         "figure",
         f"[multinode] {scenario}: lost {len(outcome.lost)}/{len(outcome.answers)} "
         f"(retried {retried}), longest {outcome.longest_s:.1f} s vs {normal_s:.1f} s "
-        f"normal, whole again after {outcome.fault_to_whole_s:.1f} s (the fault took "
+        f"normal (the last answer {outcome.longest_after_fault_s:.1f} s after the fault had "
+        f"struck), whole again after {outcome.fault_to_whole_s:.1f} s (the fault took "
         f"{outcome.fault_s:.1f} s to strike){more}",
     )
 
