@@ -22,6 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser = subparsers.add_parser(
         "serve",
         help="run the HTTP service on local Ray (Ray Serve's `serve run` with our environment)",
+        description="Run the HTTP service on local Ray. Documents' KV is saved to a directory in "
+        "the cache folder (sealed with a key kept beside it) unless WIM_KV_STORE names a store, "
+        "so that a restarted service restores documents instead of reading them again.",
     )
     parser.add_argument(
         "--config",
