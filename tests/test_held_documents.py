@@ -136,6 +136,40 @@ async def test_closing_a_document_while_it_is_read_stops_the_read_at_once() -> N
     assert await held.close("doc") is False
 
 
+class SlowClose(SlowRead):
+    """A read whose cancellation takes a while to unwind (the engine frees its context)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unwound = asyncio.Event()
+
+    async def __call__(self) -> Any:
+        try:
+            return await super().__call__()
+        except asyncio.CancelledError:
+            await self.unwound.wait()
+            raise
+
+
+async def test_an_open_while_an_abandoned_read_unwinds_reads_anew() -> None:
+    """Its last caller gone, a read is cancelled and takes a while to close its context; a
+    caller that opens the document meanwhile gets a read of its own, not that cancellation."""
+    held = HeldDocuments()
+    dying = SlowClose()
+    opening = asyncio.create_task(held.open("doc", dying, lambda: 0))
+    await dying.started.wait()
+    opening.cancel()
+    while not dying.cancelled:  # the read is cancelled (loop turns, no clock), and unwinds
+        await asyncio.sleep(0)
+    fresh = SlowRead()
+    fresh.finish.set()
+    again = asyncio.create_task(held.open("doc", fresh, lambda: 0))
+    await asyncio.sleep(0)
+    dying.unwound.set()
+    assert await again is fresh.session and len(held) == 1
+    assert opening.cancelled()
+
+
 async def test_a_read_cancelled_before_it_started_leaves_no_read_in_flight() -> None:
     held = HeldDocuments()
     opening = asyncio.create_task(held.open("doc", SlowRead(), lambda: 0))

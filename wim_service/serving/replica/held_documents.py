@@ -40,6 +40,10 @@ class _Reading:
     task: asyncio.Task[WiMSession]
     waiters: int = 0  # callers awaiting it now
     closed: bool = False  # closed (DELETE, expiry, a router's clean-up) before it ended
+    # Cancelled (closed, or every caller left) and still unwinding: closing its context takes
+    # the engine a while, and a caller that comes meanwhile must not join a read that ends
+    # in a cancellation it did not ask for.
+    ending: bool = False
 
 
 class HeldDocuments:
@@ -78,7 +82,7 @@ class HeldDocuments:
             return held
         reading = self._reading.get(document_id)
         # One that ended is left until its done callback runs: a success is held by now.
-        if reading is None or reading.task.done():
+        if reading is None or reading.task.done() or reading.ending:
             reading = self._start_read(document_id, read, clock)
         reading.waiters += 1
         try:
@@ -93,6 +97,7 @@ class HeldDocuments:
         finally:
             reading.waiters -= 1
             if reading.waiters == 0 and not reading.task.done():
+                reading.ending = True
                 reading.task.cancel()  # every caller left: nobody would ever query it
 
     def _start_read(
@@ -146,7 +151,7 @@ class HeldDocuments:
         callers get `NOT_FOUND`) once its KV is freed; False if it is neither here nor read."""
         reading = self._reading.get(document_id)
         if reading is not None and not reading.task.done():
-            reading.closed = True
+            reading.closed = reading.ending = True
             reading.task.cancel()
             # Its read closes its context on the way out: the KV is free when this returns.
             await asyncio.wait([reading.task])
