@@ -117,9 +117,8 @@ class _Stop:
         assert self.signum is not None
         self._finishing.acquire()
         # What is recorded dies first, then what a last walk of /proc finds: a walk can take
-        # seconds on a starved machine, and when `finish` walked first, faulthandler's deadline
-        # struck before it had killed anything and the tree outlived the command (`wim eval`
-        # beside the multi-node tests, 4 December 22:48).
+        # seconds on a starved machine, and walking first let faulthandler's deadline strike
+        # before anything was killed, so the tree outlived the command (docs/reliability.md).
         self.kill_recorded()
         self.record()
         self.kill_recorded()

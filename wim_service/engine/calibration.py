@@ -25,15 +25,8 @@ out negative (noise on a cost too small to see) is fixed at zero and the others 
 that the profile never predicts that more tokens save time. `samples` keeps every
 measurement (`fit_errors`, `describe`, `refit`).
 
-Fit on the 2-core development machine (AMD EPYC, float32, deploy/serve_config.yaml's engine):
-mean absolute relative error 7.1% (prefill, 18 samples) and 4.5% (decode, 8), load average
-at most 2.80/2.51/3.78 (the calibration's own engine, after other work had ended). The same
-plan under other worktrees' tests and a second engine (load ~4-11) missed by 26% and 12%: a
-shared machine's timings are noise, not a worse form. A one-shot WiM job on
-examples/harbor_report.txt (1,238 context tokens, 3 segments) answered after 5.5-5.7 s; the
-expected-wait policy predicts 5.2 s for its shape. One engine on one core (`cpu_threads_bind:
-rank`, placement/profiles/one-core.json, 4 December 22:02-22:07, load average at most 1.5):
-prefill 0.8% (18 samples), decode 5.3% (8), WiM queries 3.6% (9, `query_extra_tokens` 101).
+How well the fits match on the development machine, and under what load: docs/routing.md
+("wim sim", the calibration).
 """
 
 from __future__ import annotations

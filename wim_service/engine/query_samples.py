@@ -9,9 +9,9 @@ sees). Each writes one margin: the other segments share too few of its words
 profile's prefill and decode costs (`EngineProfile.lone_query_seconds`) is mostly the answers
 WiM starts beside its last margin (`answer_early`), one per guess at the notes, whose prefills
 attend to the whole document and pause the margin's decode. It is fitted as tokens prefilled
-after the document (`query_extra_tokens`), so it grows with the document as they do: on the
-2-core machine (4 December 21:55) a fixed number of seconds missed the queries on a 1,220-
-and a 3,732-token document by 18.5% on average, 100 tokens by 10.6%.
+after the document (`query_extra_tokens`), so it grows with the document as they do: a fixed
+number of seconds missed queries on short and long documents by nearly twice as much
+(docs/routing.md).
 """
 
 from __future__ import annotations

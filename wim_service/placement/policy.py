@@ -23,13 +23,10 @@ DEFAULT_MAX_COPIES = 8
 # then does that the prefix holder would not: charged this many times over its own wait.
 # Besides delaying what queues behind it, the recompute caches the prefix a second time,
 # evicting other prompts' blocks, so the next request of that prefix finds less; the prefix
-# holder is left only for one less busy by more than (1 + this) times the recompute. `wim sim`
-# of nine generated document traces (20 or 50 documents, Zipf 1.1-1.2, 1 query/s) at 8 and
-# 32 replicas (5 December): with 1, prefix reuse below sticky's in all 18 runs; with 10, at
-# least sticky's in 13, at p95 within 1.2% of 1's (their sums 198.0 s and 195.8 s; p95 at
-# most sticky's in 16 either way). 30 and 1,000 gave about the rows of 10. At 3 queries/s on
-# 8 replicas (overload) 10 is the worse (p95 1,198 s against 1,110 s): prefix holders stay
-# busier.
+# holder is left only for one less busy by more than (1 + this) times the recompute. With
+# 1, `wim sim` of generated document traces reused prefixes less than `sticky`; 10 reuses at
+# least as much at about the same p95, and is slightly worse only in overload, where prefix
+# holders stay busier (the runs: docs/routing.md).
 RECOMPUTE_CHARGE = 10
 
 

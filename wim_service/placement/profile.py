@@ -154,8 +154,8 @@ class EngineProfile(BaseModel):
 
     def dtype_mismatch(self, dtype: str) -> str | None:
         """Why this profile does not describe engines that run `dtype`, or None if it was
-        measured in it: a dtype moves an engine's speed severalfold on a CPU (bfloat16 ran
-        2.4x faster than float32 on 4 December's, where both are native)."""
+        measured in it: a dtype moves an engine's speed severalfold on a CPU, even where both
+        are native (docs/routing.md)."""
         if self.dtype == dtype:
             return None
         return f"the engine profile was measured in {self.dtype}, the engines run {dtype}"

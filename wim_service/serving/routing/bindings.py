@@ -147,7 +147,8 @@ class BindingTable:
         """Work booked but never sent (a copy decided and then given up, a read that failed)
         stops counting at once, all of it: its seconds, its running job, and the KV and session
         slot it booked. Left until the next report, they made the replica look full, and a node
-        loss stalls the reports (4 December: a session's rebuild was refused on them). A fresh
+        loss stalls the reports: a session's rebuild was refused on them (docs/reliability.md,
+        "A failover refused on phantom bookings"). A fresh
         report taken since never counted it: nothing to undo then."""
         load = self.loads.get(booking.replica)
         if load is not booking.load:

@@ -10,9 +10,9 @@ sends the query there. Later queries go to the holder with the least expected wa
 The read takes seconds on a real engine, and it happens outside the session's lock
 (`HolderChoice.copy_of`, then `read_copy`): the session's other queries start on its holders
 meanwhile. Held under the lock, it kept them all waiting for the read, on exactly the documents
-copies are for (4 December 22:07: a round-robin query on the primary waited 9.3 s where 2.6 s
-was expected). While this router reads a copy of a document, its other queries do not open a
-second one (`_opening`); across routers the store's `add_copy` bounds the holders.
+copies are for (docs/routing.md). While this router reads a copy of a document, its other
+queries do not open a second one (`_opening`); across routers the store's `add_copy` bounds
+the holders.
 
 A copy costs a whole document read, so it is opened on fresh evidence only: the loads the
 policy weighed may be a poll interval old, and a holder's report taken while a query ran
@@ -26,10 +26,8 @@ them like the primary, so that no replica reaps one as an orphan. A copy that no
 router used for `copy_idle_s` is closed (`retire_idle`): never the primary, never while a
 query of this router runs on it. When no replica has room for new work (a new session, a
 one-shot job), the copies no query of this router runs on are closed at once (`reclaim`,
-before the router answers 429): in `wim sim` of a document trace at 3 requests/s on 8
-replicas, new sessions queued behind copies that sat idle (`wim`'s p95 3,484 s without it,
-2,006 s with it, on 5 December 03:53, while plain requests still took session slots; the
-rows of today are in docs/routing.md).
+before the router answers 429): in `wim sim` of an overloaded document trace, new sessions
+otherwise queued behind copies that sat idle (docs/routing.md).
 (With several routers each one judges idleness by its own queries; a query that loses its
 copy to another router's retirement is failed over like one whose replica forgot the
 session.)

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 10.0
 # A poll waits this long for the reports; a replica that has not answered by then keeps its
 # last report, and its call goes on for the next poll. Waiting out LOAD_TIMEOUT_S instead
-# held every replica's report back while one node was gone: for 10 s the router placed work
-# on loads that no longer counted what had ended (4 December: a failover refused 429).
+# held every replica's report back while one node was gone: for LOAD_TIMEOUT_S the router
+# placed work on loads that no longer counted what had ended, and a failover was refused 429
+# (docs/reliability.md, "A failover refused on phantom bookings").
 POLL_WAIT_S = 1.0
 # How old the loads a refusal or a copy is decided on may be.
 FRESH_LOADS_S = 0.25
