@@ -1,54 +1,34 @@
-"""Running work on the replica that holds it, and moving it when that replica is lost.
+"""Moving a document session off a replica that no longer holds it.
 
-`Dispatcher` sends one-shot jobs and document-session queries to their replica over an
-injected `ReplicaClient` (a query to the primary or a copy of its document, `copies.py`). When
-the replica is lost mid-call, a lost copy is dropped; a lost primary is replaced by a live copy,
-or the session is re-pinned to another replica and rebuilt there from its text; and the call
-is retried. A streamed job does not repeat what it already delivered (`StreamProgress`).
+When a session's replica is lost or leaves (or answers that it forgot the session), a copy
+there is dropped; a primary there is replaced by a live copy of the document (no re-read), or
+the session is rebuilt on another replica from its text and bound there by compare-and-set in
+the session store, since another router may have moved or ended it meanwhile. `Dispatcher`
+(`dispatcher.py`) decides when; `SessionFailover` does the move, and the document reads that a
+new session and a rebuild share (a read retried elsewhere if its replica dies).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from wim_service.serving.config import RouterConfig
 from wim_service.serving.http.errors import HTTPFailure
-from wim_service.serving.http.responses import Item
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened
-from wim_service.serving.replica.plain import PlainParams, plain_blocks
-from wim_service.serving.replica.work import one_shot_work, plain_work, session_work
-from wim_service.serving.routing.bindings import BindResult, Booking
-from wim_service.serving.routing.copies import (
-    DocumentCopies,
-    HolderChoice,
-    close_on,
-    close_unless_held,
-)
+from wim_service.serving.replica.work import session_work
+from wim_service.serving.routing.bindings import BindResult
+from wim_service.serving.routing.copies import close_on, close_unless_held
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
-from wim_service.serving.routing.prefixes import prompt_blocks
-from wim_service.serving.routing.progress import StreamProgress
 from wim_service.serving.routing.sizing import JobSizer
-from wim_service.serving.routing.stored_kv import StoredKV
 from wim_service.serving.store import StoredSession
-from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
-from wim_service.wim.events import ErrorEvent, WiMEvent
-from wim_service.wim.options import WiMOptions
+from wim_service.wim.errors import ErrorCode
+from wim_service.wim.events import ErrorEvent
 
 logger = logging.getLogger(__name__)
-
-# A replica that Ray cannot reach for a moment is retried this often before it is given up.
-# Once, soon: a lost node's actors stay "unavailable" (not dead) until the GCS has missed its
-# health checks, and every retry until then delays the failover of the requests it held; a
-# replica given up too early costs one document read elsewhere, and its stale session is
-# purged when it is reachable again (tests/test_multinode.py's partition).
-TRANSIENT_RETRIES = 1
-TRANSIENT_BACKOFF_S = 0.25
 
 
 class SessionMissing(ReplicaLost):
@@ -58,72 +38,26 @@ class SessionMissing(ReplicaLost):
     then wait `replica_wait_s` for one."""
 
 
-def _gone(document_id: str) -> HTTPFailure:
+def session_gone(document_id: str) -> HTTPFailure:
     return HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
 
 
-@dataclass
-class _Job:
-    """One job's attempts so far: where it runs, what it delivered, what it tried."""
-
-    session_id: str
-    record: StoredSession | None  # the document session queried; None for a one-shot job
-    subject: str  # what log lines name the job by
-    progress: StreamProgress = field(default_factory=StreamProgress)
-    replica: str | None = None  # a one-shot job's placement (None: place it anew)
-    booking: Booking | None = None  # what this attempt booked on its replica's load
-    exclude: set[str] = field(default_factory=set)  # replicas lost by this job
-    failovers: int = 0
-    transient_retries: int = 0
-
-
-class Dispatcher:
+class SessionFailover:
     def __init__(
         self,
         client: ReplicaClient,
         fleet: ReplicaFleet,
         documents: DocumentTable,
         sizer: JobSizer,
-        config: RouterConfig,
         metrics: WiMMetrics,
     ) -> None:
         self.client = client
         self.fleet = fleet
         self.documents = documents
         self.sizer = sizer
-        self.config = config
         self.metrics = metrics
-        self.copies = DocumentCopies(client, fleet, documents, config, metrics)
-        self.stored_kv = StoredKV.from_env(metrics)
 
-    # -- document sessions -----------------------------------------------------------------
-
-    async def open_document(self, session: StoredSession, text: str) -> StoredSession:
-        """Read a new document on a replica with room and store its session, bound there.
-        Nothing of a read that fails stays in the KV store: no session names it."""
-        try:
-            replica, opened, blocks = await self._read(session, text, set(), fresh=True)
-        except BaseException:
-            await asyncio.shield(self.stored_kv.delete(session.tenant, session.session_id))
-            raise
-        try:
-            return await self.documents.add(
-                replace(
-                    session,
-                    replica=replica,
-                    context_tokens=opened.context_tokens,
-                    segments=opened.segments,
-                    kv_blocks=blocks,
-                ),
-                text,
-            )
-        except HTTPFailure:
-            # Not stored (the store is down): no KV may stay pinned for a session nobody has.
-            await self._close_on(replica, session.session_id)
-            await self.stored_kv.delete(session.tenant, session.session_id)
-            raise
-
-    async def _read(
+    async def read(
         self, session: StoredSession, text: str, exclude: set[str], *, fresh: bool = False
     ) -> tuple[str, DocumentOpened, int]:
         """Read the document on a replica with room, retried elsewhere if one dies: there,
@@ -155,7 +89,7 @@ class Dispatcher:
             except asyncio.CancelledError:
                 self.fleet.table.cancel(booking)
                 if fresh:
-                    await asyncio.shield(self._close_on(replica, session.session_id))
+                    await asyncio.shield(close_on(self.client, replica, session.session_id))
                 raise
             if isinstance(result, ErrorEvent):
                 self.fleet.table.cancel(booking)
@@ -165,63 +99,14 @@ class Dispatcher:
             self.fleet.table.done(booking)
             return replica, result, blocks
 
-    async def close_document(self, document_id: str) -> bool:
-        """End a session for every router at once (DELETE); False if there was none. Its
-        tombstone stops any failover in flight from binding it again."""
-        ended = await self.documents.remove(document_id)
-        if ended is not None:
-            await self.close_ended(ended)
-        return ended is not None
-
-    async def close_ended(self, session: StoredSession) -> None:
-        """Free an ended session's KV on every replica holding it, and in the KV store."""
-        await asyncio.gather(
-            *(self._close_on(replica, session.session_id) for replica in session.holders),
-            self.stored_kv.delete(session.tenant, session.session_id),
-        )
-
-    async def _close_on(self, replica: str, document_id: str) -> None:
-        await close_on(self.client, replica, document_id)
-
-    async def document_replica(
-        self, document_id: str, query: str, options: WiMOptions
-    ) -> HolderChoice:
-        """The replica a query of the document runs on (its primary, or a copy: `copies.py`),
-        counted as running there until `copies.end`, and what it booked there; or a new copy
-        to read first (`HolderChoice.copy_of`: `DocumentCopies.read_copy`). A session whose
-        primary is gone is taken over by a live copy, or rebuilt elsewhere. The store
-        decides: another router may have moved or ended the session. Called under the
-        session's lock."""
-        while True:
-            session = await self.documents.get(document_id)
-            if session is None:
-                raise _gone(document_id)
-            session = await self._drop_lost_copies(session)
-            primary = session.replica
-            replica: str | None
-            booking = None
-            if primary is not None and self.fleet.table.is_live(primary):
-                self.metrics.binding.labels(BindResult.HIT).inc()
-                choice = await self.copies.holder(session, query, options)
-                if choice.copy_of is not None:
-                    return choice
-                replica, booking = choice.replica, choice.booking
-            elif primary is None:
-                replica = await self._repin(session, "session_lost")
-            else:
-                replica = await self._lose(session, primary, "replica_left")
-            if replica is not None:
-                self.copies.begin(document_id, replica, primary=replica == primary)
-                return HolderChoice(replica, booking)
-
-    async def _drop_lost_copies(self, session: StoredSession) -> StoredSession:
+    async def drop_lost_copies(self, session: StoredSession) -> StoredSession:
         """`session` without its copies on replicas that are gone (dropped from the store)."""
         lost = [r for r in session.copies if not self.fleet.table.is_live(r)]
         for replica in lost:
             await self.documents.drop_copy(session.session_id, replica)
         return replace(session, copies=tuple(r for r in session.copies if r not in lost))
 
-    async def _lose(
+    async def lose(
         self, session: StoredSession, replica: str, reason: str, *, alive: bool = False
     ) -> str | None:
         """`replica` no longer holds `session` (lost, or `alive` but without it): a copy there
@@ -239,14 +124,14 @@ class Dispatcher:
         table = self.fleet.table
         copy = next((r for r in session.copies if r != replica and table.is_live(r)), None)
         if copy is None:
-            return await self._repin(session, reason, exclude=set() if alive else {replica})
+            return await self.rebuild(session, reason, exclude=set() if alive else {replica})
         if not await self.documents.rebind(document_id, replica, copy, promote=True):
             return None
         self.metrics.binding.labels(BindResult.REPIN).inc()
         logger.info("a document session's copy on %s took over from %s (%s)", copy, replica, reason)
         return copy
 
-    async def _repin(
+    async def rebuild(
         self, session: StoredSession, reason: str, exclude: set[str] | None = None
     ) -> str | None:
         """Rebuild the session on a replica (not one in `exclude`; by default not its own),
@@ -255,14 +140,14 @@ class Dispatcher:
         old, document_id = session.replica, session.session_id
         text = await self.documents.text(document_id)
         if text is None:
-            raise _gone(document_id)
+            raise session_gone(document_id)
         if exclude is None:
             exclude = {old} if old else set()
-        replica, opened, _ = await self._read(session, text, exclude)
+        replica, opened, _ = await self.read(session, text, exclude)
         try:
             moved = await self.documents.rebind(document_id, old, replica)
         except HTTPFailure:
-            await self._close_on(replica, document_id)
+            await close_on(self.client, replica, document_id)
             raise
         if not moved:
             await close_unless_held(self.client, self.documents, replica, document_id)
@@ -273,172 +158,3 @@ class Dispatcher:
         # Document ids stay out of logs at the default level (they name customers' data).
         logger.info("a document session moved %s -> %s (%s)", old, replica, reason)
         return replica
-
-    # -- jobs ------------------------------------------------------------------------------
-
-    async def job(
-        self,
-        session_id: str,
-        query: str,
-        options: WiMOptions,
-        *,
-        context: str | None = None,
-        record: StoredSession | None = None,
-    ) -> AsyncIterator[Item]:
-        """Events of one job as (replica, event), failing over when its replica is lost.
-
-        A one-shot job (`context`) is placed under `session_id` and unbound when it ends; a
-        query on a document session (`record`) goes to the session's replica, and holds the
-        session (no TTL ends it) while it runs.
-        """
-        if record is not None:
-            await self.documents.hold(record.session_id)
-        try:
-            async for item in self._attempts(session_id, query, options, context, record):
-                yield item
-        finally:
-            if record is None:
-                self.fleet.table.unbind(session_id)
-            else:
-                await self.documents.release(record.session_id)
-
-    async def plain(
-        self, session_id: str, prompt_ids: list[int], params: PlainParams
-    ) -> AsyncIterator[Item]:
-        """Events of one plain engine request (`serving/replica/plain.py`), placed like a
-        one-shot job under `session_id` and unbound when it ends. Not failed over: a short prompt
-        is cheap for its client to send again, and part of its answer may be out already."""
-        block = self.sizer.limits.block_size
-        needed = plain_blocks(len(prompt_ids), params, block)
-        # Its prefix as the engine caches it: the policy sends a repeated long prefix back to
-        # the replica holding it unless that replica is busier than recomputing it elsewhere.
-        prefix = prompt_blocks(prompt_ids, block, params.cache_salt)
-        work = plain_work(
-            len(prompt_ids), params.max_tokens, needed, prefix=prefix, block_tokens=block
-        )
-        booking = await self.fleet.place(session_id, work)
-        replica = booking.replica
-        self.metrics.binding.labels(BindResult.NEW).inc()
-        try:
-            async for event in self.client.replica(replica).complete(prompt_ids, params):
-                yield replica, event
-        except ReplicaLost as exc:
-            self.fleet.lost(replica, "replica_lost")
-            raise logged_failure(
-                ErrorCode.ENGINE_ERROR,
-                "the engine replica running this request was lost; send the request again",
-                exc,
-                session_id,
-            ) from exc
-        finally:
-            self.fleet.table.done(booking)
-            self.fleet.table.unbind(session_id)
-
-    async def _attempts(
-        self,
-        session_id: str,
-        query: str,
-        options: WiMOptions,
-        context: str | None,
-        record: StoredSession | None,
-    ) -> AsyncIterator[Item]:
-        # What log lines name the job by: a document id stays out of logs (docs/security.md).
-        job = _Job(session_id, record, session_id if record is None else "a document query")
-        while True:
-            job.progress.new_attempt()
-            replica, events = await self._start_attempt(job, query, options, context)
-            try:
-                async for event in events:
-                    self._check_event(job, replica, event)
-                    if job.progress.fresh(event):
-                        yield replica, event
-                return
-            except (HTTPFailure, WiMError, asyncio.CancelledError):
-                raise
-            except ReplicaLost as exc:
-                await self._recover(job, replica, exc)
-            except Exception as exc:  # a bug or engine fault on the replica: not retried
-                raise logged_failure(
-                    ErrorCode.ENGINE_ERROR,
-                    "the engine failed on this request",
-                    exc,
-                    f"{job.subject} on replica {replica}",
-                ) from exc
-            finally:
-                self._attempt_ended(job, replica)
-
-    def _attempt_ended(self, job: _Job, replica: str) -> None:
-        if job.booking is not None:
-            # Its work ended: it stops counting on the replica before the next load report.
-            self.fleet.table.done(job.booking)
-            job.booking = None
-        if job.record is not None:
-            self.copies.end(job.session_id, replica)
-
-    async def _start_attempt(
-        self, job: _Job, query: str, options: WiMOptions, context: str | None
-    ) -> tuple[str, AsyncIterator[WiMEvent]]:
-        """The replica of this attempt and its events: the document's replica (rebuilt there
-        if it was lost), or the one-shot job's, placed anew after a failover."""
-        if job.record is not None:
-            async with self.documents.lock(job.session_id):
-                choice = await self.document_replica(job.session_id, query, options)
-            if choice.copy_of is not None:
-                choice = await self.copies.read_copy(choice)
-            replica, job.booking = choice.replica, choice.booking
-            events = self.client.replica(replica).query_document(job.session_id, query, options)
-            return replica, events
-        if job.replica is None:
-            shape = await self.sizer.shape(context or "", options, query)
-            blocks = self.sizer.blocks(shape, one_shot=True)
-            work = one_shot_work(shape.context_tokens, shape.segments, blocks, options, query)
-            job.booking = await self.fleet.place(job.session_id, work, job.exclude)
-            job.replica = job.booking.replica
-            self.metrics.binding.labels(BindResult.REPIN if job.failovers else BindResult.NEW).inc()
-        return job.replica, self.client.replica(job.replica).run(context or "", query, options)
-
-    def _check_event(self, job: _Job, replica: str, event: WiMEvent) -> None:
-        if job.record is not None and (
-            isinstance(event, ErrorEvent) and event.code == ErrorCode.NOT_FOUND.value
-        ):
-            # The replica no longer has this session (restarted, or another router closed
-            # that copy): rebuild it.
-            raise SessionMissing(replica, LookupError(event.message))
-        if isinstance(event, ErrorEvent) and event.code == ErrorCode.ENGINE_ERROR:
-            # The replica logged the failure under the incident id its message names; this
-            # line ties that id to the job and the replica.
-            logger.warning("%s: replica %s: %s", job.subject, replica, event.message)
-
-    async def _recover(self, job: _Job, replica: str, exc: ReplicaLost) -> None:
-        """After `replica` was lost: retry it if it was unreachable for a moment, else fail
-        the job over (its session rebuilt or placed elsewhere), up to `max_failovers`."""
-        if exc.transient and job.transient_retries < TRANSIENT_RETRIES:
-            # Unreachable for a moment is not gone: try the same replica again.
-            job.transient_retries += 1
-            logger.warning("replica %s unreachable (%s); retrying", replica, exc)
-            await asyncio.sleep(TRANSIENT_BACKOFF_S * job.transient_retries)
-            return
-        job.failovers += 1
-        if job.failovers > self.config.max_failovers:
-            raise logged_failure(
-                ErrorCode.ENGINE_ERROR,
-                "engine replicas kept failing on this request; retry later",
-                exc,
-                job.subject,
-            ) from exc
-        missing = isinstance(exc, SessionMissing)
-        if missing:
-            logger.warning("replica %s does not hold the session; rebuilding it", replica)
-        else:
-            logger.warning("replica %s lost mid-request (%s); failing over", replica, exc)
-        if job.record is not None:
-            async with self.documents.lock(job.session_id):
-                current = await self.documents.get(job.session_id)
-                if current is not None and replica in current.holders:
-                    reason = "session_missing" if missing else "replica_lost"
-                    await self._lose(current, replica, reason, alive=missing)
-        else:
-            self.fleet.lost(replica, "replica_lost")
-            job.exclude.add(replica)
-            self.fleet.table.unbind(job.session_id)
-            job.replica = None

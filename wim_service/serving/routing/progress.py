@@ -1,5 +1,5 @@
 """What a streamed job already delivered to its client, so that a failover does not repeat it
-(`failover.Dispatcher` keeps one per job across its attempts)."""
+(`dispatcher.Dispatcher` keeps one per job across its attempts)."""
 
 from __future__ import annotations
 

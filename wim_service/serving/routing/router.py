@@ -5,10 +5,10 @@
   to a replica holding it (`PinnedReplicaRouter`).
 * `DocumentTable` keeps each document session (text, options, tenant, binding, copies,
   expiry) in the session store: in this process, or in Redis shared by every router replica.
-  `Dispatcher` runs jobs on the bound replica (a hot document's queries are shared with
-  copies on other replicas, `routing/copies.py`) and, if that replica dies or leaves, hands
-  the session to a live copy or rebuilds it elsewhere from the text and retries, so the
-  client still gets its answer.
+  `Dispatcher` (`routing/dispatcher.py`) runs jobs on the bound replica (a hot document's
+  queries are shared with copies on other replicas, `routing/copies.py`) and, if that replica
+  dies or leaves, hands the session to a live copy or rebuilds it elsewhere from the text
+  (`routing/failover.py`) and retries, so the client still gets its answer.
 * Errors are HTTP statuses with a JSON body `{code, message}` (`http/errors.py`); a streamed job
   reports late errors as an `error` event (`http/responses.py`).
 * `LoopLagMonitor` measures how late the router's event loop runs
@@ -43,12 +43,12 @@ from wim_service.serving.observability.vllm_metrics import merge_replica_metrics
 from wim_service.serving.replica.client import ReplicaClient, ServeReplicaClient
 from wim_service.serving.replica.plain import PlainParams
 from wim_service.serving.routing.bindings import BindResult
+from wim_service.serving.routing.dispatcher import Dispatcher
 from wim_service.serving.routing.documents import (
     DocumentTable,
     check_document_options,
     document_response,
 )
-from wim_service.serving.routing.failover import Dispatcher
 from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.quotas import JobLease, TenantGate
 from wim_service.serving.routing.recent import Paced, Recent
