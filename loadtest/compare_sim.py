@@ -2,7 +2,7 @@
 placement policy, and their TTFT p50/p95 side by side.
 
     .venv/bin/python loadtest/compare_sim.py --out /tmp/wim-compare
-    .venv/bin/python loadtest/compare_sim.py --calibrate --policies sticky,wim --out DIR
+    .venv/bin/python loadtest/compare_sim.py --calibrate --policies sticky,expected_wait --out DIR
 
 For each policy: start the service on 127.0.0.1:`--port` from deploy/serve_config.yaml with
 2 engine replicas (no autoscaling), each on a core of its own (`cpu_threads_bind: rank`),
@@ -66,6 +66,7 @@ from local_service import (
 from measure import output, port_taken
 
 from wim_service.engine.config import EngineConfig
+from wim_service.placement.policy import POLICIES, policy_name
 from wim_service.placement.profile import EngineProfile
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
 from wim_service.sim.replay import simulate
@@ -73,7 +74,6 @@ from wim_service.sim.report import summarise
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import Trace, TraceError, read_trace
 
-POLICIES = ("round_robin", "sticky", "wim")
 REPLICAS = 2
 # Each engine replica on a core of its own (`cpu_threads_bind: rank`): the simulator's replicas
 # are independent machines, and two engines sharing the 2 cores (the serve config's `nobind`)
@@ -326,7 +326,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "longer than the 8.4 minutes it takes with both cores) into OUT/profile.json, and use it",
     )
     args = parser.parse_args(argv)
-    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    args.policies = [policy_name(p.strip()) for p in args.policies.split(",") if p.strip()]
     if unknown := [p for p in args.policies if p not in POLICIES]:
         parser.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     if not args.skip_live and port_taken(args.port):

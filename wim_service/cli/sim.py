@@ -19,7 +19,7 @@ from typing import Any
 
 from wim_service.cli.lifecycle import refused
 from wim_service.engine.config import EngineConfig
-from wim_service.placement.policy import POLICIES
+from wim_service.placement.policy import POLICIES, policy_name
 from wim_service.placement.profile import EngineProfile
 from wim_service.sim.floor import floor_line, ttft_floor
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
@@ -66,7 +66,11 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--replicas", default="8", help="replicas, 1-64, or a list to sweep: 1,2,4,8 (8)"
     )
-    group.add_argument("--policies", default=",".join(POLICIES), help="(%(default)s)")
+    group.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="(%(default)s; `wim`, expected_wait's old name, still works)",
+    )
     group.add_argument("--profile", type=Path, help="engine profile (default: the shipped one)")
     group.add_argument("--json-out", type=Path, help="also write the rows as a JSON list here")
     group.add_argument(
@@ -122,7 +126,7 @@ def _add_copy_arguments(group: argparse._ArgumentGroup) -> None:
         "--max-copies",
         type=int,
         default=d.max_copies,
-        help="copies of one document the wim policy may open (%(default)s)",
+        help="copies of one document the expected_wait policy may open (%(default)s)",
     )
     group.add_argument(
         "--restore-copies",
@@ -203,7 +207,7 @@ def parse_replicas(text: str) -> list[int]:
 
 
 def parse_policies(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = [policy_name(name.strip()) for name in text.split(",") if name.strip()]
     for name in names or [text]:
         if name not in POLICIES:
             raise ValueError(f"unknown placement policy {name!r}; one of {', '.join(POLICIES)}")

@@ -7,12 +7,15 @@ the job on that replica (its KV, its session slot, its backlog) before it places
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import NoRoom, Placement, ReplicaState, Work
+
+logger = logging.getLogger(__name__)
 
 # Replicas one document may be held on at once, its first read included. A session runs one
 # query at a time, so a hot document's copies are its parallelism: with 4, `wim sim` of a
@@ -116,7 +119,7 @@ class ExpectedWait:
 
     profile: EngineProfile
     max_copies: int = DEFAULT_MAX_COPIES
-    name: str = "wim"
+    name: str = "expected_wait"
     weighs_loads: bool = True
 
     def start_s(self, work: Work, replica: ReplicaState, *, copy: bool) -> float:
@@ -227,17 +230,33 @@ class RoundRobin:
         return Placement(chosen.replica, open_copy=copy, cached_tokens=cached)
 
 
-POLICIES = ("round_robin", "sticky", "wim")
+POLICIES = ("round_robin", "sticky", "expected_wait")
+# Old names still accepted (configurations and scripts written with them keep working), each
+# logged once per process as deprecated.
+OLD_NAMES = {"wim": "expected_wait"}
+_warned: set[str] = set()
+
+
+def policy_name(name: str) -> str:
+    """The policy's name: `name`, or the one an old name stands for (`OLD_NAMES`)."""
+    current = OLD_NAMES.get(name)
+    if current is None:
+        return name
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning("placement policy %r is deprecated: it is called %r now", name, current)
+    return current
 
 
 def make_policy(
     name: str, profile: EngineProfile, *, max_copies: int = DEFAULT_MAX_COPIES
 ) -> PlacementPolicy:
-    """The policy called `name` (one of `POLICIES`)."""
+    """The policy called `name` (one of `POLICIES`, or an old name of one)."""
+    name = policy_name(name)
     if name == "round_robin":
         return RoundRobin()
     if name == "sticky":
         return Sticky()
-    if name == "wim":
+    if name == "expected_wait":
         return ExpectedWait(profile, max_copies=max_copies)
     raise ValueError(f"unknown placement policy {name!r}; one of {', '.join(POLICIES)}")

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from wim_service.engine.config import EngineConfig
-from wim_service.placement.policy import DEFAULT_MAX_COPIES
+from wim_service.placement.policy import DEFAULT_MAX_COPIES, policy_name
 from wim_service.placement.profile import EngineProfile
 
 
@@ -92,18 +92,20 @@ class RouterConfig(BaseModel):
     # among its concurrent jobs): past it 429 `overloaded` with Retry-After. Each worker takes
     # a core and up to `pdf_max_memory_bytes`.
     pdf_max_workers: int = Field(4, ge=1)
-    # Where new work runs (wim_service/placement/): `wim` sends each job where it is expected
-    # to start soonest (work queued there, prefill it would still do) and copies a hot
-    # document onto another replica when that is quicker; `sticky` keeps a document on the
-    # replica it was read on and puts new work where most KV is free; `round_robin` takes turns.
-    placement: Literal["wim", "sticky", "round_robin"] = "wim"
+    # Where new work runs (wim_service/placement/): `expected_wait` sends each job where it is
+    # expected to start soonest (work queued there, prefill it would still do) and copies a
+    # hot document onto another replica when that is quicker; `sticky` keeps a document on
+    # the replica it was read on and puts new work where most KV is free; `round_robin` takes
+    # turns. `wim`, its old name, still means `expected_wait` (a deprecation line is logged).
+    placement: Literal["expected_wait", "sticky", "round_robin"] = "expected_wait"
     # Replicas a document session may hold copies on at once, its first one included (1: a
     # document is never copied).
     max_copies: int = Field(DEFAULT_MAX_COPIES, ge=1, le=64)
     # A copy no query used for this long is closed (never a session's last one).
     copy_idle_s: float = Field(120.0, gt=0)
-    # The engine cost profile the `wim` placement and the replicas' backlogs are computed with
-    # (`wim sim --calibrate` measures one); unset: the profile shipped with the service.
+    # The engine cost profile the `expected_wait` placement and the replicas' backlogs are
+    # computed with (`wim sim --calibrate` measures one); unset: the profile shipped with the
+    # service.
     cost_profile: str | None = None
     # Whether placement charges a copy or a rebuild of a document read before what restoring
     # its saved KV costs (the profile's `restore`) instead of a re-read: None (the default)
@@ -120,6 +122,11 @@ class RouterConfig(BaseModel):
         """A profile that cannot be read is refused with the config, not at the first job."""
         if path is not None:
             try:
+    @field_validator("placement", mode="before")
+    @classmethod
+    def _current_policy_name(cls, name: object) -> object:
+        return policy_name(name) if isinstance(name, str) else name
+
                 EngineProfile.load(Path(path))
             except (OSError, ValueError) as exc:  # (a ValidationError is a ValueError)
                 raise ValueError(f"cost_profile {path!r} is not a readable profile: {exc}") from exc

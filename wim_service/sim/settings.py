@@ -35,7 +35,7 @@ class SimSettings:
     copy_idle_s: float = 120.0
     segment_tokens: int = 1024  # a WiM query writes one margin per segment of its document
     margin_tokens: int = 24  # tokens decoded per margin
-    max_copies: int = DEFAULT_MAX_COPIES  # copies of one document the `wim` policy may open
+    max_copies: int = DEFAULT_MAX_COPIES  # copies of one document `expected_wait` may open
     # Whether a replica's backlog (what placement reads) counts its batch's decode left, or
     # only the prefills booked ahead (engine.py says why both are defensible).
     backlog_decode: bool = True

@@ -135,7 +135,7 @@ class DocumentCopies:
         if not booking.placement.open_copy:
             return HolderChoice(booking.replica, booking)
         # A copy only beside holders whose loads are known (the policy weighed them), within
-        # the limit (a policy other than `wim` may ask for more), one read at a time.
+        # the limit (a policy other than `expected_wait` may ask for more), one read at a time.
         known = all(r in table.loads for r in holders)
         room = len(holders) < self.config.max_copies
         if known and room and session.session_id not in self._opening:
