@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from wim_service.placement import shapes
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import Work
 from wim_service.sim.engine import Engine
@@ -35,27 +36,28 @@ def work_for(
     prefix in hashes of `prefix_block_tokens` (its trace's)."""
     block = profile.block_tokens
     if not request.wim:
-        return Work(
-            prompt_tokens=request.prompt_tokens,
-            answer_tokens=request.answer_tokens,
-            kv_blocks=math.ceil((request.prompt_tokens + request.answer_tokens) / block),
+        blocks = math.ceil((request.prompt_tokens + request.answer_tokens) / block)
+        return shapes.plain(
+            request.prompt_tokens,
+            request.answer_tokens,
+            blocks,
             prefix=request.prefix,
-            prefix_block_tokens=prefix_block_tokens,
-            takes_session=False,
+            block_tokens=prefix_block_tokens,
         )
+    assert request.document is not None  # a WiM row names its document (`traces.py`)
     margins = math.ceil(request.document_tokens / settings.segment_tokens)
     # As a live session's: a copy reserves its document and one query (queries take turns in
     # that), so a query reserves nothing of its own at placement.
-    return Work(
-        prompt_tokens=request.prompt_tokens,
+    document_blocks = math.ceil(request.document_tokens / block)
+    document_blocks += query_blocks(request, profile, margins, settings.margin_tokens)
+    return shapes.document_query(
+        request.document,
+        request.document_tokens,
+        document_blocks,
+        query_tokens=request.query_tokens,
         answer_tokens=request.answer_tokens,
-        document=request.document,
-        document_tokens=request.document_tokens,
-        document_blocks=math.ceil(request.document_tokens / block)
-        + query_blocks(request, profile, margins, settings.margin_tokens),
         margins=margins,
         margin_tokens=settings.margin_tokens,
-        restorable=True,  # its session's read came first
     )
 
 
@@ -70,14 +72,8 @@ def query_blocks(request: Request, profile: EngineProfile, margins: int, margin_
 def read_work(query: Work) -> Work:
     """The session's first read of a query's document (`POST /documents`): placed on its own,
     as the live client opens a session before its first query."""
-    return replace(
-        query,
-        prompt_tokens=query.document_tokens,
-        answer_tokens=0,
-        margins=0,
-        margin_tokens=0,
-        restorable=False,
-    )
+    assert query.document is not None
+    return shapes.document_read(query.document, query.document_tokens, query.document_blocks)
 
 
 @dataclass(eq=False)

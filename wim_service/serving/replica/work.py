@@ -1,12 +1,14 @@
 """Jobs as placement sees them (`placement.state.Work`), built from what the router and the
-replicas know of a job: the same shape on both sides, so that the router's booking between two
-load reports and the replica's own backlog agree.
+replicas know of a job (its options, its text's estimated tokens) by the shapes `wim sim` builds
+its jobs with too (`placement/shapes.py`): the same shape on every side, so that the router's
+booking between two load reports, the replica's own backlog and the simulator agree.
 """
 
 from __future__ import annotations
 
 import math
 
+from wim_service.placement import shapes
 from wim_service.placement.state import Work
 from wim_service.wim.options import WiMOptions
 
@@ -31,26 +33,17 @@ def session_work(
     restorable: bool = False,
 ) -> Work:
     """A document session's job: its read (`query` None; a first read, or `restorable`: a
-    rebuild or a copy of a document read before), or a query on it. A query reserves nothing
-    new: the session's own reservation holds one query; a copy it opens restores."""
+    rebuild or a copy of a document read before), or a query on it."""
     if query is None:
-        return Work(
-            prompt_tokens=context_tokens,
-            answer_tokens=0,
-            document=document_id,
-            document_tokens=context_tokens,
-            document_blocks=kv_blocks,
-            restorable=restorable,
-        )
-    return Work(
-        prompt_tokens=context_tokens + estimated_tokens(query),
+        return shapes.document_read(document_id, context_tokens, kv_blocks, restorable=restorable)
+    return shapes.document_query(
+        document_id,
+        context_tokens,
+        kv_blocks,
+        query_tokens=estimated_tokens(query),
         answer_tokens=options.answer_max_tokens,
-        document=document_id,
-        document_tokens=context_tokens,
-        document_blocks=kv_blocks,
         margins=segments,
         margin_tokens=options.margin_max_tokens,
-        restorable=True,
     )
 
 
@@ -58,10 +51,11 @@ def one_shot_work(
     context_tokens: int, segments: int, kv_blocks: int, options: WiMOptions, query: str
 ) -> Work:
     """A one-shot WiM job: its document, query, margins and answer."""
-    return Work(
-        prompt_tokens=context_tokens + estimated_tokens(query),
+    return shapes.one_shot(
+        context_tokens,
+        kv_blocks,
+        query_tokens=estimated_tokens(query),
         answer_tokens=options.answer_max_tokens,
-        kv_blocks=kv_blocks,
         margins=segments,
         margin_tokens=options.margin_max_tokens,
     )
@@ -76,11 +70,6 @@ def plain_work(
     block_tokens: int = 16,
 ) -> Work:
     """A plain request; `prefix` the hashes of its prompt's full blocks of `block_tokens`."""
-    return Work(
-        prompt_tokens=prompt_tokens,
-        answer_tokens=max_tokens,
-        kv_blocks=kv_blocks,
-        prefix=prefix,
-        prefix_block_tokens=block_tokens,
-        takes_session=False,
+    return shapes.plain(
+        prompt_tokens, max_tokens, kv_blocks, prefix=prefix, block_tokens=block_tokens
     )
