@@ -23,6 +23,8 @@ _LAG_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 FAILOVER_REASONS = ("replica_lost", "replica_left", "session_missing")
 BINDING_RESULTS = ("hit", "new", "repin", "rejected")  # routing.bindings.BindResult's
 COPY_ROLES = ("primary", "copy")
+# The router's maintenance loop's steps (`WiMRouter._maintain`).
+MAINTENANCE_STEPS = ("loads", "expiry", "holds", "claims", "idle_copies", "kv_store_size")
 
 
 # Why a restore loaded nothing (`engine/kv_transfer`); the document was read instead.
@@ -101,6 +103,13 @@ class WiMMetrics:
         self._work(self.registry)
         self._copies(self.registry)
         self.event_loop_lag = event_loop_lag(self.registry)
+        self.maintenance_failures = Counter(
+            "wim_maintenance_failures",
+            "Steps of the router's maintenance loop that failed (each is logged with its "
+            "error); the loop goes on with the next step.",
+            ["step"],  # MAINTENANCE_STEPS
+            registry=self.registry,
+        )
         self.metrics_renders = Counter(
             "wim_metrics_renders",
             "Pages of /metrics rendered: at most one per metrics_interval_s, however many "
@@ -118,6 +127,8 @@ class WiMMetrics:
             self.binding.labels(result)
         for role in COPY_ROLES:
             self.copy_queries.labels(role)
+        for step in MAINTENANCE_STEPS:
+            self.maintenance_failures.labels(step)
         for relevant in ("true", "false"):
             for grounded in ("true", "false"):
                 self.margins.labels(relevant, grounded)
@@ -302,6 +313,7 @@ METRIC_NAMES = (
     "wim_copy_queries_total",
     "wim_document_copies",
     "wim_metrics_renders_total",
+    "wim_maintenance_failures_total",
     "wim_kv_saved_tokens_total",
     "wim_kv_restored_tokens_total",
     "wim_kv_restore_seconds",

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from wim_service.serving.config import ServiceConfig
@@ -151,22 +151,36 @@ class WiMRouter:
             await self.fleet.refresh_loads()
 
     async def _maintain(self) -> None:
+    def _maintenance_steps(self) -> dict[str, Callable[[], Awaitable[object]]]:
+        """The maintenance loop's steps by name (`MAINTENANCE_STEPS`, each counted from 0)."""
+        return {
+            "loads": self._loads.get,
+            "expiry": self._expire_documents,
+            "holds": self.documents.renew_held,
+            "claims": self._claim_documents,
+            "idle_copies": self._retire_copies,
+            "kv_store_size": self._kv_store_size.get,
+        }
+
         # Each step on its own: a store that is down must not stop the claims (or the loads).
-        steps = (
-            self._loads.get,
-            self._expire_documents,
-            self.documents.renew_held,
-            self._claim_documents,
-            self._retire_copies,
-            self._kv_store_size.get,
-        )
+        steps = self._maintenance_steps()
         while True:
-            for step in steps:
-                with contextlib.suppress(Exception):
-                    await step()
+            for name, step in steps.items():
+                await self._maintenance_step(name, step)
             await asyncio.sleep(self.config.router.load_poll_interval_s)
 
     async def _claim_documents(self) -> None:
+    async def _maintenance_step(self, name: str, step: Callable[[], Awaitable[object]]) -> None:
+        """Run one step; a failure is logged and counted (`wim_maintenance_failures_total`),
+        and the loop goes on: a step that fails on every turn is seen, not silent."""
+        try:
+            await step()
+        except Exception as exc:
+            self.metrics.maintenance_failures.labels(name).inc()
+            # A store that is down says so in its message; anything else is a bug to trace.
+            trace = not isinstance(exc, HTTPFailure)
+            logger.warning("maintenance step %s failed: %s", name, exc, exc_info=trace)
+
         """Tell every replica which document sessions are bound to it; a replica closes the
         sessions nobody claims within `orphan_timeout_s` (e.g. its router is gone and the store
         was in that router's memory). With a shared store every router claims them all.
