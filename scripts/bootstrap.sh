@@ -38,10 +38,10 @@ fi
 
 # System tools of the test suite, when asked (WIM_INSTALL_SYSTEM_TOOLS=1: ./test.sh asks by
 # default, ./run.sh does not): promtool and the prometheus server (Debian package prometheus)
-# for tests/test_deploy_observability.py and tests/test_prometheus_live.py, redis-server for
+# for tests/deploy/test_deploy_observability.py and tests/live/test_prometheus_live.py, redis-server for
 # the Redis session store's tests, chromium for the reading page's browser tests
-# (tests/test_page.py, driven by playwright), ip (iproute2) for the multi-node cluster's
-# network namespaces (tests/multinode.py). Only
+# (tests/serving/http/test_page.py, driven by playwright), ip (iproute2) for the multi-node cluster's
+# network namespaces (tests/harness/multinode.py). Only
 # root can install them; without them those tests skip, except in CI (CI=true), where they fail.
 if [ "${WIM_INSTALL_SYSTEM_TOOLS:-0}" = 1 ]; then
   missing=()

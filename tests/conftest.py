@@ -9,9 +9,13 @@ from typing import Any
 
 import pytest
 
-from tests.interrupt import leave_if_terminated, stop_run_on_sigterm, workers_end_first_on_sigterm
-from tests.live_stack import MAIN, TWO_ROUTERS, LiveStack
-from tests.redis_server import RedisServer, redis_binary
+from tests.harness.interrupt import (
+    leave_if_terminated,
+    stop_run_on_sigterm,
+    workers_end_first_on_sigterm,
+)
+from tests.harness.live_stack import MAIN, TWO_ROUTERS, LiveStack
+from tests.harness.redis_server import RedisServer, redis_binary
 from wim_service.assets.default_model import default_model_dir
 from wim_service.engine.config import EngineConfig
 from wim_service.wim.tokenizer import HFTokenizer
@@ -85,7 +89,7 @@ def engine(shared_engine: SharedEngine) -> Any:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One real redis-server (loopback, no persistence) for the session; tests keep apart by
-    key prefix. Skips without the binary, fails in CI (`tests/redis_server.py`)."""
+    key prefix. Skips without the binary, fails in CI (`tests/harness/redis_server.py`)."""
     server = RedisServer(redis_binary(), tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
@@ -94,7 +98,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture(scope="session")
 def live_stack(shared_engine: SharedEngine, redis_server: RedisServer) -> Iterator[LiveStack]:
     """Local Ray Serve on 127.0.0.1:8765 for every real-stack test, its sessions in the
-    session's redis-server (`tests/live_stack.py`)."""
+    session's redis-server (`tests/harness/live_stack.py`)."""
     shared_engine.close()
     stack = LiveStack(redis_server.url)
     yield stack
@@ -114,7 +118,7 @@ LIVE_APP_ORDER = (None, TWO_ROUTERS.name, MAIN.name)
 
 
 def _stage(item: pytest.Item) -> int:
-    """0: the tests without Ray; 1: the multi-node cluster's (tests/multinode.py), which
+    """0: the tests without Ray; 1: the multi-node cluster's (tests/harness/multinode.py), which
     start and stop their own Ray; 2: the local real stack's."""
     if _live_app(item) is not None:
         return 2
@@ -142,8 +146,8 @@ WORKER_GROUPS = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A SIGTERM ends the run as Ctrl-C does (tests/interrupt.py); under xdist the controller
-    passes it on to the workers."""
+    """A SIGTERM ends the run as Ctrl-C does (tests/harness/interrupt.py); under xdist the
+    controller passes it on to the workers."""
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         workers_end_first_on_sigterm()
     else:

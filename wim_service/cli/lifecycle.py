@@ -40,7 +40,7 @@ from wim_service.engine.lifetime import die_with_parent
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # What the orderly stop gets before the watchdog kills the process tree and exits: vLLM's
 # shutdown takes ~2 s (engine/process_env.py); `serve run`'s would outlast the 10 s that a
-# supervisor (or tests/test_signals.py) gives before it kills.
+# supervisor (or tests/cli/test_signals.py) gives before it kills.
 GRACE_S = 5.0
 # How often the stopping command records its descendants (see `_Stop.record`).
 RECORD_INTERVAL_S = 0.2

@@ -7,7 +7,8 @@ session with a query running or waiting is never an orphan: that query came thro
 that holds the session now, even if that router cannot list its sessions (its store is down).
 A document id names one text read with fixed options: a replica reads it once (`open`).
 
-Free of Ray, so that the rule is tested without a replica (`tests/test_held_documents.py`).
+Free of Ray, so that the rule is tested without a replica
+(`tests/serving/replica/test_held_documents.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The session store's interface: what every backend keeps per document session and promises.
 
-Promises of every backend (tests/test_session_store.py checks them on each):
+Promises of every backend (tests/serving/store/test_session_store.py checks them on each):
 
 * `create` is atomic and fails if the id exists or was deleted within the tombstone time.
 * `get`, `text`, `touch` and `rebind` see nothing of an unknown, expired or deleted session.

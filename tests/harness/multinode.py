@@ -1,0 +1,455 @@
+"""A real multi-node Ray cluster on one machine, for the fault tests
+(tests/multinode/test_multinode.py).
+
+Each Ray node runs in a network namespace of its own, with its own IP on a private /24, linked
+by a veth pair into a bridge in the root namespace (which has an address there too, so that
+the test process reaches the nodes and the nodes reach the Redis it runs):
+
+    head   GCS (fault tolerant: its tables in a real redis-server), dashboard, Serve
+           controller and Serve's one HTTP proxy; no CPU, so no replica lands there
+    e1, e2 one CPU and `wim_engine_host: 1` each: one engine replica per node
+    r1, r2 `wim_router_host`: the routers, one per node (`max_replicas_per_node`)
+
+Namespaces split the network only: every node sees the same file system (the model, the
+code), and `ray start` runs in each. The test process stays out of the cluster: it deploys
+and reads Serve's state through the dashboard's REST API and asks questions over HTTP, as an
+operator and a client would.
+
+Every process of a node lives in the node's namespace (`ip netns pids`), whoever its parent
+is; that is how a node is killed at once (stopped, then SIGKILLed: none sees another die
+first) and how teardown knows it left nothing. A run killed before its teardown is swept by
+the next one (names carry the pid of the test process that made them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from tests.harness.live_stack import ENGINE, TWO_ROUTERS, application, auth, wait_for
+from tests.harness.process_tree import is_engine_core
+from tests.harness.redis_server import RedisServer
+
+REPO = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
+PREFIX = "wimt"
+GCS_PORT = 6379
+DASHBOARD_PORT = 8265
+HTTP_PORT = 8000
+# The resources that place replicas on purpose (the Helm chart uses the same names).
+ENGINE_HOST = "wim_engine_host"
+ROUTER_HOST = "wim_router_host"
+# The default object store takes 30% of the machine's memory per node; the service passes
+# little through it.
+OBJECT_STORE_BYTES = 100 * 2**20
+# Engines on nodes of their own each have local rank 0: "rank" would bind both to core 0.
+MULTINODE_ENGINE = {**ENGINE, "cpu_threads_bind": "nobind"}
+NODE_ENV = {
+    "RAY_worker_niceness": "0",
+    # Ray kills actors when the *machine* passes 95% memory (tests/harness/live_stack.py).
+    "RAY_memory_monitor_refresh_ms": "0",
+    # The GCS declares a node dead after `failure_threshold` failed health checks, one every
+    # `period`, each failing after `timeout`: Ray's defaults (5 x 3 s, 10 s each) keep an
+    # unreachable node's replicas in the routing set for up to a minute; these, ~3-6 s.
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def run_ip(*args: str, check: bool = True) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def netns_pids(netns: str) -> list[int]:
+    """Every process in network namespace `netns` (none if it does not exist)."""
+    return [int(pid) for pid in run_ip("netns", "pids", netns, check=False).split()]
+
+
+def kill_all(netns: str, timeout_s: float = 30) -> None:
+    """SIGKILL every process of `netns` at once: all stopped first, so that none reacts to
+    another's death (a raylet reaping its workers, an actor exiting cleanly)."""
+    deadline = time.monotonic() + timeout_s
+    while pids := netns_pids(netns):
+        for signum in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes of {netns} survive SIGKILL: {pids}")
+        time.sleep(0.1)
+
+
+def netns_inode(netns: str) -> int:
+    """The namespace's identity: it outlives its name while a process is still in it."""
+    return os.stat(f"/run/netns/{netns}").st_ino
+
+
+def processes_in(inodes: set[int]) -> list[int]:
+    """Processes in any of the network namespaces `inodes`, named or not."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                link = os.readlink(proc / "ns" / "net")  # "net:[4026532290]"
+                if int(link[5:-1]) in inodes:
+                    found.append(int(proc.name))
+    return found
+
+
+def _is_engine(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        process = psutil.Process(pid)
+        return (
+            is_engine_core(process)
+            or process.name().startswith("VLLM")
+            or any("ServeReplica" in part for part in process.cmdline())
+        )
+    return False
+
+
+def our_namespaces() -> list[str]:
+    return [
+        line.split()[0]
+        for line in run_ip("netns", "list").splitlines()
+        if line.startswith(PREFIX) and line.split()
+    ]
+
+
+def sweep_stale() -> None:
+    """Remove what a run killed before its teardown (SIGKILL, a lost CI runner) left:
+    namespaces and bridges named after a test process that no longer runs."""
+    for netns in our_namespaces():
+        match = re.match(rf"{PREFIX}(\d+)-", netns)
+        if match and not Path(f"/proc/{match[1]}").exists():
+            kill_all(netns)
+            run_ip("netns", "del", netns, check=False)
+            run_ip("link", "del", f"{PREFIX}{match[1]}b", check=False)
+    for link in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        match = re.fullmatch(rf"{PREFIX}(\d+)", link.name)
+        if match and link.is_symlink() and not Path(f"/proc/{match[1]}").exists():
+            link.unlink()
+
+
+def free_subnet() -> str:
+    """The first three octets of a 10.77.x.0/24 no interface of this machine is on."""
+    used = run_ip("-4", "-o", "addr")
+    for third in range(1, 255):
+        if f" 10.77.{third}." not in used:
+            return f"10.77.{third}"
+    raise RuntimeError("no free 10.77.x.0/24")
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str  # head, e1, e2, r1, r2
+    netns: str
+    ip: str
+    veth: str  # the root namespace's end of its link: down is a partition
+    ray_args: tuple[str, ...]
+
+    @property
+    def is_engine_host(self) -> bool:
+        return self.name.startswith("e")
+
+
+class Cluster:
+    """The five nodes, Redis and the bridge; `start`, then `teardown` (idempotent, also on
+    SIGTERM) leaves nothing of them."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self.workdir = workdir
+        # Ray's temp dir, through a short link: its AF_UNIX sockets sit deep in it and may not
+        # pass 107 bytes, which pytest's temp path under xdist (`popen-gw1/`) already did.
+        self.ray_dir = Path(tempfile.gettempdir()) / self.tag
+        self.bridge = f"{self.tag}b"
+        self.subnet = free_subnet()
+        self.bridge_ip = f"{self.subnet}.254"
+        head_ip = f"{self.subnet}.1"
+        engine = ("--num-cpus", "1", "--resources", json.dumps({ENGINE_HOST: 1}))
+        router = ("--num-cpus", "0", "--resources", json.dumps({ROUTER_HOST: 100}))
+        worker = ("--address", f"{head_ip}:{GCS_PORT}")
+        head = (
+            *("--head", "--port", str(GCS_PORT), "--num-cpus", "0"),
+            *("--include-dashboard", "true", "--dashboard-host", "0.0.0.0"),
+            *("--dashboard-port", str(DASHBOARD_PORT)),
+        )
+        roles = [
+            ("head", 1, head),
+            ("e1", 11, worker + engine),
+            ("e2", 12, worker + engine),
+            ("r1", 21, worker + router),
+            ("r2", 22, worker + router),
+        ]
+        self.nodes = {
+            name: Node(name, f"{self.tag}-{name}", f"{self.subnet}.{host}", f"{self.tag}v{i}", args)
+            for i, (name, host, args) in enumerate(roles)
+        }
+        self.redis: RedisServer | None = None
+        # Processes the test process started itself (a restarted GCS): reaped at teardown.
+        self.restarted: list[subprocess.Popen[bytes]] = []
+        # The cluster's own token (Ray authenticates every RPC and dashboard call): not the
+        # machine's ~/.ray/auth_token, which `ray start --head` would otherwise use or write.
+        self.token = secrets.token_hex(32)
+        self.http = httpx.Client(
+            timeout=30, trust_env=False, headers={"Authorization": f"Bearer {self.token}"}
+        )
+
+    @property
+    def head(self) -> Node:
+        return self.nodes["head"]
+
+    @property
+    def base(self) -> str:
+        """Serve's HTTP proxy, on the head."""
+        return f"http://{self.head.ip}:{HTTP_PORT}"
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://{self.head.ip}:{DASHBOARD_PORT}"
+
+    def client(self, timeout: float = 600) -> httpx.Client:
+        return httpx.Client(base_url=self.base, timeout=timeout, headers=auth(), trust_env=False)
+
+    # -- start and stop -------------------------------------------------------------------
+
+    def start(self, redis_binary: str) -> None:
+        sweep_stale()
+        run_ip("link", "add", self.bridge, "type", "bridge")
+        run_ip("addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
+        run_ip("link", "set", self.bridge, "up")
+        for node in self.nodes.values():
+            run_ip("netns", "add", node.netns)
+            run_ip("link", "add", node.veth, "type", "veth", "peer", "eth0", "netns", node.netns)
+            run_ip("link", "set", node.veth, "master", self.bridge, "up")
+            run_ip("-n", node.netns, "addr", "add", f"{node.ip}/24", "dev", "eth0")
+            run_ip("-n", node.netns, "link", "set", "eth0", "up")
+            run_ip("-n", node.netns, "link", "set", "lo", "up")
+        self.redis = RedisServer(redis_binary, self.workdir, host=self.bridge_ip).start()
+        (self.workdir / "ray").mkdir()
+        self.ray_dir.symlink_to(self.workdir / "ray")
+        # One after another: started side by side, two of four workers timed out joining the
+        # head (their node info never came back within Ray's 30 s; 4 December 16:40).
+        for node in self.nodes.values():
+            self.start_node(node)
+        self.wait_for(lambda: self.alive_nodes() == set(self.nodes), "all nodes alive", 120)
+
+    def node_env(self, node: Node) -> dict[str, str]:
+        env = {**os.environ, **NODE_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+        # The workers import this checkout's code, whatever the virtualenv has installed.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        if node.name == "head":
+            assert self.redis is not None
+            # GCS fault tolerance: the GCS keeps its tables in Redis and a restarted GCS
+            # reads them back (the raylets and workers reconnect meanwhile).
+            env["RAY_REDIS_ADDRESS"] = f"{self.redis.host}:{self.redis.port}"
+            env["RAY_external_storage_namespace"] = self.tag
+        return env
+
+    def start_node(self, node: Node) -> None:
+        """`ray start` in the node's namespace (again, after `kill_node`); it returns once
+        the node's daemons run."""
+        argv = [
+            *("ip", "netns", "exec", node.netns, RAY, "start"),
+            *("--node-ip-address", node.ip, "--temp-dir", str(self.ray_dir)),
+            *("--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats"),
+            *node.ray_args,
+        ]
+        if node.name == "head":
+            assert self.redis is not None
+            # The GCS keeps its tables in the password-protected Redis (`node_env`).
+            argv += ["--redis-password", self.redis.password]
+        log = self.workdir / f"ray-start-{node.name}.log"
+        with log.open("ab") as out:
+            done = subprocess.run(
+                argv, env=self.node_env(node), stdout=out, stderr=subprocess.STDOUT, timeout=180
+            )
+        if done.returncode != 0:
+            raise RuntimeError(f"ray start on {node.name} failed:\n{log.read_text()[-3000:]}")
+
+    def kill_node(self, node: Node) -> None:
+        """Every process of the node (raylet, workers, EngineCore, ...) SIGKILLed at once."""
+        kill_all(node.netns)
+
+    def kill_gcs(self) -> Callable[[], None]:
+        """SIGKILL the head's GCS alone (raylets, workers, Serve and the dashboard run on);
+        returns what starts it again as it was (same command, environment and directory),
+        reading its tables back from Redis."""
+        (gcs,) = [
+            process
+            for process in map(psutil.Process, netns_pids(self.head.netns))
+            if process.name() == "gcs_server"
+        ]
+        argv, env, cwd = gcs.cmdline(), gcs.environ(), gcs.cwd()
+        gcs.kill()
+        gcs.wait(10)
+
+        def restart() -> None:
+            log = self.workdir / "gcs-restarted.log"
+            with log.open("ab") as out:
+                self.restarted.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", self.head.netns, *argv],
+                        env=env,
+                        cwd=cwd,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+
+        return restart
+
+    def cut(self, node: Node) -> None:
+        """A network partition: the node's link goes down; its processes run on."""
+        run_ip("link", "set", node.veth, "down")
+
+    def restore(self, node: Node) -> None:
+        run_ip("link", "set", node.veth, "up")
+
+    @staticmethod
+    def engines_ended(node: Node, timeout_s: float) -> bool:
+        """Whether the node's engine replicas (Serve replica workers, vLLM's EngineCore and
+        workers) ended within `timeout_s`, without a kill. (Ray's per-node daemons outside
+        the raylet's tree, such as its log monitor, live on until the node is restarted.)"""
+        deadline = time.monotonic() + timeout_s
+        while any(map(_is_engine, netns_pids(node.netns))):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
+    def teardown(self) -> None:
+        self.http.close()
+        for node in self.nodes.values():
+            kill_all(node.netns)
+            run_ip("netns", "del", node.netns, check=False)
+        run_ip("link", "del", self.bridge, check=False)
+        for process in self.restarted:
+            process.wait(10)  # killed with its namespace
+        if self.redis is not None:
+            self.redis.stop()
+        self.ray_dir.unlink(missing_ok=True)
+
+    def leftovers(self) -> list[str]:
+        """What of this cluster still exists (nothing after `teardown`)."""
+        left = [f"netns {ns}" for ns in our_namespaces() if ns.startswith(f"{self.tag}-")]
+        if run_ip("link", "show", self.bridge, check=False):
+            left.append(f"bridge {self.bridge}")
+        if self.redis is not None and self.redis.process is not None:
+            left.append(f"redis-server {self.redis.process.pid}")
+        if self.ray_dir.is_symlink():
+            left.append(f"link {self.ray_dir}")
+        return left
+
+    # -- the cluster's state, through the dashboard --------------------------------------
+
+    def alive_nodes(self) -> set[str]:
+        """Names of the nodes the GCS counts alive."""
+        response = self.http.get(f"{self.dashboard}/api/v0/nodes", params={"limit": 100})
+        if response.status_code != 200:
+            return set()
+        by_ip = {node.ip: node.name for node in self.nodes.values()}
+        return {
+            by_ip[row["node_ip"]]
+            for row in response.json()["data"]["result"]["result"]
+            if row["state"] == "ALIVE" and row["node_ip"] in by_ip
+        }
+
+    def deploy(self, redis_url: str, *, router_memory: int | None = None) -> None:
+        """The two-router application (sessions in Redis) with routers and two engines placed
+        on their hosts, one replica per node; Serve's one proxy on the head. `router_memory`
+        (a router actor option) changes the routers alone: a deploy that replaces them."""
+        router_actor: dict[str, Any] = {"num_cpus": 0, "resources": {ROUTER_HOST: 1}}
+        if router_memory is not None:
+            router_actor["memory"] = router_memory
+        config = {
+            "proxy_location": "HeadOnly",
+            "http_options": {"host": "0.0.0.0", "port": HTTP_PORT},
+            "applications": [
+                application(
+                    TWO_ROUTERS,
+                    2,
+                    redis_url=redis_url,
+                    engine=MULTINODE_ENGINE,
+                    router_options={
+                        "ray_actor_options": router_actor,
+                        "max_replicas_per_node": 1,
+                    },
+                    engine_options={
+                        "ray_actor_options": {"num_cpus": 1, "resources": {ENGINE_HOST: 1}},
+                        "max_replicas_per_node": 1,
+                    },
+                )
+            ],
+        }
+        response = self.http.put(f"{self.dashboard}/api/serve/applications/", json=config)
+        assert response.status_code == 200, response.text
+
+    def replicas(self) -> dict[str, list[tuple[str, str]]]:
+        """Deployment -> its RUNNING replicas as (replica id, node name); {} while Serve's
+        state cannot be read (the GCS restarting)."""
+        try:
+            response = self.http.get(f"{self.dashboard}/api/serve/applications/")
+        except httpx.TransportError:
+            return {}
+        if response.status_code != 200:
+            return {}
+        app = response.json().get("applications", {}).get("wim")
+        if app is None:
+            return {}
+        by_ip = {node.ip: node.name for node in self.nodes.values()}
+        return {
+            name: [
+                (replica["replica_id"], by_ip.get(replica["node_ip"], replica["node_ip"]))
+                for replica in deployment["replicas"]
+                if replica["state"] == "RUNNING"
+            ]
+            for name, deployment in app["deployments"].items()
+        }
+
+    def whole(self) -> bool:
+        """Every node alive, two routers on the two router nodes, two engines on the two
+        engine nodes, and the routers see both engines ready."""
+        replicas = self.replicas()
+        routers = sorted(node for _, node in replicas.get("WiMRouter", []))
+        engines = sorted(node for _, node in replicas.get("EngineReplica", []))
+        if routers != ["r1", "r2"] or engines != ["e1", "e2"]:
+            return False
+        if self.alive_nodes() != set(self.nodes):
+            return False
+        with self.client(timeout=10) as client:
+            response = client.get("/readyz")
+            return response.status_code == 200 and len(response.json()["replicas"]) == 2
+
+    def node_of(self, deployment: str, replica_id: str) -> str:
+        return dict(self.replicas()[deployment])[replica_id]
+
+    @staticmethod
+    def wait_for(condition: Callable[[], Any], what: str, timeout: float) -> Any:
+        """`tests.harness.live_stack.wait_for`, but any HTTP error counts as "not yet" (a partition
+        or a restarting GCS fails requests in more ways than a refused connection), and so does
+        a reply without the fields asked for."""
+        return wait_for(condition, what, timeout, errors=(httpx.HTTPError, KeyError))
