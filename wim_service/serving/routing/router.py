@@ -150,7 +150,6 @@ class WiMRouter:
         if not self.fleet.table.loads:
             await self.fleet.refresh_loads()
 
-    async def _maintain(self) -> None:
     def _maintenance_steps(self) -> dict[str, Callable[[], Awaitable[object]]]:
         """The maintenance loop's steps by name (`MAINTENANCE_STEPS`, each counted from 0)."""
         return {
@@ -162,6 +161,7 @@ class WiMRouter:
             "kv_store_size": self._kv_store_size.get,
         }
 
+    async def _maintain(self) -> None:
         # Each step on its own: a store that is down must not stop the claims (or the loads).
         steps = self._maintenance_steps()
         while True:
@@ -169,7 +169,6 @@ class WiMRouter:
                 await self._maintenance_step(name, step)
             await asyncio.sleep(self.config.router.load_poll_interval_s)
 
-    async def _claim_documents(self) -> None:
     async def _maintenance_step(self, name: str, step: Callable[[], Awaitable[object]]) -> None:
         """Run one step; a failure is logged and counted (`wim_maintenance_failures_total`),
         and the loop goes on: a step that fails on every turn is seen, not silent."""
@@ -181,6 +180,7 @@ class WiMRouter:
             trace = not isinstance(exc, HTTPFailure)
             logger.warning("maintenance step %s failed: %s", name, exc, exc_info=trace)
 
+    async def _claim_documents(self) -> None:
         """Tell every replica which document sessions are bound to it; a replica closes the
         sessions nobody claims within `orphan_timeout_s` (e.g. its router is gone and the store
         was in that router's memory). With a shared store every router claims them all.
