@@ -116,17 +116,17 @@ class RouterConfig(BaseModel):
     # Where document sessions (text, options, binding, expiry) live.
     store: StoreConfig = Field(default_factory=StoreConfig)
 
+    @field_validator("placement", mode="before")
+    @classmethod
+    def _current_policy_name(cls, name: object) -> object:
+        return policy_name(name) if isinstance(name, str) else name
+
     @field_validator("cost_profile")
     @classmethod
     def _profile_loads(cls, path: str | None) -> str | None:
         """A profile that cannot be read is refused with the config, not at the first job."""
         if path is not None:
             try:
-    @field_validator("placement", mode="before")
-    @classmethod
-    def _current_policy_name(cls, name: object) -> object:
-        return policy_name(name) if isinstance(name, str) else name
-
                 EngineProfile.load(Path(path))
             except (OSError, ValueError) as exc:  # (a ValidationError is a ValueError)
                 raise ValueError(f"cost_profile {path!r} is not a readable profile: {exc}") from exc
