@@ -35,7 +35,7 @@ async def test_an_unclaimed_session_is_reaped_unless_a_query_uses_it() -> None:
     assert held.orphans(now=59) == []
     # Unclaimed past the timeout: only the idle one goes. A query in flight came through a
     # router that holds the session, whether or not that router can list it now.
-    assert await held.reap(now=100) == 1
+    assert await held.reap(now=100) == ["idle"]
     assert (idle.closed, querying.closed, claimed.closed) == (True, False, False)
     assert len(held) == 2
     # Its query ended at 100 (the replica counts it as a claim): the timeout runs from there.

@@ -94,11 +94,9 @@ class EngineReplica:
         delete their stored KV: no router knows them any more."""
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
-            now = time.monotonic()
-            orphans = self.documents.orphans(now)
-            await self.documents.reap(now)
-            for document_id in orphans:
+            for document_id in await self.documents.reap(time.monotonic()):
                 stored = self._stored.pop(document_id, None)
+                # Reopened since (a rebuild restoring it here): its stored KV is in use again.
                 if stored is not None and document_id not in self.documents:
                     await self.backend.delete_stored(stored)
 

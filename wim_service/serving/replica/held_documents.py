@@ -163,14 +163,14 @@ class HeldDocuments:
         await held.session.close()
         return True
 
-    async def reap(self, now: float) -> int:
-        """Close the orphans; returns how many."""
-        closed = 0
+    async def reap(self, now: float) -> list[str]:
+        """Close the orphans; returns the ids closed."""
+        closed: list[str] = []
         for document_id in self.orphans(now):
             held = self._held.get(document_id)
             # Closing the ones before yielded: this one may have been claimed or queried since.
-            if held is not None and self._orphan(held, now):
-                closed += await self.close(document_id)
+            if held is not None and self._orphan(held, now) and await self.close(document_id):
+                closed.append(document_id)
         if closed:
-            logger.info("closed %d document sessions no router claims", closed)
+            logger.info("closed %d document sessions no router claims", len(closed))
         return closed
