@@ -15,6 +15,12 @@ the interpreter's own exit (vLLM's, Ray's and gRPC's exit hooks and threads) was
 past any deadline. A stop that takes longer than `GRACE_S` (a main thread still waiting in
 vLLM's start-up, `serve run` shutting Serve down) is cut short by a watchdog thread, which
 kills the tree and exits; faulthandler's, which needs no GIL, exits two seconds later.
+
+The watchdog prints where the threads were only for a stop that hung. A command that runs its
+work in a child (`wim serve`) waits on that child, so a stop still under way is a normal one:
+`serve run` stops the router replicas, then the engine replicas and Ray, and Serve's stop
+outlasts `GRACE_S` (docs/reliability.md, *Process hygiene*); its processes ending is the sign
+that it goes on, and only a child's stop in which none of them ended is a hang.
 """
 
 from __future__ import annotations
@@ -71,8 +77,10 @@ def kill_processes(processes: Iterable[psutil.Process]) -> None:
 class _Stop:
     """One command's stop: the signal that asked for it and every process it must end."""
 
-    def __init__(self) -> None:
+    def __init__(self, child_stops: bool) -> None:
         self.signum: signal.Signals | None = None
+        # Whether a child does the stopping (`run_subprocess`) and this process waits for it.
+        self._child_stops = child_stops
         self._tree: dict[int, psutil.Process] = {}
         self._lock = threading.Lock()
         # Held by whichever of the main thread and the watchdog finishes first; the other
@@ -98,9 +106,18 @@ class _Stop:
         faulthandler.dump_traceback_later(GRACE_S + 2, exit=True)
         threading.Thread(target=self._recorder, name="wim-stop-record", daemon=True).start()
         time.sleep(GRACE_S)
-        print(f"wim: not stopped {GRACE_S:g} s after the signal; where it was:", file=sys.stderr)
-        faulthandler.dump_traceback(sys.stderr)
+        if not (self._child_stops and self._some_ended()):
+            print(
+                f"wim: not stopped {GRACE_S:g} s after the signal; where it was:", file=sys.stderr
+            )
+            faulthandler.dump_traceback(sys.stderr)
         self.finish()
+
+    def _some_ended(self) -> bool:
+        """Whether a process of the tree has ended since it was recorded."""
+        with self._lock:
+            tree = list(self._tree.values())
+        return any(map(_ended, tree))
 
     def _recorder(self) -> None:
         while True:
@@ -128,9 +145,18 @@ class _Stop:
         os._exit(128 + self.signum)
 
 
+def _ended(process: psutil.Process) -> bool:
+    """A process that ended (psutil knows the pid's process no longer runs) or that only waits
+    for its parent to reap it."""
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 @contextlib.contextmanager
-def _stopping() -> Iterator[_Stop]:
-    stop = _Stop()
+def _stopping(child_stops: bool = False) -> Iterator[_Stop]:
+    stop = _Stop(child_stops)
     previous = {signum: signal.signal(signum, stop.handle) for signum in SIGNALS}
     try:
         yield stop
@@ -157,7 +183,7 @@ def run_subprocess(argv: Sequence[str], env: Mapping[str, str]) -> int:
     `serve run` answers by shutting Serve and its Ray down), and what it has not ended when
     the watchdog kills the tree (`GRACE_S`) is killed. Returns its status; after a signal
     exits with 128 + the signal."""
-    with _stopping() as stop:
+    with _stopping(child_stops=True) as stop:
         child: subprocess.Popen[bytes] | None = None
         try:
             child = subprocess.Popen(
