@@ -32,7 +32,12 @@ from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
 from wim_service.engine.config import EngineConfig
 from wim_service.engine.kv_transfer import documents
-from wim_service.engine.kv_transfer.documents import MAX_GIB_ENV, STORE_ENV, DocumentKV
+from wim_service.engine.kv_transfer.documents import (
+    MAX_AGE_ENV,
+    MAX_GIB_ENV,
+    STORE_ENV,
+    DocumentKV,
+)
 from wim_service.engine.kv_transfer.keys import MASTER_KEY_ENV
 from wim_service.engine.kv_transfer.redis_store import RedisKVStore
 from wim_service.serving.config import RouterConfig
@@ -94,7 +99,7 @@ KV_VOLUME = {
         "masterKeySecret": KV_KEY_SECRET,
     }
 }
-KV_ENV = {STORE_ENV, MASTER_KEY_ENV, MAX_GIB_ENV}
+KV_ENV = {STORE_ENV, MASTER_KEY_ENV, MAX_GIB_ENV, MAX_AGE_ENV}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_worker_niceness": "0"}
 DEPLOYMENTS = {"WiMRouter", "EngineReplica"}
 SERVE_PORT = 8000
@@ -945,9 +950,10 @@ def test_kv_store_on_a_volume_every_ray_pod_mounts(monkeypatch: pytest.MonkeyPat
         assert env[MASTER_KEY_ENV]["valueFrom"] == {"secretKeyRef": KV_KEY_SECRET}
         assert kv_store_opened(container, monkeypatch) == (KV_MOUNT, 8 * 2**30)
     # The bound reaches the processes as a number they read.
-    half = merged(VALUE_SETS["kv-volume"], {"kvStore": {"maxGiB": 0.5}})
+    half = merged(VALUE_SETS["kv-volume"], {"kvStore": {"maxGiB": 0.5, "maxAgeHours": 2}})
     for _, container in ray_containers(render(half)):
         assert kv_store_opened(container, monkeypatch) == (KV_MOUNT, 2**29)
+        assert DocumentKV.from_env().max_age_s == 7200  # type: ignore[union-attr]
     # The directory store needs no Redis.
     policies = by_kind(manifests, "NetworkPolicy")
     assert not allowed(policies, release_pods(manifests)["head"], REDIS, 6379, "egress")

@@ -249,6 +249,8 @@ replica on either). Secrets are referenced, never copied into the manifest.
       key: {{ .masterKeySecret.key }}
 - name: WIM_KV_STORE_MAX_GIB
   value: {{ .maxGiB | quote }}
+- name: WIM_KV_STORE_MAX_AGE_H
+  value: {{ .maxAgeHours | quote }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -8,7 +8,9 @@ tests/engine/kv_transfer/test_kv_restore.py.
 from __future__ import annotations
 
 import base64
+import os
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +22,12 @@ import torch
 from tests.harness.redis_server import RedisServer, free_port
 from wim_service.engine.kv_transfer import worker as worker_module
 from wim_service.engine.kv_transfer.block_io import BlockIO
-from wim_service.engine.kv_transfer.documents import DocumentKV, open_store
+from wim_service.engine.kv_transfer.documents import (
+    DEFAULT_MAX_AGE_H,
+    MAX_AGE_ENV,
+    DocumentKV,
+    open_store,
+)
 from wim_service.engine.kv_transfer.jobs import LoadJob, SaveJob
 from wim_service.engine.kv_transfer.keys import (
     MASTER_KEY_ENV,
@@ -170,6 +177,46 @@ def test_the_document_being_written_is_never_evicted_for_itself(make_store: Any)
         store.put("big", "block-x-r0-000001", b"x" * 150)
     assert store.documents() == ["big"]  # the other document went first, then nothing fit
     assert store.get("big", "block-x-r0-000000") == b"x" * 150
+
+
+def last_used_ago(store: KVStore, doc_id: str, seconds: float) -> None:
+    """Backdate a document's last use (its folder's mtime, its score in the LRU set)."""
+    then = time.time() - seconds
+    if isinstance(store, DirectoryKVStore):
+        os.utime(store.root / doc_id, (then, then))
+    else:
+        assert isinstance(store, RedisKVStore)
+        store._redis.zadd(store.prefix + "lru", {doc_id: then}, xx=True)
+
+
+def test_expire_deletes_only_documents_unused_since(make_store: Any) -> None:
+    store: KVStore = make_store(10_000)
+    for doc in ("stale", "read", "fresh"):
+        store.put(doc, "manifest-x", b"x" * 100)
+        last_used_ago(store, doc, 7200)
+    last_used_ago(store, "fresh", 60)
+    assert store.get("read", "manifest-x") is not None  # reading a manifest is a use
+    assert store.expire(time.time() - 3600) == 1
+    assert sorted(store.documents()) == ["fresh", "read"]
+    assert store.total_bytes() == 200
+    assert store.expire(time.time() - 3600) == 0
+
+
+def test_the_stores_age_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("WIM_KV_STORE", str(tmp_path))
+    monkeypatch.setenv(MASTER_KEY_ENV, base64.b64encode(b"k" * 32).decode())
+    monkeypatch.delenv(MAX_AGE_ENV, raising=False)
+    kv = DocumentKV.from_env()
+    assert kv is not None and kv.max_age_s == DEFAULT_MAX_AGE_H * 3600
+    monkeypatch.setenv(MAX_AGE_ENV, "0.5")
+    kv = DocumentKV.from_env()
+    assert kv is not None and kv.max_age_s == 1800
+    for bad in ("0", "-1"):
+        monkeypatch.setenv(MAX_AGE_ENV, bad)
+        with pytest.raises(ValueError, match=MAX_AGE_ENV):
+            DocumentKV.from_env()
 
 
 def test_a_store_that_is_down_raises_store_unavailable(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 `DocumentKV.from_env()` is what every process builds for itself (the engine core, its
 workers, a router that deletes documents): the store from `WIM_KV_STORE` (a directory or a
 `redis://` URL; `EngineConfig.kv_store` sets it for an engine), bounded by
-`WIM_KV_STORE_MAX_GIB`, sealed with keys from `WIM_KV_MASTER_KEY`. No vLLM import here: a
+`WIM_KV_STORE_MAX_GIB` and kept at most `WIM_KV_STORE_MAX_AGE_H` since last used, sealed with
+keys from `WIM_KV_MASTER_KEY`. No vLLM import here: a
 router can delete a document's KV without an engine.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from wim_service.engine.kv_transfer.keys import (
@@ -29,6 +31,10 @@ logger = logging.getLogger(__name__)
 STORE_ENV = "WIM_KV_STORE"
 MAX_GIB_ENV = "WIM_KV_STORE_MAX_GIB"
 DEFAULT_MAX_GIB = 8.0
+# Routers delete a session's KV when it ends; this bounds what stays when no router is left
+# to end it. A session in use longer than this only loses the restore (a rebuild re-reads).
+MAX_AGE_ENV = "WIM_KV_STORE_MAX_AGE_H"
+DEFAULT_MAX_AGE_H = 24.0
 
 
 def open_store(url: str, max_bytes: int) -> KVStore:
@@ -43,9 +49,12 @@ def store_url() -> str | None:
 
 
 class DocumentKV:
-    def __init__(self, store: KVStore, cipher: KVCipher) -> None:
+    def __init__(
+        self, store: KVStore, cipher: KVCipher, max_age_s: float = DEFAULT_MAX_AGE_H * 3600
+    ) -> None:
         self.store = store
         self.cipher = cipher
+        self.max_age_s = max_age_s
 
     @classmethod
     def from_env(cls) -> DocumentKV | None:
@@ -58,7 +67,11 @@ class DocumentKV:
         if key is None:
             raise ValueError(f"{STORE_ENV} is set but {MASTER_KEY_ENV} is not")
         max_gib = float(os.environ.get(MAX_GIB_ENV) or DEFAULT_MAX_GIB)
-        return cls(open_store(url, int(max_gib * 2**30)), KVCipher(key))
+        max_age_h = float(os.environ.get(MAX_AGE_ENV) or DEFAULT_MAX_AGE_H)
+        if not max_age_h > 0:
+            raise ValueError(f"{MAX_AGE_ENV} must be a positive number of hours")
+        store = open_store(url, int(max_gib * 2**30))
+        return cls(store, KVCipher(key), max_age_s=max_age_h * 3600)
 
     def put(self, doc: StoredDocument, name: str, binding: str, data: bytes) -> int:
         """Seal and store one object; the bytes written. Raises `StoreError`."""
@@ -112,6 +125,15 @@ class DocumentKV:
             return False
         logger.debug("deleted %d stored KV objects of a document", removed)
         return True
+
+    def expire(self) -> int:
+        """Delete the documents unused for `max_age_s` (a manifest read or a write uses one);
+        how many, 0 and logged if the store could not be reached."""
+        try:
+            return self.store.expire(time.time() - self.max_age_s)
+        except StoreError as exc:
+            logger.warning("stored KV past its age not deleted: %s", exc)
+            return 0
 
     def total_bytes(self) -> int | None:
         """The store's size in bytes (`wim_kv_store_bytes`); None if unreachable."""

@@ -96,3 +96,10 @@ class RedisKVStore:
     def documents(self) -> list[str]:
         listed = self._call("list", self._redis.zrange, self.prefix + "lru", 0, -1)
         return [raw.decode() for raw in listed]
+
+    def expire(self, before: float) -> int:
+        lru = self.prefix + "lru"
+        listed = self._call("list", self._redis.zrangebyscore, lru, "-inf", f"({before}")
+        for raw in listed:
+            self.delete_document(raw.decode())
+        return len(listed)

@@ -6,7 +6,9 @@ opaque sealed bytes (`keys.KVCipher`) grouped by document: `put`/`get` one objec
 `delete_document` removes everything of one document. Both backends are bounded: a `put`
 that would pass `max_bytes` first evicts whole documents, least recently used first (a
 document is used when it is written or its manifest is read), never the one being written;
-if that one alone does not fit, the put fails with `StoreFull`. A store that cannot be reached
+if that one alone does not fit, the put fails with `StoreFull`. `expire(before)` deletes the
+documents last used before a wall-clock time: the retention bound for KV whose session no
+router ended (every router gone at once). A store that cannot be reached
 raises `StoreUnavailable`. Callers turn both into a miss or a stopped save (`connector`),
 never an error of a request.
 """
@@ -47,6 +49,8 @@ class KVStore(Protocol):
     def total_bytes(self) -> int: ...
 
     def documents(self) -> list[str]: ...
+
+    def expire(self, before: float) -> int: ...
 
 
 class DirectoryKVStore:
@@ -145,3 +149,9 @@ class DirectoryKVStore:
             return [p.name for p in self.root.iterdir() if p.is_dir() and p.name[0] != "."]
         except OSError as exc:
             raise StoreUnavailable(f"KV store {self.root}: {exc}") from exc
+
+    def expire(self, before: float) -> int:
+        doomed = [d for d in self.documents() if 0 < self._last_used(d) < before]
+        for doc_id in doomed:
+            self.delete_document(doc_id)
+        return len(doomed)

@@ -109,7 +109,7 @@ class WiMRouter:
         self._loads = Recent(self.fleet.refresh_loads, router.load_poll_interval_s)
         self._replica_metrics = Recent(self._fetch_replica_metrics, METRICS_MAX_AGE_S)
         # The KV store's size (`wim_kv_store_bytes`): a directory store is walked to measure.
-        self._kv_store_size = Recent(self.dispatcher.stored_kv.measure, KV_STORE_MEASURE_S)
+        self._kv_store_size = Recent(self.dispatcher.stored_kv.maintain, KV_STORE_MEASURE_S)
         self._metrics_page = Paced(self._render_metrics, router.metrics_interval_s)
         # The document sessions as last listed from the store (claimed while it is down).
         self._listed: list[Holding] = []

@@ -3,8 +3,9 @@
 Engine replicas save a document's KV as they read it and restore it on a rebuild or a copy;
 what outlives every replica is the router's to end: a session that ends (DELETE, TTL expiry)
 or a new document whose read failed has its stored KV deleted here, so that nothing of a
-document stays in the store once the service forgot it. The router also measures the store
-for `wim_kv_store_bytes`. Without a store (`WIM_KV_STORE` unset) every call does nothing.
+document stays in the store once the service forgot it. What no router is left to end is
+deleted once unused for `WIM_KV_STORE_MAX_AGE_H` (any router sweeps it, as it measures the
+store for `wim_kv_store_bytes`). Without a store (`WIM_KV_STORE` unset) every call does nothing.
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ class StoredKV:
         if self.store is not None:
             await asyncio.to_thread(self.store.delete, StoredDocument(tenant, document_id))
 
-    async def measure(self) -> None:
-        """Set `wim_kv_store_bytes` (left as it was while the store cannot be reached)."""
+    async def maintain(self) -> None:
+        """Delete what is past the store's age, then set `wim_kv_store_bytes` (left as it
+        was while the store cannot be reached)."""
         if self.store is None:
             return
+        expired = await asyncio.to_thread(self.store.expire)
+        if expired:
+            logger.info("deleted the stored KV of %d documents unused past its age", expired)
         size = await asyncio.to_thread(self.store.total_bytes)
         if size is not None:
             self.metrics.kv_store_bytes.set(size)
