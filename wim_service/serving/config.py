@@ -59,6 +59,12 @@ class RouterConfig(BaseModel):
     metrics_require_key: bool = False
     # How long a request waits for a live engine replica (e.g. while a replacement starts).
     replica_wait_s: float = Field(120.0, ge=0)
+    # An engine replica that answers no load call for this long is taken for lost: the calls
+    # open on it end and fail over, and no work goes there until it answers one again. What
+    # ends a call on a dead replica while the GCS is down (Ray cannot say it died then); too
+    # short, and a replica whose event loop stalls that long under load is failed over for
+    # nothing (its jobs start again elsewhere). Keep it several `load_poll_interval_s`.
+    replica_silence_s: float = Field(8.0, gt=0)
     # A replica closes a document session that no router has claimed for this long (routers
     # claim theirs every load poll): what a router that is gone leaves behind is reclaimed.
     orphan_timeout_s: float = Field(60.0, gt=0)

@@ -20,7 +20,7 @@ _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
 _LAG_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # Every label value of the labelled counters (serving/routing/): each series is exported
 # from the start.
-FAILOVER_REASONS = ("replica_lost", "replica_left", "session_missing")
+FAILOVER_REASONS = ("replica_lost", "replica_left", "replica_silent", "session_missing")
 BINDING_RESULTS = ("hit", "new", "repin", "rejected")  # routing.bindings.BindResult's
 COPY_ROLES = ("primary", "copy")
 # The router's maintenance loop's steps (`WiMRouter._maintain`).

@@ -163,4 +163,7 @@ def _full(replica: str) -> WiMError:
 def _lost(replica: str, exc: BaseException) -> ReplicaLost:
     from ray.exceptions import ActorUnavailableError
 
-    return ReplicaLost(replica, exc, transient=isinstance(exc, ActorUnavailableError))
+    from wim_service.serving.replica.pinning import ReplicaUnreachable
+
+    unreachable = isinstance(exc, (ActorUnavailableError, ReplicaUnreachable))
+    return ReplicaLost(replica, exc, transient=unreachable)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
+from ray.serve._private.common import ReplicaID
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
@@ -31,6 +33,10 @@ _live: dict[str, frozenset[str]] = {}
 
 class ReplicaGone(RuntimeError):
     """The replica a call was pinned to is no longer serving."""
+
+
+class ReplicaUnreachable(ReplicaGone):
+    """Serve could not reach the replica a call was pinned to (it may still be alive)."""
 
 
 def target_key(replica: str) -> str:
@@ -72,6 +78,18 @@ class PinnedReplicaRouter(ConsistentHashRouter):
             return self._replicas.get(candidates[0].replica_id)
         return await super()._select_from_candidate_replicas(candidates, backoff_index)
 
+    # A replica Serve could not reach is failed fast for pinned calls routed this soon after.
+    unreachable_memory_s = 5.0
+
+    def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_unavailable(replica_id)
+        self._unreachable()[replica_id.unique_id] = time.monotonic()
+
+    def _unreachable(self) -> dict[str, float]:
+        """Replica -> when a call last could not reach it."""
+        unreachable: dict[str, float] = self.__dict__.setdefault("_unreachable_at", {})
+        return unreachable
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         from wim_service.serving.replica import pinning  # the real module, not a pickled copy
@@ -96,16 +114,27 @@ class PinnedReplicaRouter(ConsistentHashRouter):
             random.shuffle(shuffled)
             return [shuffled]
         wanted = key[len(TARGET_PREFIX) :]
-        for replica in candidate_replicas:
-            if replica.replica_id.unique_id == wanted:
-                return [[replica]]
-        # The target left: fail this call now rather than retrying until the caller times out.
-        # Returning the candidates (not []) lets Serve's routing loop see the finished future
-        # and drop the request; with [] that loop would spin without ever yielding.
-        if not pending_request.future.done():
-            from wim_service.serving.replica import pinning
+        target = next((r for r in candidate_replicas if r.replica_id.unique_id == wanted), None)
+        unreachable_at = self._unreachable().pop(wanted, None)
+        recent = unreachable_at is not None and (
+            time.monotonic() - unreachable_at < self.unreachable_memory_s
+        )
+        if target is not None and not recent:
+            return [[target]]
+        # The target left, or Serve could not reach it just now: fail this call now rather
+        # than retrying until the caller times out. An unreachable replica would be tried
+        # again and again ("temporarily unavailable") until the GCS says the actor died,
+        # which it cannot while it is down; the caller decides instead (it retries once, then
+        # fails over: routing/dispatcher.py). Returning the candidates (not []) lets Serve's
+        # routing loop see the finished future and drop the request; with [] that loop would
+        # spin without ever yielding.
+        from wim_service.serving.replica import pinning
 
-            pending_request.future.set_exception(
-                pinning.ReplicaGone(f"engine replica {wanted} is no longer serving")
-            )
+        error = (
+            pinning.ReplicaGone(f"engine replica {wanted} is no longer serving")
+            if target is None
+            else pinning.ReplicaUnreachable(f"engine replica {wanted} could not be reached")
+        )
+        if not pending_request.future.done():
+            pending_request.future.set_exception(error)
         return [list(candidate_replicas)]

@@ -22,6 +22,7 @@ from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient
 from wim_service.serving.replica.contracts import ReplicaLoad
+from wim_service.serving.replica.watch import WatchedClient
 from wim_service.serving.routing.bindings import BindingTable, BindResult, Booking
 from wim_service.serving.routing.recent import Recent
 from wim_service.wim.errors import ErrorCode
@@ -43,6 +44,10 @@ FRESH_LOADS_S = 0.25
 class ReplicaFleet:
     def __init__(self, client: ReplicaClient, config: RouterConfig, metrics: WiMMetrics) -> None:
         self.client = client
+        # The calls of jobs, reads and closes go through `watched`: those open on a replica
+        # taken for lost end (`_condemn_silent`). Load calls do not: a replica that answers
+        # one again is back.
+        self.watched = WatchedClient(client)
         self.config = config
         self.metrics = metrics
         path = Path(config.cost_profile) if config.cost_profile else None
@@ -82,8 +87,32 @@ class ReplicaFleet:
                 error = "cancelled" if task.cancelled() else repr(task.exception())
                 logger.warning("engine replica %s did not report its load: %s", replica, error)
         self.table.update_replicas(set(replicas), loads)
+        self._condemn_silent()
         self._export(loads)
         self._check_dtypes(loads)
+
+    def _condemn_silent(self) -> None:
+        """Take a replica that has answered no load call for `replica_silence_s` for lost, and
+        end the calls open on it (`WatchedClient.condemn`), once per poll while it is silent.
+
+        Ray says that an actor died only through the GCS: with the GCS down, calls to a replica
+        whose node is gone wait for it, and Serve keeps routing to it. A replica that answers
+        a load call again is placed on as before."""
+        now = time.monotonic()
+        for replica, reported in self.table.reported_at.items():
+            silent = now - reported
+            if silent <= self.config.replica_silence_s:
+                continue
+            load = self.table.loads.get(replica)
+            if load is not None and load.healthy:
+                logger.warning(
+                    "engine replica %s answered no load call for %.1f s; taking it for lost",
+                    replica,
+                    silent,
+                )
+                # Not counted here: each job it ends counts its failover (`replica_silent`).
+                load.healthy = False
+            self.watched.condemn(replica)
 
     def _check_dtypes(self, loads: list[ReplicaLoad]) -> None:
         """Warn, once per dtype, of engines that run in another dtype than the cost profile
