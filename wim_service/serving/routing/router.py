@@ -98,8 +98,9 @@ class WiMRouter:
         sizer = JobSizer(self.config.engine)
         # Before Serve routes anything here, not on the first request's time.
         sizer.warm_up()
+        # Its calls end when the fleet takes their replica for lost (`replica/watch.py`).
         self.dispatcher = Dispatcher(
-            self.client, self.fleet, self.documents, sizer, self.config.router, self.metrics
+            self.fleet.watched, self.fleet, self.documents, sizer, self.config.router, self.metrics
         )
         self.pdf = PdfExtractor(self.config.router)
         self._background: asyncio.Task[None] | None = None
