@@ -40,6 +40,7 @@ REQUIRED_ALERTS = {
     "WiMSessionFailovers",
     "WiMQueryTTFTHigh",
     "WiMEventLoopStalled",
+    "WiMMaintenanceFailing",
 }
 VLLM_METRICS_USED_BY_THE_DASHBOARD = {
     "vllm:kv_cache_usage_perc",

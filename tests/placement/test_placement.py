@@ -156,4 +156,5 @@ def test_the_router_config_refuses_a_cost_profile_it_cannot_read(tmp_path: Path)
     measured = tmp_path / "measured.json"
     measured.write_text(PROFILE.model_dump_json())
     assert RouterConfig(cost_profile=str(measured)).cost_profile == str(measured)
-    assert RouterConfig().placement == "wim" and RouterConfig().max_copies == DEFAULT_MAX_COPIES
+    assert RouterConfig().placement == "expected_wait"
+    assert RouterConfig().max_copies == DEFAULT_MAX_COPIES

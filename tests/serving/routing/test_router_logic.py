@@ -354,12 +354,12 @@ def test_sessions_go_to_the_replica_with_most_room_under_sticky() -> None:
     assert replicas == ["a", "a"]
 
 
-def test_sessions_go_where_they_start_soonest_under_wim() -> None:
-    """The default `wim` placement weighs the work queued on each replica, not its free KV:
-    new documents go to the idle replica, however little KV it has left."""
+def test_sessions_go_where_they_start_soonest_under_expected_wait() -> None:
+    """The default `expected_wait` placement weighs the work queued on each replica, not its
+    free KV: new documents go to the idle replica, however little KV it has left."""
     a, b = FakeReplica("a", capacity=100_000), FakeReplica("b", capacity=10_000)
     a.backlog_s = 30.0
-    client, _ = make_service(a, b, placement="wim")
+    client, _ = make_service(a, b, placement="expected_wait")
     replicas = [
         client.post("/documents", json={"context": DOCUMENT}).json()["replica"] for _ in range(2)
     ]

@@ -39,8 +39,8 @@ from wim_service.serving.http.edge import SMALL_BODY_BYTES
 from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.ingress import build_http_app, route_edges
 from wim_service.serving.replica.client import ReplicaLost
+from wim_service.serving.routing.dispatcher import TRANSIENT_RETRIES
 from wim_service.serving.routing.documents import DocumentTable
-from wim_service.serving.routing.failover import TRANSIENT_RETRIES
 from wim_service.serving.routing.quotas import TenantGate
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable, memory

@@ -21,7 +21,6 @@ from wim_service.serving.http.responses import Item
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
-from wim_service.serving.replica.watch import ReplicaSilent
 from wim_service.serving.replica.work import one_shot_work, plain_work
 from wim_service.serving.routing.bindings import BindResult, Booking
 from wim_service.serving.routing.copies import DocumentCopies, HolderChoice, close_on
@@ -43,7 +42,7 @@ logger = logging.getLogger(__name__)
 # Once, soon: a lost node's actors stay "unavailable" (not dead) until the GCS has missed its
 # health checks, and every retry until then delays the failover of the requests it held; a
 # replica given up too early costs one document read elsewhere, and its stale session is
-# purged when it is reachable again (tests/test_multinode.py's partition).
+# purged when it is reachable again (tests/multinode/test_multinode.py's partition).
 TRANSIENT_RETRIES = 1
 TRANSIENT_BACKOFF_S = 0.25
 
@@ -317,17 +316,10 @@ class Dispatcher:
             async with self.documents.lock(job.session_id):
                 current = await self.documents.get(job.session_id)
                 if current is not None and replica in current.holders:
-                    await self.failover.lose(current, replica, _reason(exc), alive=missing)
+                    reason = "session_missing" if missing else "replica_lost"
+                    await self.failover.lose(current, replica, reason, alive=missing)
         else:
-            self.fleet.lost(replica, _reason(exc))
+            self.fleet.lost(replica, "replica_lost")
             job.exclude.add(replica)
             self.fleet.table.unbind(job.session_id)
             job.replica = None
-
-
-def _reason(exc: ReplicaLost) -> str:
-    """The failover's reason as `wim_session_failover_total` counts it."""
-    if isinstance(exc, SessionMissing):
-        return "session_missing"
-    # Its calls ended because it answered no load call (`ReplicaFleet._condemn_silent`).
-    return "replica_silent" if isinstance(exc, ReplicaSilent) else "replica_lost"
