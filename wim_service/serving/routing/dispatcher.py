@@ -21,6 +21,7 @@ from wim_service.serving.http.responses import Item
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
+from wim_service.serving.replica.watch import ReplicaSilent
 from wim_service.serving.replica.work import one_shot_work, plain_work
 from wim_service.serving.routing.bindings import BindResult, Booking
 from wim_service.serving.routing.copies import DocumentCopies, HolderChoice, close_on
@@ -316,10 +317,17 @@ class Dispatcher:
             async with self.documents.lock(job.session_id):
                 current = await self.documents.get(job.session_id)
                 if current is not None and replica in current.holders:
-                    reason = "session_missing" if missing else "replica_lost"
-                    await self.failover.lose(current, replica, reason, alive=missing)
+                    await self.failover.lose(current, replica, _reason(exc), alive=missing)
         else:
-            self.fleet.lost(replica, "replica_lost")
+            self.fleet.lost(replica, _reason(exc))
             job.exclude.add(replica)
             self.fleet.table.unbind(job.session_id)
             job.replica = None
+
+
+def _reason(exc: ReplicaLost) -> str:
+    """The failover's reason as `wim_session_failover_total` counts it."""
+    if isinstance(exc, SessionMissing):
+        return "session_missing"
+    # Its calls ended because it answered no load call (`ReplicaFleet._condemn_silent`).
+    return "replica_silent" if isinstance(exc, ReplicaSilent) else "replica_lost"
