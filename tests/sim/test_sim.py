@@ -45,7 +45,7 @@ PROFILE = EngineProfile.model_validate(
         "query_extra_tokens": 50,
     }
 )
-POLICIES = ("round_robin", "sticky", "expected_wait")
+POLICIES = ("round_robin", "sticky", "wim")
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -263,13 +263,7 @@ def test_figures_are_none_without_completed_requests() -> None:
 
 def test_the_table_takes_its_columns_and_marks_missing_figures() -> None:
     rows = [
-        {
-            "policy": "expected_wait",
-            "replicas": 2,
-            "ttft_p50_s": None,
-            "prefix_reuse": 0.25,
-            "failed": 1,
-        },
+        {"policy": "wim", "replicas": 2, "ttft_p50_s": None, "prefix_reuse": 0.25, "failed": 1},
         {"policy": "sticky", "replicas": 2, "ttft_p50_s": 1.234, "prefix_reuse": None},
     ]
     columns = ["policy", "ttft_p50_s", "prefix_reuse", "failed"]
@@ -280,7 +274,7 @@ def test_the_table_takes_its_columns_and_marks_missing_figures() -> None:
         "prefix reuse",
         "failed",
     ]
-    assert [c.strip() for c in first.split("|")[1:-1]] == ["expected_wait", "-", "25.0%", "1"]
+    assert [c.strip() for c in first.split("|")[1:-1]] == ["wim", "-", "25.0%", "1"]
     assert [c.strip() for c in second.split("|")[1:-1]] == ["sticky", "1.23", "-", "-"]
     assert len({len(line) for line in (header, rule, first, second)}) == 1  # aligned
 
@@ -312,7 +306,7 @@ def document_trace(rows: list[dict[str, Any]], tmp_path: Path) -> Trace:
 
 def test_a_lone_request_takes_its_prefill_then_its_decode_steps() -> None:
     request = Request(index=0, arrival_s=5.0, prompt_tokens=2000, answer_tokens=4)
-    (outcome,) = run(Trace("mooncake", (request,)), "expected_wait", 1).outcomes
+    (outcome,) = run(Trace("mooncake", (request,)), "wim", 1).outcomes
     prefill = PROFILE.prefill.seconds(2000)
     steps = sum(PROFILE.decode.step_seconds(1, 2001 + j) for j in range(3))
     assert outcome.first_token_s - 5.0 == pytest.approx(prefill)
@@ -321,7 +315,7 @@ def test_a_lone_request_takes_its_prefill_then_its_decode_steps() -> None:
 
 def test_a_lone_wim_query_reads_writes_its_margins_then_answers(tmp_path: Path) -> None:
     trace = document_trace([doc_row(0, "a", wim=True, tokens=3000)], tmp_path)
-    (outcome,) = run(trace, "expected_wait", 1, segment_tokens=1024, margin_tokens=5).outcomes
+    (outcome,) = run(trace, "wim", 1, segment_tokens=1024, margin_tokens=5).outcomes
     p, margins = PROFILE, 3  # ceil(3000 / 1024)
     read = p.prefill.seconds(3000)
     prompts = p.prefill.seconds(margins * p.margin_prompt_tokens, cached=3000)
@@ -346,7 +340,7 @@ def test_a_wim_query_writes_only_the_margins_its_row_names(tmp_path: Path) -> No
     trace = document_trace(rows, tmp_path)
     assert [r.margins for r in trace.requests] == [None, 1, 0]
     every, one, none = sorted(
-        run(trace, "expected_wait", 1, segment_tokens=1024, margin_tokens=5).outcomes,
+        run(trace, "wim", 1, segment_tokens=1024, margin_tokens=5).outcomes,
         key=lambda o: o.index,
     )
     p = PROFILE
@@ -374,14 +368,14 @@ def test_every_request_completes_once_when_capacity_allows(policy: str, tmp_path
         assert indexes == list(range(len(trace.requests)))
         assert summarise(result)["completed"] == len(trace.requests)
         assert all(o.arrival_s <= o.first_token_s <= o.end_s for o in result.outcomes)
-        assert result.unplaced == result.too_large == 0
+        assert result.refused == result.too_large == 0
 
 
-def test_prefix_reuse_is_higher_for_sticky_and_expected_wait_than_round_robin() -> None:
+def test_prefix_reuse_is_higher_for_sticky_and_wim_than_round_robin() -> None:
     trace = light_mooncake(gap_s=1.0)
     reuse = {p: summarise(run(trace, p, 4))["prefix_reuse"] for p in POLICIES}
     assert reuse["sticky"] > reuse["round_robin"]
-    assert reuse["expected_wait"] > reuse["round_robin"]
+    assert reuse["wim"] > reuse["round_robin"]
 
 
 def hot_document(tmp_path: Path) -> Trace:
@@ -402,17 +396,16 @@ def hot_document(tmp_path: Path) -> Trace:
 
 
 @pytest.mark.parametrize("replicas", [4, 8])
-def test_a_hot_document_gets_copies_under_expected_wait_and_a_lower_p95(
+def test_a_hot_document_gets_copies_under_wim_and_a_lower_p95(
     tmp_path: Path, replicas: int
 ) -> None:
     trace = hot_document(tmp_path)
-    sticky, expected = (run(trace, p, replicas) for p in ("sticky", "expected_wait"))
+    sticky, wim = (run(trace, p, replicas) for p in ("sticky", "wim"))
     documents = len({r.document for r in trace.requests})
     assert sticky.copies_opened == documents  # one copy per document, ever
-    assert expected.copies_opened > documents
-    assert summarise(expected)["ttft_p95_s"] < summarise(sticky)["ttft_p95_s"]
-    hot = [o for o in expected.outcomes if trace.requests[o.index].document == "doc-0000"]
-    hot_on = {o.replica for o in hot}
+    assert wim.copies_opened > documents
+    assert summarise(wim)["ttft_p95_s"] < summarise(sticky)["ttft_p95_s"]
+    hot_on = {o.replica for o in wim.outcomes if trace.requests[o.index].document == "doc-0000"}
     assert len(hot_on) > 1
 
 
@@ -443,7 +436,7 @@ def test_queries_on_one_copy_run_beside_each_other_if_the_engine_has_room(
         assert second.first_token_s < first.end_s and third.first_token_s < first.end_s
     else:
         assert second.first_token_s > first.end_s and third.first_token_s > second.end_s
-    assert (result.copies_opened, result.queued_for_room) == (1, 0)
+    assert (result.copies_opened, result.refused) == (1, 0)
 
 
 def test_a_session_is_opened_on_its_own_then_asked_as_the_live_client_does(
@@ -462,11 +455,15 @@ def test_a_session_is_opened_on_its_own_then_asked_as_the_live_client_does(
     assert first.cached_tokens == second.cached_tokens == 3000
 
 
-def test_a_job_without_room_waits_and_its_wait_counts_in_its_ttft(tmp_path: Path) -> None:
-    # One replica, one session slot: b's session waits for a's copy to be retired.
+def test_a_job_without_room_is_sent_again_and_its_retries_count_in_its_ttft(
+    tmp_path: Path,
+) -> None:
+    # One replica, one session slot: b's session is refused (429) and sent again after each
+    # Retry-After, as its client retries, until a's copy has been retired.
     trace = document_trace([doc_row(0, "a", wim=True), doc_row(0.5, "b", wim=True)], tmp_path)
-    result = run(trace, "wim", 1, slots=1, copy_idle_s=30.0)
-    assert (result.queued_for_room, result.copies_opened, result.copies_retired) == (1, 2, 2)
+    result = run(trace, "wim", 1, slots=1, copy_idle_s=30.0, retries=20)
+    assert (result.refused, result.copies_opened, result.copies_retired) == (0, 2, 2)
+    assert result.retried > 0
     a, b = sorted(result.outcomes, key=lambda o: o.index)
     assert b.first_token_s > a.end_s + 30.0
     assert b.cached_tokens == a.cached_tokens == 3000  # each on its session's own copy
@@ -476,19 +473,19 @@ def test_without_room_an_idle_spare_copy_makes_room(tmp_path: Path) -> None:
     # Two replicas of one session slot each. Round robin reads a's session on r0 and its
     # query a copy on r1; both idle when b comes, which finds no slot: one of a's two copies
     # is retired for it at once, not after copy_idle_s. (A document's last copy is not:
-    # `test_a_job_without_room_waits_and_its_wait_counts_in_its_ttft`.)
+    # `test_a_job_without_room_is_sent_again_and_its_retries_count_in_its_ttft`.)
     rows = [doc_row(0, "a", wim=True), doc_row(60, "b", wim=True), doc_row(61, "a", wim=True)]
     result = run(document_trace(rows, tmp_path), "round_robin", 2, slots=1, copy_idle_s=300.0)
     a, b, a_again = sorted(result.outcomes, key=lambda o: o.index)
     assert a.end_s < 60 and b.first_token_s < 80
-    assert (result.copies_reclaimed, result.queued_for_room) == (1, 0)
+    assert (result.copies_reclaimed, result.refused) == (1, 0)
     assert b.cached_tokens == a.cached_tokens == 3000
     # a kept one copy, and b's session took the other's place: a's next query reads none.
     assert result.copies_opened == 3
     assert a_again.first_token_s - 61 < b.first_token_s - 60
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "sticky", "expected_wait"])
+@pytest.mark.parametrize("policy", ["round_robin", "sticky", "wim"])
 def test_plain_requests_run_beside_sessions_that_hold_every_slot(
     policy: str, tmp_path: Path
 ) -> None:
@@ -497,7 +494,7 @@ def test_plain_requests_run_beside_sessions_that_hold_every_slot(
     # as a live engine admits it, and does not wait for the slot.
     rows = [doc_row(0, "a", wim=True), doc_row(1, "a", wim=False), doc_row(2, "a", wim=True)]
     result = run(document_trace(rows, tmp_path), policy, 1, slots=1, copy_idle_s=300.0)
-    assert (len(result.outcomes), result.queued_for_room, result.copies_opened) == (3, 0, 1)
+    assert (len(result.outcomes), result.refused, result.copies_opened) == (3, 0, 1)
     plain = next(o for o in result.outcomes if o.index == 1)
     assert plain.first_token_s - 1 < PROFILE.prefill.seconds(3040) + 5
 
@@ -510,18 +507,19 @@ def test_expected_wait_spreads_a_burst_by_the_backlog_it_books(backlog_decode: b
         Request(index=i, arrival_s=0.0, prompt_tokens=3000, answer_tokens=20, prefix=(i,))
         for i in range(8)
     )
-    result = run(Trace("mooncake", burst), "expected_wait", 4, backlog_decode=backlog_decode)
+    result = run(Trace("mooncake", burst), "wim", 4, backlog_decode=backlog_decode)
     per_replica = [sum(o.replica == r for o in result.outcomes) for r in range(4)]
     assert per_replica == [2, 2, 2, 2]
 
 
 def test_a_copy_being_read_already_holds_its_kv(tmp_path: Path) -> None:
     # Room for one 3,000-token copy and its query (106 blocks of 125), not two: b, arriving
-    # while a's copy is still being read, waits for a's copy to retire.
+    # while a's copy is still being read, is refused until a's copy has retired.
     small = PROFILE.model_copy(update={"kv_capacity_tokens": 4000})
     trace = document_trace([doc_row(0, "a", wim=True), doc_row(0.1, "b", wim=True)], tmp_path)
-    result = simulate(trace, "wim", 1, small, SimSettings(copy_idle_s=10.0))
-    assert (result.queued_for_room, len(result.outcomes)) == (1, 2)
+    result = simulate(trace, "wim", 1, small, SimSettings(copy_idle_s=10.0, retries=20))
+    assert (result.refused, len(result.outcomes)) == (0, 2)
+    assert result.retried > 0
     a, b = sorted(result.outcomes, key=lambda o: o.index)
     assert b.first_token_s > a.end_s + 10.0
 
@@ -536,7 +534,7 @@ def test_no_policy_serves_a_request_before_its_floor(kind: str, tmp_path: Path) 
         trace = read_trace(tmp_path / "docs.jsonl")
     floors = ttft_floor(trace, PROFILE, SimSettings())
     assert len(floors) == len(trace.requests)
-    for policy in ("round_robin", "sticky", "expected_wait"):
+    for policy in ("round_robin", "sticky", "wim"):
         for replicas in (1, 4):
             for o in run(trace, policy, replicas).outcomes:
                 assert o.first_token_s - o.arrival_s >= floors[o.index] - 1e-9
@@ -550,7 +548,7 @@ def test_a_request_larger_than_a_replica_is_counted_not_placed() -> None:
     big = Request(index=0, arrival_s=0.0, prompt_tokens=PROFILE.kv_capacity_tokens, answer_tokens=9)
     small = Request(index=1, arrival_s=1.0, prompt_tokens=1000, answer_tokens=9)
     trace = Trace("mooncake", (big, small))
-    result = run(trace, "expected_wait", 2)
+    result = run(trace, "wim", 2)
     assert (result.too_large, [o.index for o in result.outcomes]) == (1, [1])
     assert list(ttft_floor(trace, PROFILE, SimSettings())) == [1]  # nor in the floor
 
@@ -565,21 +563,21 @@ def test_the_command_prints_a_row_per_policy_and_writes_the_json(
     profile.write_text(PROFILE.model_dump_json())
     assert main(["sim", "--generate", str(trace), "--requests", "60", "--rate", "0.2"]) == 0
     out = tmp_path / "rows.json"
-    argv = ["sim", "--trace", str(trace), "--replicas", "1,3", "--policies", "sticky,expected_wait"]
+    argv = ["sim", "--trace", str(trace), "--replicas", "1,3", "--policies", "sticky,wim"]
     argv += ["--profile", str(profile)]
     plot = tmp_path / "p95.png"
     assert main([*argv, "--json-out", str(out), "--time-scale", "2", "--plot", str(plot)]) == 0
     assert plot.read_bytes().startswith(b"\x89PNG")
     lines = capsys.readouterr().out.splitlines()
     body = [line for line in lines if line.startswith("|") and "---" not in line][1:]
-    assert [line.split("|")[1].strip() for line in body] == ["sticky", "expected_wait"] * 2
+    assert [line.split("|")[1].strip() for line in body] == ["sticky", "wim"] * 2
     assert lines[-1].startswith("floor: TTFT p50 ")
     rows = json.loads(out.read_text())
     assert [(r["policy"], r["replicas"]) for r in rows] == [
         ("sticky", 1),
-        ("expected_wait", 1),
+        ("wim", 1),
         ("sticky", 3),
-        ("expected_wait", 3),
+        ("wim", 3),
     ]
     assert all(set(KEYS) <= set(r) and r["completed"] == 60 for r in rows)
 

@@ -111,6 +111,7 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens decoded per margin (%(default)s)",
     )
     _add_copy_arguments(group)
+    _add_admission_arguments(group)
     group.add_argument(
         "--backlog",
         choices=["prefill+decode", "prefill"],
@@ -135,6 +136,24 @@ def _add_copy_arguments(group: argparse._ArgumentGroup) -> None:
         help="a copy of a document read before restores its KV, as a service with a KV store "
         "does (the profile's restore cost); --no-restore-copies: it re-reads the document "
         "(default: restore, as ./run.sh runs with a store)",
+    )
+
+
+def _add_admission_arguments(group: argparse._ArgumentGroup) -> None:
+    d = SIM_DEFAULTS
+    group.add_argument(
+        "--retries",
+        type=int,
+        default=d.retries,
+        help="times a refused request (429) is sent again after its Retry-After, for trace "
+        "rows that do not say (`retries`) (%(default)s)",
+    )
+    group.add_argument(
+        "--deadline-s",
+        type=float,
+        default=d.deadline_s,
+        help="an answer later than this after its first send is not goodput: the service "
+        "stops the job (its request_timeout_s) (%(default)s)",
     )
 
 
@@ -223,6 +242,8 @@ def settings_from(args: argparse.Namespace) -> SimSettings:
         max_copies=args.max_copies,
         backlog_decode=args.backlog == "prefill+decode",
         restore_copies=args.restore_copies,
+        retries=args.retries,
+        deadline_s=args.deadline_s,
     )
     settings.check()
     return settings
@@ -260,18 +281,20 @@ def replay(args: argparse.Namespace) -> int:
         f"{profile.kv_capacity_tokens} KV tokens per replica; {copies_line(profile, settings)}",
         file=sys.stderr,
     )
+    floors = ttft_floor(trace, profile, settings)
+    floor_p95 = percentile(list(floors.values()), 95)
     rows: list[dict[str, Any]] = []
     for replicas in counts:
         for policy in policies:
-            rows.append(summarise(simulate(trace, policy, replicas, profile, settings)))
+            row = summarise(simulate(trace, policy, replicas, profile, settings))
+            rows.append(row | {"floor_p95_s": None if floor_p95 is None else round(floor_p95, 3)})
     print(table(rows))
-    floors = ttft_floor(trace, profile, settings)
     print(floor_line(floors))
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
     if args.plot is not None:
         title = f"{args.trace.name}, time scale {args.time_scale:g}"
-        plot_p95(rows, args.plot, title=title, floor_s=percentile(list(floors.values()), 95))
+        plot_p95(rows, args.plot, title=title, floor_s=floor_p95)
     return 0
 
 

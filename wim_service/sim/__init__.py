@@ -37,11 +37,19 @@ What the model simplifies, on purpose:
   the batch; the answers WiM starts beside them (`answer_early`) are the profile's
   `query_extra_tokens`, prefilled with the answer after the margins; no margin is judged or
   dropped, every answer decodes its full `answer_tokens`, and nothing fails or is cancelled.
-* A job no replica has room for waits in one first-come-first-served queue (nothing overtakes
-  it), except a query of a document some replica holds, which needs no new room and queues at
-  its copy; a request larger than an empty replica's KV is counted as too large, never placed.
-  (The live router answers such a job `429` with `Retry-After` instead: the queue stands for
-  clients that send it again, in the order they were refused.)
+* Admission is the service's: a new session or job no replica has room for (after idle spare
+  copies were reclaimed, as the live router's `reclaim`) is refused, `429` with Retry-After
+  (`SimSettings.retry_after_s`), and so is a call to a replica past the engine deployment's
+  queue bound (`replica_calls` at once, `queued_calls` more queued at the router); its
+  client sends it again after the Retry-After as often as its trace row's `retries` says (the
+  replay's `retries` for rows that say none). A refused session's read takes its waiting
+  queries with it. A query of a document some replica holds needs no new room and queues at
+  its copy, as a live query waits its session's turn. A request larger than an empty
+  replica's KV is counted as too large, never placed.
+* Goodput counts the answers that end within `deadline_s` of their request's first send (the
+  router's `request_timeout_s`). The service stops a job at its deadline and frees what it
+  held; the replay lets it run to its end and counts it as answered late, so past saturation
+  it is pessimistic about the work the fleet still does for the others.
 
 Speed: 64 replicas over the shipped 4,000-request Mooncake trace, all three policies, in a few
 seconds (`scripts/bench_sim.sh`).

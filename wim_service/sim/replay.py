@@ -2,16 +2,19 @@
 
 Events (arrivals, the end of an engine's prefill or decode run, a copy's idle check) are kept in
 one heap, in time order. At each arrival every engine describes itself as a `ReplicaState`, the
-policy (the code the live router runs) picks a replica, and the job is booked there. A job that
-finds no room waits in one queue, first come first served, and is placed again when an engine
-frees KV or a session slot; its wait is part of its time to first token.
+policy (the code the live router runs) picks a replica, and the job is booked there. What finds
+no room is refused as the service refuses it (`429` with Retry-After): a new session or job no
+replica has room for, after idle spare copies were reclaimed, and a call past the engine
+replicas' queue bound. Its client sends it again after the Retry-After if its trace row says
+so (`retries`); the waits count in its time to first token.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, deque
+import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +26,7 @@ from wim_service.sim.jobs import Job, read_work, work_for
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import Request, Trace
 
-ARRIVAL, ENGINE, RETIRE = 0, 1, 2
+ARRIVAL, ENGINE, RETIRE, RETRY = 0, 1, 2, 3
 # A copy retires once idle for copy_idle_s; float sums may land a hair short of it.
 IDLE_SLACK_S = 1e-9
 
@@ -48,8 +51,11 @@ class RunResult:
     requests: int
     outcomes: list[Outcome] = field(default_factory=list)
     too_large: int = 0  # requests no empty replica could hold: never placed
-    queued_for_room: int = 0
-    unplaced: int = 0  # still waiting when the trace ran out of events
+    refused: int = 0  # answered 429 with no retry left (a session's queries with its read)
+    retried: int = 0  # refusals whose client sent the request again after the Retry-After
+    # An answer that ends later than this after its request's first send is not goodput: the
+    # service stops a job at its deadline (the replay lets it run: see `wim_service.sim`).
+    deadline_s: float = math.inf
     copies_opened: int = 0
     copies_retired: int = 0
     copies_reclaimed: int = 0  # of those, retired early to make room (`Replay._reclaim`)
@@ -83,13 +89,15 @@ class Replay:
             for i in range(replicas)
         ]
         self.by_name = {f"r{i:02d}": engine for i, engine in enumerate(self.engines)}
-        self.result = RunResult(policy, replicas, len(trace.requests))
+        self.result = RunResult(
+            policy, replicas, len(trace.requests), deadline_s=settings.deadline_s
+        )
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._order = itertools.count()  # ties in time: first scheduled, first handled
-        self._waiting: deque[Job] = deque()
         # Documents whose session is being opened: the queries that wait for it, in order.
         self._opening: dict[str, list[Job]] = {}
-        self._room_freed = False
+        self._calls = [0] * replicas  # calls each engine replica has open (jobs placed there)
+        self._refusals: Counter[int] = Counter()  # by request index
 
     def _push(self, time: float, kind: int, subject: Any, detail: Any) -> None:
         heapq.heappush(self._heap, (time, next(self._order), kind, subject, detail))
@@ -108,12 +116,10 @@ class Replay:
                     subject.wake(now)
             elif kind == ARRIVAL:
                 self._arrive(subject, now)
+            elif kind == RETRY:
+                self._submit(subject, now)
             elif subject.retire_if_idle(detail, now, self.settings.copy_idle_s - IDLE_SLACK_S):
                 self.result.copies_retired += 1
-                self._room_freed = True
-            if self._room_freed:
-                self._drain(now)
-        self.result.unplaced = len(self._waiting)
         return self.result
 
     def _arrive(self, request: Request, now: float) -> None:
@@ -142,18 +148,38 @@ class Replay:
         return any(document in engine.copies for engine in self.engines)
 
     def _submit(self, job: Job, now: float) -> None:
-        document = job.work.document
-        held = document is not None and self._held(document)
-        # A query of a held document needs no new room: it queues at a copy, as a live query
-        # waits in its holder's admission queue. The others wait for room first come, first
-        # served: nothing overtakes them, so a large job is not starved by smaller ones.
-        if (held or not self._waiting) and self._place(job, now):
-            return
-        self._waiting.append(job)
-        self.result.queued_for_room += 1
+        """Place the job, or refuse it. A query of a held document needs no new room: it
+        queues at a copy, as a live query waits its session's turn."""
+        if not self._place(job, now):
+            self._refuse(job, now)
+
+    def _refuse(self, job: Job, now: float) -> None:
+        """`429` with Retry-After: the client sends the request again after it if its row
+        says so; else it is refused for good, and with a session's read every query waiting
+        for that session (as each live query of a session that failed to open fails)."""
+        request = job.request
+        self._refusals[request.index] += 1
+        retries = self.settings.retries if request.retries is None else request.retries
+        if self._refusals[request.index] <= retries:
+            self.result.retried += 1
+            self._push(now + self.settings.retry_after_s, RETRY, job, None)
+        elif job.work.reads_only:
+            assert job.work.document is not None
+            self.result.refused += len(self._opening.pop(job.work.document))
+        else:
+            self.result.refused += 1
+
+    def _takes_call(self, engine: Engine) -> bool:
+        """Whether a call to `engine` is taken: it has fewer than `replica_calls` open, or the
+        router's queue for the engines (the calls past each one's bound) has room."""
+        bound = self.settings.replica_calls
+        if self._calls[engine.index] < bound:
+            return True
+        return sum(max(0, calls - bound) for calls in self._calls) < self.settings.queued_calls
 
     def _opened(self, read: Job, engine: Engine, now: float) -> None:
         """A session's read ended: its queries are placed now, in their order."""
+        self._calls[engine.index] -= 1
         document = read.work.document
         assert document is not None
         for job in self._opening.pop(document):
@@ -168,9 +194,13 @@ class Replay:
             if not self._reclaim(now):
                 return False
             return self._place(job, now)
+        engine = self.by_name[placement.replica]
+        if not self._takes_call(engine):
+            return False
+        self._calls[engine.index] += 1
         job.copy = placement.open_copy
         self.result.copies_opened += placement.open_copy
-        job.start(self.by_name[placement.replica], now)
+        job.start(engine, now)
         return True
 
     def _reclaim(self, now: float) -> int:
@@ -188,11 +218,6 @@ class Replay:
         self.result.copies_reclaimed += retired
         return retired
 
-    def _drain(self, now: float) -> None:
-        self._room_freed = False
-        while self._waiting and self._place(self._waiting[0], now):
-            self._waiting.popleft()
-
     def _done(self, job: Job, engine: Engine, now: float) -> None:
         assert job.first_token_s is not None
         request = job.request
@@ -207,7 +232,7 @@ class Replay:
                 replica=engine.index,
             )
         )
-        self._room_freed = True
+        self._calls[engine.index] -= 1
         document = job.work.document
         if document is not None and not engine.copies[document].active:
             self._push(now + self.settings.copy_idle_s, RETIRE, engine, document)

@@ -14,8 +14,9 @@ from typing import Any
 from wim_service.sim.replay import RunResult
 
 # Dynamo's replay table: completed requests, TTFT (mean, p95, p99), mean end-to-end latency,
-# throughput, and the share of prompt tokens served from a cache; and the TTFT p50 that the
-# live comparison (loadtest/compare_sim.py) checks with the p95.
+# throughput, and the share of prompt tokens served from a cache; the TTFT p50 that the
+# live comparison (loadtest/compare_sim.py) checks with the p95; and goodput, the answers per
+# second that ended within the deadline (the throughput that counts once a fleet is saturated).
 KEYS = (
     "policy",
     "replicas",
@@ -27,12 +28,13 @@ KEYS = (
     "e2e_mean_s",
     "requests_per_s",
     "prefix_reuse",
+    "goodput_per_s",
 )
 EXTRA_KEYS = (
     "requests",
     "too_large",
-    "queued_for_room",
-    "unplaced",
+    "refused",
+    "retried",
     "copies_opened",
     "copies_retired",
     "copies_reclaimed",
@@ -64,9 +66,12 @@ def figures(
     prompt_tokens: int,
     cached_tokens: int,
     span_s: float,
+    deadline_s: float = math.inf,
 ) -> dict[str, Any]:
-    """The figures of `KEYS` from the completed requests' TTFTs and end-to-end latencies (s),
-    their prompt tokens and those of them served from a cache, over `span_s` seconds."""
+    """The figures of `KEYS` from the completed requests' TTFTs and end-to-end latencies (s,
+    from each request's first send), their prompt tokens and those of them served from a
+    cache, over `span_s` seconds; goodput counts the answers within `deadline_s`."""
+    good = sum(latency <= deadline_s for latency in e2e)
     return {
         "completed": len(ttft),
         "ttft_mean_s": _rounded(sum(ttft) / len(ttft)) if ttft else None,
@@ -76,6 +81,7 @@ def figures(
         "e2e_mean_s": _rounded(sum(e2e) / len(e2e)) if e2e else None,
         "requests_per_s": _rounded(len(ttft) / span_s) if span_s > 0 else None,
         "prefix_reuse": _rounded(cached_tokens / prompt_tokens, 4) if prompt_tokens else None,
+        "goodput_per_s": _rounded(good / span_s) if span_s > 0 else None,
     }
 
 
@@ -91,6 +97,7 @@ def summarise(result: RunResult) -> dict[str, Any]:
         prompt_tokens=sum(o.prompt_tokens for o in outcomes),
         cached_tokens=sum(o.cached_tokens for o in outcomes),
         span_s=span,
+        deadline_s=result.deadline_s,
     )
     row.update({key: getattr(result, key) for key in EXTRA_KEYS})
     return row
@@ -107,7 +114,8 @@ HEADERS = {
     "e2e_mean_s": "e2e mean s",
     "requests_per_s": "req/s",
     "prefix_reuse": "prefix reuse",
-    "queued_for_room": "queued",
+    "goodput_per_s": "goodput/s",
+    "refused": "refused",
     "too_large": "too large",
     "copies_opened": "copies",
 }

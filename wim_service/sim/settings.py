@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from wim_service.placement.policy import DEFAULT_MAX_COPIES
-from wim_service.sim.traces import MAX_ARRIVAL_S, MIN_SEGMENT_TOKENS
+from wim_service.sim.traces import MAX_ARRIVAL_S, MAX_RETRIES, MIN_SEGMENT_TOKENS
 
 # A bound on one option: its name, its value, the least and the most it may be.
 Bound = tuple[str, float | None, float, float]
@@ -43,6 +43,20 @@ class SimSettings:
     # profile's `restore` cost, if measured) instead of reading it again: `RouterConfig.
     # restore_copies`. On by default, as `./run.sh` runs with a store (docs/kv-store.md).
     restore_copies: bool = True
+    # How the service refuses what it has no room for, and how long it lets a job run. The
+    # router answers `429` with Retry-After `retry_after_s` (`RouterConfig.retry_after_s`) when
+    # no replica has room for a new session or job; an engine replica takes at most
+    # `replica_calls` calls at once and the router queues at most `queued_calls` more for the
+    # engines (the engine deployment's `max_ongoing_requests` and `max_queued_requests`), past
+    # which a call is refused the same way. A job still running `deadline_s` after it was sent
+    # is stopped (`RouterConfig.request_timeout_s`): goodput counts the answers within it.
+    retry_after_s: float = 5.0
+    replica_calls: int = 64
+    queued_calls: int = 256
+    deadline_s: float = 900.0
+    # Times a refused request is sent again (after its Retry-After) when its trace row does not
+    # say (`retries`).
+    retries: int = 0
 
     def check(self) -> None:
         """Within the bounds the live service takes (`WiMOptions`, `RouterConfig`)."""
@@ -53,5 +67,7 @@ class SimSettings:
                 ("segment_tokens", self.segment_tokens, MIN_SEGMENT_TOKENS, 65_536),
                 ("margin_tokens", self.margin_tokens, 1, 1_024),
                 ("max_copies", self.max_copies, 1, 64),
+                ("retries", self.retries, 0, MAX_RETRIES),
+                ("deadline_s", self.deadline_s, 0.001, MAX_ARRIVAL_S),
             ]
         )

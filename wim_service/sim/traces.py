@@ -14,6 +14,10 @@ Two kinds are read, told apart by their fields:
   written (WiM's `margin_skip` writes none for a segment that shares no words with the query);
   without it, every segment does.
 
+A row of either kind may say how its client meets a refusal: `retries`, how many times it sends
+the request again after a `429`, each time after the `Retry-After` (`wim sim --retries` for the
+rows without; none by default).
+
 A `.gz` file is read transparently. A malformed line is a `TraceError` naming its line.
 
 Bounds, so that no trace makes the simulator overflow or take unbounded memory (each is a
@@ -69,6 +73,7 @@ MAX_REQUESTS = 200_000
 # sequence in a simulated batch) over the whole trace: what a row of a few bytes expands to.
 MAX_TRACE_BLOCKS = 10_000_000
 MIN_SEGMENT_TOKENS = 32  # the live service's smallest segment (`WiMOptions.segment_tokens`)
+MAX_RETRIES = 100  # a row's `retries`: each one is an event of the replay
 
 
 class TraceError(ValueError):
@@ -98,6 +103,7 @@ class Request:
     wim: bool = False
     session: str | None = None
     margins: int | None = None  # a WiM query's margins written; None: one per segment
+    retries: int | None = None  # sent again this often after a 429; None: the replay's default
 
 
 @dataclass(frozen=True)
@@ -321,6 +327,9 @@ def read_trace(path: Path) -> Trace:
             request = mooncake_request(row, where)
         else:
             request = document_request(row, where, hashes)
+        if "retries" in row:
+            retries = _count(row, "retries", where, least=0, most=MAX_RETRIES)
+            request = replace(request, retries=retries)
         requests.append(request)
         blocks += request_blocks(request)
         if blocks > MAX_TRACE_BLOCKS:
