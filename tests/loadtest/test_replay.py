@@ -131,7 +131,7 @@ def test_the_summary_counts_completed_requests_only(replay: ModuleType) -> None:
 
 
 def test_an_empty_summary_has_no_figures(replay: ModuleType) -> None:
-    result = replay.summarise_records([], "wim", 2, 0.0)
+    result = replay.summarise_records([], "expected_wait", 2, 0.0)
     assert result["completed"] == 0 and result["failed"] == result["not_sent"] == 0
     assert result["ttft_p50_s"] is None and result["ttft_p95_s"] is None
     assert result["prefix_reuse"] is None and result["requests_per_s"] is None
@@ -333,9 +333,9 @@ def test_the_serve_config_has_two_fixed_replicas_and_the_policy(
     import yaml
 
     path = tmp_path / "serve_config.yaml"
-    compare_sim.write_config(path, 8772, 2, {"placement": "wim"}, compare_sim.ENGINE)
+    compare_sim.write_config(path, 8772, 2, {"placement": "expected_wait"}, compare_sim.ENGINE)
     app = yaml.safe_load(path.read_text())["applications"][0]
-    assert app["args"]["router"]["placement"] == "wim"
+    assert app["args"]["router"]["placement"] == "expected_wait"
     assert app["args"]["router"]["session_ttl_s"] == 600  # the rest of deploy/'s router args
     # Each engine on a core of its own, as the simulator's replicas are independent.
     assert app["args"]["engine"]["cpu_threads_bind"] == "rank"
@@ -357,10 +357,10 @@ def test_the_default_trace_is_small_and_simulated_per_policy(
     assert trace.kind == "document" and len(trace.requests) == 15
     assert len({r.document for r in trace.requests}) == 3
     assert trace.requests[-1].arrival_s <= 180  # within the replay's 3.5 minutes
-    row = compare_sim.simulated(args, trace, "wim")
-    assert (row["policy"], row["replicas"], row["completed"]) == ("wim", 2, 15)
+    row = compare_sim.simulated(args, trace, "expected_wait")
+    assert (row["policy"], row["replicas"], row["completed"]) == ("expected_wait", 2, 15)
     assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]
-    report = json.loads((tmp_path / "sim-wim.json").read_text())
+    report = json.loads((tmp_path / "sim-expected_wait.json").read_text())
     by_row = report.pop("ttft_s_by_row")
     assert report == row and len(by_row) == 15 and all(t > 0 for t in by_row)
     assert sorted(by_row)[7] == pytest.approx(row["ttft_p50_s"], abs=0.01)
@@ -386,7 +386,7 @@ def test_compare_sim_refuses_a_mooncake_trace(
 
 def test_the_comparison_flags_differences_past_the_tolerance(compare_sim: ModuleType) -> None:
     live = {"ttft_p50_s": 10.0, "ttft_p95_s": 20.0}
-    close = compare_sim.compare("wim", live, {"ttft_p50_s": 12.0, "ttft_p95_s": 16.0})
+    close = compare_sim.compare("expected_wait", live, {"ttft_p50_s": 12.0, "ttft_p95_s": 16.0})
     far = compare_sim.compare("sticky", live, {"ttft_p50_s": 13.0, "ttft_p95_s": 20.0})
     missing = compare_sim.compare("round_robin", live, None)
     assert close["rel_diff_p50"] == pytest.approx(0.2) and close["rel_diff_p95"] == -0.2
@@ -397,7 +397,7 @@ def test_the_comparison_flags_differences_past_the_tolerance(compare_sim: Module
     lines = compare_sim.comparison_table([close, far, missing], 0.25).splitlines()
     assert lines[0].split()[-5:] == ["within", "25%?", "plain", "rows", "live/sim"]
     assert lines[1].split() == [
-        *("wim", "10.00", "20.00", "12.00", "16.00", "+20%", "-20%", "yes", "0.55")
+        *("expected_wait", "10.00", "20.00", "12.00", "16.00", "+20%", "-20%", "yes", "0.55")
     ]
     assert lines[3].split()[3:] == ["-"] * 6
 
@@ -412,12 +412,12 @@ def test_the_plain_rows_tell_how_fast_the_engines_ran_against_the_profile(
     trace = read_trace(write_rows(tmp_path / "trace.jsonl", rows))
     timings = ((2.0, 0), (9.0, 0), (2.4, 0), (1.4, 0), (0.1, 2048), (0.1, 2048))
     records = [{"row": i, "ttft_s": t, "cached_tokens": c} for i, (t, c) in enumerate(timings)]
-    (tmp_path / "live-wim.json").write_text(json.dumps({"records": records}))
+    (tmp_path / "live-expected_wait.json").write_text(json.dumps({"records": records}))
     simulated = {"ttft_s_by_row": [2.0, 1.0, 2.0, 1.0, 1.0, 1.0]}
-    (tmp_path / "sim-wim.json").write_text(json.dumps(simulated))
+    (tmp_path / "sim-expected_wait.json").write_text(json.dumps(simulated))
     args = argparse.Namespace(out=tmp_path)
     # Of 1.0, 1.2 and 1.4; with the cached rows' 0.1 and 0.1 it would be 1.0.
-    assert compare_sim.plain_speed(args, trace, "wim") == pytest.approx(1.2)
+    assert compare_sim.plain_speed(args, trace, "expected_wait") == pytest.approx(1.2)
     assert compare_sim.plain_speed(args, trace, "sticky") is None  # not replayed live
 
 

@@ -45,7 +45,7 @@ PROFILE = EngineProfile.model_validate(
         "query_extra_tokens": 50,
     }
 )
-POLICIES = ("round_robin", "sticky", "wim")
+POLICIES = ("round_robin", "sticky", "expected_wait")
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -263,7 +263,13 @@ def test_figures_are_none_without_completed_requests() -> None:
 
 def test_the_table_takes_its_columns_and_marks_missing_figures() -> None:
     rows = [
-        {"policy": "wim", "replicas": 2, "ttft_p50_s": None, "prefix_reuse": 0.25, "failed": 1},
+        {
+            "policy": "expected_wait",
+            "replicas": 2,
+            "ttft_p50_s": None,
+            "prefix_reuse": 0.25,
+            "failed": 1,
+        },
         {"policy": "sticky", "replicas": 2, "ttft_p50_s": 1.234, "prefix_reuse": None},
     ]
     columns = ["policy", "ttft_p50_s", "prefix_reuse", "failed"]
@@ -274,7 +280,7 @@ def test_the_table_takes_its_columns_and_marks_missing_figures() -> None:
         "prefix reuse",
         "failed",
     ]
-    assert [c.strip() for c in first.split("|")[1:-1]] == ["wim", "-", "25.0%", "1"]
+    assert [c.strip() for c in first.split("|")[1:-1]] == ["expected_wait", "-", "25.0%", "1"]
     assert [c.strip() for c in second.split("|")[1:-1]] == ["sticky", "1.23", "-", "-"]
     assert len({len(line) for line in (header, rule, first, second)}) == 1  # aligned
 
@@ -306,7 +312,7 @@ def document_trace(rows: list[dict[str, Any]], tmp_path: Path) -> Trace:
 
 def test_a_lone_request_takes_its_prefill_then_its_decode_steps() -> None:
     request = Request(index=0, arrival_s=5.0, prompt_tokens=2000, answer_tokens=4)
-    (outcome,) = run(Trace("mooncake", (request,)), "wim", 1).outcomes
+    (outcome,) = run(Trace("mooncake", (request,)), "expected_wait", 1).outcomes
     prefill = PROFILE.prefill.seconds(2000)
     steps = sum(PROFILE.decode.step_seconds(1, 2001 + j) for j in range(3))
     assert outcome.first_token_s - 5.0 == pytest.approx(prefill)
@@ -315,7 +321,7 @@ def test_a_lone_request_takes_its_prefill_then_its_decode_steps() -> None:
 
 def test_a_lone_wim_query_reads_writes_its_margins_then_answers(tmp_path: Path) -> None:
     trace = document_trace([doc_row(0, "a", wim=True, tokens=3000)], tmp_path)
-    (outcome,) = run(trace, "wim", 1, segment_tokens=1024, margin_tokens=5).outcomes
+    (outcome,) = run(trace, "expected_wait", 1, segment_tokens=1024, margin_tokens=5).outcomes
     p, margins = PROFILE, 3  # ceil(3000 / 1024)
     read = p.prefill.seconds(3000)
     prompts = p.prefill.seconds(margins * p.margin_prompt_tokens, cached=3000)
@@ -340,7 +346,7 @@ def test_a_wim_query_writes_only_the_margins_its_row_names(tmp_path: Path) -> No
     trace = document_trace(rows, tmp_path)
     assert [r.margins for r in trace.requests] == [None, 1, 0]
     every, one, none = sorted(
-        run(trace, "wim", 1, segment_tokens=1024, margin_tokens=5).outcomes,
+        run(trace, "expected_wait", 1, segment_tokens=1024, margin_tokens=5).outcomes,
         key=lambda o: o.index,
     )
     p = PROFILE
@@ -371,11 +377,11 @@ def test_every_request_completes_once_when_capacity_allows(policy: str, tmp_path
         assert result.refused == result.too_large == 0
 
 
-def test_prefix_reuse_is_higher_for_sticky_and_wim_than_round_robin() -> None:
+def test_prefix_reuse_is_higher_for_sticky_and_expected_wait_than_round_robin() -> None:
     trace = light_mooncake(gap_s=1.0)
     reuse = {p: summarise(run(trace, p, 4))["prefix_reuse"] for p in POLICIES}
     assert reuse["sticky"] > reuse["round_robin"]
-    assert reuse["wim"] > reuse["round_robin"]
+    assert reuse["expected_wait"] > reuse["round_robin"]
 
 
 def hot_document(tmp_path: Path) -> Trace:
@@ -396,16 +402,17 @@ def hot_document(tmp_path: Path) -> Trace:
 
 
 @pytest.mark.parametrize("replicas", [4, 8])
-def test_a_hot_document_gets_copies_under_wim_and_a_lower_p95(
+def test_a_hot_document_gets_copies_under_expected_wait_and_a_lower_p95(
     tmp_path: Path, replicas: int
 ) -> None:
     trace = hot_document(tmp_path)
-    sticky, wim = (run(trace, p, replicas) for p in ("sticky", "wim"))
+    sticky, expected = (run(trace, p, replicas) for p in ("sticky", "expected_wait"))
     documents = len({r.document for r in trace.requests})
     assert sticky.copies_opened == documents  # one copy per document, ever
-    assert wim.copies_opened > documents
-    assert summarise(wim)["ttft_p95_s"] < summarise(sticky)["ttft_p95_s"]
-    hot_on = {o.replica for o in wim.outcomes if trace.requests[o.index].document == "doc-0000"}
+    assert expected.copies_opened > documents
+    assert summarise(expected)["ttft_p95_s"] < summarise(sticky)["ttft_p95_s"]
+    hot = [o for o in expected.outcomes if trace.requests[o.index].document == "doc-0000"]
+    hot_on = {o.replica for o in hot}
     assert len(hot_on) > 1
 
 
@@ -485,7 +492,7 @@ def test_without_room_an_idle_spare_copy_makes_room(tmp_path: Path) -> None:
     assert a_again.first_token_s - 61 < b.first_token_s - 60
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "sticky", "wim"])
+@pytest.mark.parametrize("policy", ["round_robin", "sticky", "expected_wait"])
 def test_plain_requests_run_beside_sessions_that_hold_every_slot(
     policy: str, tmp_path: Path
 ) -> None:
@@ -507,7 +514,7 @@ def test_expected_wait_spreads_a_burst_by_the_backlog_it_books(backlog_decode: b
         Request(index=i, arrival_s=0.0, prompt_tokens=3000, answer_tokens=20, prefix=(i,))
         for i in range(8)
     )
-    result = run(Trace("mooncake", burst), "wim", 4, backlog_decode=backlog_decode)
+    result = run(Trace("mooncake", burst), "expected_wait", 4, backlog_decode=backlog_decode)
     per_replica = [sum(o.replica == r for o in result.outcomes) for r in range(4)]
     assert per_replica == [2, 2, 2, 2]
 
@@ -534,7 +541,7 @@ def test_no_policy_serves_a_request_before_its_floor(kind: str, tmp_path: Path) 
         trace = read_trace(tmp_path / "docs.jsonl")
     floors = ttft_floor(trace, PROFILE, SimSettings())
     assert len(floors) == len(trace.requests)
-    for policy in ("round_robin", "sticky", "wim"):
+    for policy in ("round_robin", "sticky", "expected_wait"):
         for replicas in (1, 4):
             for o in run(trace, policy, replicas).outcomes:
                 assert o.first_token_s - o.arrival_s >= floors[o.index] - 1e-9
@@ -548,7 +555,7 @@ def test_a_request_larger_than_a_replica_is_counted_not_placed() -> None:
     big = Request(index=0, arrival_s=0.0, prompt_tokens=PROFILE.kv_capacity_tokens, answer_tokens=9)
     small = Request(index=1, arrival_s=1.0, prompt_tokens=1000, answer_tokens=9)
     trace = Trace("mooncake", (big, small))
-    result = run(trace, "wim", 2)
+    result = run(trace, "expected_wait", 2)
     assert (result.too_large, [o.index for o in result.outcomes]) == (1, [1])
     assert list(ttft_floor(trace, PROFILE, SimSettings())) == [1]  # nor in the floor
 
@@ -563,21 +570,21 @@ def test_the_command_prints_a_row_per_policy_and_writes_the_json(
     profile.write_text(PROFILE.model_dump_json())
     assert main(["sim", "--generate", str(trace), "--requests", "60", "--rate", "0.2"]) == 0
     out = tmp_path / "rows.json"
-    argv = ["sim", "--trace", str(trace), "--replicas", "1,3", "--policies", "sticky,wim"]
+    argv = ["sim", "--trace", str(trace), "--replicas", "1,3", "--policies", "sticky,expected_wait"]
     argv += ["--profile", str(profile)]
     plot = tmp_path / "p95.png"
     assert main([*argv, "--json-out", str(out), "--time-scale", "2", "--plot", str(plot)]) == 0
     assert plot.read_bytes().startswith(b"\x89PNG")
     lines = capsys.readouterr().out.splitlines()
     body = [line for line in lines if line.startswith("|") and "---" not in line][1:]
-    assert [line.split("|")[1].strip() for line in body] == ["sticky", "wim"] * 2
+    assert [line.split("|")[1].strip() for line in body] == ["sticky", "expected_wait"] * 2
     assert lines[-1].startswith("floor: TTFT p50 ")
     rows = json.loads(out.read_text())
     assert [(r["policy"], r["replicas"]) for r in rows] == [
         ("sticky", 1),
-        ("wim", 1),
+        ("expected_wait", 1),
         ("sticky", 3),
-        ("wim", 3),
+        ("expected_wait", 3),
     ]
     assert all(set(KEYS) <= set(r) and r["completed"] == 60 for r in rows)
 
