@@ -155,10 +155,10 @@ async def test_holdings_list_every_live_session_for_every_router(
     await a.delete(deleted.session_id)
     await asyncio.sleep(0.3)
     await b.add_copy(bound.session_id, "r3", 3)
-    # Which replicas hold what, and nothing more: no options, no text.
+    # Which replicas hold what, for which tenant, and nothing more: no options, no text.
     assert sorted(await b.holdings(), key=lambda h: h.session_id != bound.session_id) == [
-        Holding(bound.session_id, "r1", ("r3",)),
-        Holding(unbound.session_id, None, ()),
+        Holding(bound.session_id, "r1", ("r3",), "acme"),
+        Holding(unbound.session_id, None, (), "globex"),
     ]
 
 

@@ -105,13 +105,30 @@ class DocumentTable:
         `new`): False if another router moved it first, closed that copy, or it ended."""
         return await self._call(self.store.rebind(document_id, expected, new, promote=promote))
 
-    async def add_copy(self, document_id: str, replica: str, max_holders: int) -> bool:
+    async def add_copy(
+        self, document_id: str, replica: str, max_holders: int, tenant_slots: int | None = None
+    ) -> bool:
         """Record a copy of the session on `replica` (`serving/routing/copies.py`); False if
-        the session ended, holds one there, or has `max_holders` holders already."""
-        return await self._call(self.store.add_copy(document_id, replica, max_holders))
+        the session ended, holds one there, has `max_holders` holders already or its tenant
+        `tenant_slots` session slots (its sessions and their copies)."""
+        add = self.store.add_copy(document_id, replica, max_holders, tenant_slots)
+        return await self._call(add)
 
-    async def drop_copy(self, document_id: str, replica: str) -> bool:
-        return await self._call(self.store.drop_copy(document_id, replica))
+    async def drop_copy(self, document_id: str, replica: str, idle_s: float | None = None) -> bool:
+        """Forget the copy on `replica`; with `idle_s`, only if no router's query holds it or
+        used it within `idle_s` (`SessionStore.drop_copy`)."""
+        return await self._call(self.store.drop_copy(document_id, replica, idle_s))
+
+    async def lease_copy(self, document_id: str, replica: str, lease: str) -> bool:
+        """Hold the copy on `replica` for one query (for as long as a query may run); False
+        if it is no longer recorded."""
+        hold = self.store.lease_copy(document_id, replica, lease, self.hold_s)
+        return await self._call(hold)
+
+    async def release_copy(self, document_id: str, replica: str, lease: str) -> None:
+        """The query ended; if the store cannot be told, the lease runs out instead."""
+        with contextlib.suppress(HTTPFailure):
+            await self._call(self.store.release_copy(document_id, replica, lease))
 
     async def remove(self, document_id: str) -> StoredSession | None:
         """End the session for every router; what it was (its replica to close), or None."""

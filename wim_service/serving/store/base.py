@@ -11,7 +11,12 @@ Promises of every backend (tests/serving/store/test_session_store.py checks them
 * `add_copy` records a copy of a live session on a replica that holds none of it, within a
   limit of holders (primary and copies), in one step: two routers never both pass the limit.
   `drop_copy` forgets one. Copies are part of the session: `delete` and `sweep` return them
-  (to be closed) with it.
+  (to be closed) with it. `add_copy` may also be bounded by the session slots its tenant
+  holds (its sessions and their copies): a copy is on its document's tenant's books.
+* A query on a copy holds a lease on it (`lease_copy`, given back by `release_copy`, or run
+  out if its router died): `drop_copy(..., idle_s=...)`, what retiring and reclaiming a copy
+  use, refuses a copy that any router's query holds or used within `idle_s`, so that idleness
+  is judged across routers and no router closes a copy another one is reading.
 * `delete` ends the session at once for every router and leaves a tombstone, so that no
   racing `create` or `rebind` brings it back.
 * `sweep` hands each expired session to exactly one caller (to close its KV), then forgets it.
@@ -62,6 +67,7 @@ class Holding:
     session_id: str
     replica: str | None
     copies: tuple[str, ...] = ()
+    tenant: str = ""  # whose books the session and its copies are on
 
     @property
     def holders(self) -> tuple[str, ...]:
@@ -125,13 +131,28 @@ class SessionStore(Protocol):
         router moved it first or closed that copy, or it ended)."""
         ...
 
-    async def add_copy(self, session_id: str, replica: str, max_holders: int) -> bool:
-        """Record a copy of the live session on `replica` unless it holds one already or the
-        session has `max_holders` holders (primary included); True if recorded."""
+    async def add_copy(
+        self, session_id: str, replica: str, max_holders: int, tenant_slots: int | None = None
+    ) -> bool:
+        """Record a copy of the live session on `replica` unless it holds one already, the
+        session has `max_holders` holders (primary included) or, with `tenant_slots`, its
+        tenant holds that many session slots (its live sessions and their copies); True if
+        recorded."""
         ...
 
-    async def drop_copy(self, session_id: str, replica: str) -> bool:
-        """Forget the live session's copy on `replica`; False if it had none there."""
+    async def drop_copy(self, session_id: str, replica: str, idle_s: float | None = None) -> bool:
+        """Forget the live session's copy on `replica`; False if it had none there or, with
+        `idle_s`, if a query's lease holds it or one was taken or given back within `idle_s`
+        (0: only a held copy is kept)."""
+        ...
+
+    async def lease_copy(self, session_id: str, replica: str, lease: str, lease_s: float) -> bool:
+        """A query (`lease`, unique) runs on the live session's copy on `replica`: hold it
+        for `lease_s` at most. False if that copy is not recorded (closed meanwhile)."""
+        ...
+
+    async def release_copy(self, session_id: str, replica: str, lease: str) -> None:
+        """The query ended: its lease no longer holds the copy, which was used now."""
         ...
 
     async def delete(self, session_id: str) -> StoredSession | None:

@@ -5,6 +5,7 @@ Every method runs without awaiting anything, so on the router's event loop each 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, replace
@@ -28,6 +29,10 @@ class MemorySessionStore:
         self._requests: defaultdict[str, deque[float]] = defaultdict(deque)
         self._jobs: defaultdict[str, dict[str, float]] = defaultdict(dict)
         self._reserved: dict[str, tuple[str, float]] = {}
+        # Per copy (session id, replica): its queries' leases (lease -> end) and when one was
+        # last taken or given back, in monotonic seconds.
+        self._leases: defaultdict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+        self._used: dict[tuple[str, str], float] = {}
 
     def _live(self, session_id: str) -> _Entry | None:
         entry = self._entries.get(session_id)
@@ -62,7 +67,7 @@ class MemorySessionStore:
         return expires_at
 
     async def holdings(self) -> list[Holding]:
-        return [Holding(s.session_id, s.replica, s.copies) for s in self._live_sessions()]
+        return [Holding(s.session_id, s.replica, s.copies, s.tenant) for s in self._live_sessions()]
 
     def _live_sessions(self) -> list[StoredSession]:
         now = time.time()
@@ -78,9 +83,13 @@ class MemorySessionStore:
             return False
         copies = tuple(r for r in entry.session.copies if r != new)
         entry.session = replace(entry.session, replica=new, copies=copies)
+        self._leases.pop((session_id, new or ""), None)  # a primary is never retired
+        self._used.pop((session_id, new or ""), None)
         return True
 
-    async def add_copy(self, session_id: str, replica: str, max_holders: int) -> bool:
+    async def add_copy(
+        self, session_id: str, replica: str, max_holders: int, tenant_slots: int | None = None
+    ) -> bool:
         entry = self._live(session_id)
         if (
             entry is None
@@ -88,21 +97,56 @@ class MemorySessionStore:
             or 1 + len(entry.session.copies) >= max_holders
         ):
             return False
+        if tenant_slots is not None:
+            tenant = entry.session.tenant
+            held = sum(1 + len(s.copies) for s in self._live_sessions() if s.tenant == tenant)
+            if held >= tenant_slots:
+                return False
         entry.session = replace(entry.session, copies=(*entry.session.copies, replica))
         return True
 
-    async def drop_copy(self, session_id: str, replica: str) -> bool:
+    async def drop_copy(self, session_id: str, replica: str, idle_s: float | None = None) -> bool:
         entry = self._live(session_id)
         if entry is None or replica not in entry.session.copies:
             return False
+        key, now = (session_id, replica), time.monotonic()
+        if idle_s is not None:
+            leases = {lease: end for lease, end in self._leases[key].items() if end > now}
+            self._leases[key] = leases
+            if leases or now - self._used.get(key, -math.inf) < idle_s:
+                return False
         copies = tuple(r for r in entry.session.copies if r != replica)
         entry.session = replace(entry.session, copies=copies)
+        self._leases.pop(key, None)
+        self._used.pop(key, None)
         return True
+
+    async def lease_copy(self, session_id: str, replica: str, lease: str, lease_s: float) -> bool:
+        entry = self._live(session_id)
+        if entry is None or replica not in entry.session.copies:
+            return False
+        now = time.monotonic()
+        self._leases[(session_id, replica)][lease] = now + lease_s
+        self._used[(session_id, replica)] = now
+        return True
+
+    async def release_copy(self, session_id: str, replica: str, lease: str) -> None:
+        key = (session_id, replica)
+        if self._leases.get(key, {}).pop(lease, None) is not None:
+            self._used[key] = time.monotonic()
 
     async def delete(self, session_id: str) -> StoredSession | None:
         entry = self._entries.pop(session_id, None)
         self._tombstones[session_id] = time.time() + self.tombstone_ttl_s
+        if entry is not None:
+            self._forget_copies(entry.session)
         return entry.session if entry else None
+
+    def _forget_copies(self, session: StoredSession) -> None:
+        """An ended session's copies hold no leases (their queries end with it)."""
+        for replica in session.copies:
+            self._leases.pop((session.session_id, replica), None)
+            self._used.pop((session.session_id, replica), None)
 
     async def sweep(self) -> list[StoredSession]:
         now = time.time()
@@ -110,6 +154,7 @@ class MemorySessionStore:
         ended = [e.session for e in self._entries.values() if e.session.expires_at <= now]
         for session in ended:
             del self._entries[session.session_id]
+            self._forget_copies(session)
         return ended
 
     async def admit_request(self, tenant: str, limit: int, window_s: float) -> float | None:

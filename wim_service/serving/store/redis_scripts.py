@@ -72,15 +72,17 @@ redis.call('ZADD', KEYS[3], expires, ARGV[1])
 return expires
 """
 
-# KEYS: expiry index. ARGV: key prefix. Every live session's holders: id, replica, copies,
-# id, ... ("" for none). Run by every router every poll: two fields a session, not the hash.
+# KEYS: expiry index. ARGV: key prefix. Every live session's holders and tenant: id, replica,
+# copies, tenant, id, ... ("" for none). Run by every router every poll: three fields a
+# session, not the hash.
 _HOLDINGS = """
 local out = {}
 each_live(KEYS[1], ARGV[1], function(id, key)
-  local held = redis.call('HMGET', key, 'replica', 'copies')
+  local held = redis.call('HMGET', key, 'replica', 'copies', 'tenant')
   out[#out + 1] = id
   out[#out + 1] = held[1] or ''
   out[#out + 1] = held[2] or ''
+  out[#out + 1] = held[3] or ''
 end)
 return out
 """
@@ -98,9 +100,10 @@ redis.call('HSET', KEYS[1], 'replica', ARGV[2], 'copies', rest)
 return 1
 """
 
-# KEYS: session. ARGV: replica, most holders (the primary and its copies). Returns 1 if the
-# replica was added as a copy: the session is live, the replica holds none of it yet, and its
-# holders stay within the limit.
+# KEYS: session, expiry index. ARGV: replica, most holders (the primary and its copies), key
+# prefix, most session slots of the tenant ("" for no limit). Returns 1 if the replica was
+# added as a copy: the session is live, the replica holds none of it yet, its holders stay
+# within the limit, and its tenant's sessions and their copies within the tenant's.
 _ADD_COPY = """
 if not live(KEYS[1]) then return 0 end
 if redis.call('HGET', KEYS[1], 'replica') == ARGV[1] then return 0 end
@@ -111,19 +114,65 @@ for r in string.gmatch(copies, '[^,]+') do
   held = held + 1
 end
 if held >= tonumber(ARGV[2]) then return 0 end
+if ARGV[4] ~= '' then
+  local tenant, slots = redis.call('HGET', KEYS[1], 'tenant'), 0
+  each_live(KEYS[2], ARGV[3], function(_, key)
+    local session = redis.call('HMGET', key, 'tenant', 'copies')
+    if session[1] == tenant then
+      slots = slots + 1
+      for _ in string.gmatch(session[2] or '', '[^,]+') do slots = slots + 1 end
+    end
+  end)
+  if slots >= tonumber(ARGV[4]) then return 0 end
+end
 if copies ~= '' then copies = copies .. ',' end
 redis.call('HSET', KEYS[1], 'copies', copies .. ARGV[1])
 return 1
 """
 
-# KEYS: session. ARGV: replica. Returns 1 if the live session had a copy there (now dropped).
+# KEYS: session, the copies' leases. ARGV: replica, idle_ms ("" to drop it whatever holds
+# it). Returns 1 if the live session had a copy there (now dropped); 0 if not, or if a
+# query's lease holds it or one was taken or given back within idle_ms.
 _DROP_COPY = """
 if not live(KEYS[1]) then return 0 end
 local copies = redis.call('HGET', KEYS[1], 'copies') or ''
 local kept = without(copies, ARGV[1])
 if kept == copies then return 0 end
+local mine = ARGV[1] .. '|'
+if ARGV[2] ~= '' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  for _, lease in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+    if string.sub(lease, 1, #mine) == mine then return 0 end
+  end
+  local used = redis.call('HGET', KEYS[1], 'used:' .. ARGV[1])
+  if used and now - tonumber(used) < tonumber(ARGV[2]) then return 0 end
+end
 redis.call('HSET', KEYS[1], 'copies', kept)
+redis.call('HDEL', KEYS[1], 'used:' .. ARGV[1])
 return 1
+"""
+
+# KEYS: session, the copies' leases. ARGV: replica, lease (`replica|id`), lease_ms. Returns 1
+# if the live session has a copy there, now held by the lease.
+_LEASE_COPY = """
+if not live(KEYS[1]) then return 0 end
+local found = false
+for r in string.gmatch(redis.call('HGET', KEYS[1], 'copies') or '', '[^,]+') do
+  if r == ARGV[1] then found = true end
+end
+if not found then return 0 end
+redis.call('ZADD', KEYS[2], now + ARGV[3], ARGV[2])
+expire_with_last(KEYS[2])
+redis.call('HSET', KEYS[1], 'used:' .. ARGV[1], now)
+return 1
+"""
+
+# KEYS: session, the copies' leases. ARGV: replica, lease. The query ended: the copy was used
+# now (if it is still one).
+_RELEASE_COPY = """
+if redis.call('ZREM', KEYS[2], ARGV[2]) == 1 and live(KEYS[1]) then
+  redis.call('HSET', KEYS[1], 'used:' .. ARGV[1], now)
+end
 """
 
 # KEYS: session, text, tombstone, expiry index. ARGV: id, tombstone_ms. Returns the hash as
@@ -233,6 +282,8 @@ SCRIPTS = {
     "rebind": _REBIND,
     "add_copy": _ADD_COPY,
     "drop_copy": _DROP_COPY,
+    "lease_copy": _LEASE_COPY,
+    "release_copy": _RELEASE_COPY,
     "delete": _DELETE,
     "expired": _EXPIRED,
     "claim": _CLAIM,

@@ -6,6 +6,8 @@ Per session (prefix `P`, default `wim:`):
   copies (replicas joined by commas), context_tokens, segments, kv_blocks, ttl_ms, expires_ms;
 * `P{id}:d`, the document text (`DocumentCipher`: AES-GCM when a key is set);
 * `P{id}:t`, a tombstone left by `delete`, for `tombstone_ttl_s`;
+* `P{id}:c`, a sorted set of the leases of queries on its copies (`replica|lease`) by lease
+  end, and in the hash `used:<replica>`, when a query last took or gave back one there;
 * `Pexpiry`, a sorted set of session ids by expiry, for `sweep`.
 
 Per tenant `T` (`serving/routing/quotas.py` counts its limits here):
@@ -156,8 +158,10 @@ class RedisSessionStore:
     async def holdings(self) -> list[Holding]:
         flat = await self._run("holdings", [self._index], [self.config.key_prefix])
         return [
-            Holding(sid.decode(), replica.decode() or None, _copies(copies.decode()))
-            for sid, replica, copies in zip(flat[::3], flat[1::3], flat[2::3], strict=True)
+            Holding(sid.decode(), replica.decode() or None, _copies(copies.decode()), t.decode())
+            for sid, replica, copies, t in zip(
+                flat[::4], flat[1::4], flat[2::4], flat[3::4], strict=True
+            )
         ]
 
     async def rebind(
@@ -168,13 +172,30 @@ class RedisSessionStore:
         )
         return bool(swapped)
 
-    async def add_copy(self, session_id: str, replica: str, max_holders: int) -> bool:
-        added = await self._run("add_copy", [self._key(session_id, "s")], [replica, max_holders])
+    async def add_copy(
+        self, session_id: str, replica: str, max_holders: int, tenant_slots: int | None = None
+    ) -> bool:
+        slots = "" if tenant_slots is None else tenant_slots
+        added = await self._run(
+            "add_copy",
+            [self._key(session_id, "s"), self._index],
+            [replica, max_holders, self.config.key_prefix, slots],
+        )
         return bool(added)
 
-    async def drop_copy(self, session_id: str, replica: str) -> bool:
-        dropped = await self._run("drop_copy", [self._key(session_id, "s")], [replica])
-        return bool(dropped)
+    async def drop_copy(self, session_id: str, replica: str, idle_s: float | None = None) -> bool:
+        idle_ms = "" if idle_s is None else round(idle_s * 1000)
+        keys = [self._key(session_id, "s"), self._key(session_id, "c")]
+        return bool(await self._run("drop_copy", keys, [replica, idle_ms]))
+
+    async def lease_copy(self, session_id: str, replica: str, lease: str, lease_s: float) -> bool:
+        keys = [self._key(session_id, "s"), self._key(session_id, "c")]
+        args = [replica, f"{replica}|{lease}", round(lease_s * 1000)]
+        return bool(await self._run("lease_copy", keys, args))
+
+    async def release_copy(self, session_id: str, replica: str, lease: str) -> None:
+        keys = [self._key(session_id, "s"), self._key(session_id, "c")]
+        await self._run("release_copy", keys, [replica, f"{replica}|{lease}"])
 
     async def delete(self, session_id: str) -> StoredSession | None:
         keys = [self._key(session_id, k) for k in ("s", "d", "t")] + [self._index]
