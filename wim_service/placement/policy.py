@@ -17,11 +17,14 @@ from wim_service.placement.state import NoRoom, Placement, ReplicaState, Work
 
 logger = logging.getLogger(__name__)
 
-# Replicas one document may be held on at once, its first read included. A session runs one
-# query at a time, so a hot document's copies are its parallelism: with 4, `wim sim` of a
-# Zipf-hot document trace at 32 replicas queued the hottest document's queries (p95 827 s
-# against round robin's 131 s); with 8, 115 s. The policy opens one only when it is quicker.
-DEFAULT_MAX_COPIES = 8
+# Replicas one document may be held on at once, its first read included: as many as the
+# router takes (`RouterConfig.max_copies`). A hot document's copies are its parallelism, and
+# the policy opens one only where it is quicker than waiting at a holder, so a lower cap only
+# queues a hot document's queries at its holders while other replicas have room: with 8, a
+# document taking half of a trace's queries saturated its 8 holders at 32 and 64 replicas,
+# where round robin, copying it everywhere, answered sooner (docs/routing.md). A copy's cost
+# in room is bounded otherwise: an idle copy is retired, a spare one reclaimed for new work.
+DEFAULT_MAX_COPIES = 64
 # What leaving a cached prefix costs a request without a document, in units of the prefill it
 # then does that the prefix holder would not: charged this many times over its own wait.
 # Besides delaying what queues behind it, the recompute caches the prefix a second time,
