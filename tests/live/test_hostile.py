@@ -41,7 +41,7 @@ from tests.harness.live_stack import (
     wait_for,
 )
 from tests.harness.pdfs import pages_pdf, tiny_pdf
-from wim_service.serving.http.errors import STATUS, ServiceCode
+from wim_service.serving.errors import STATUS, ServiceCode
 from wim_service.wim.errors import ErrorCode
 
 # The first test also waits for the engines to start (minutes on a busy 2-core machine).

@@ -19,6 +19,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 
 from wim_service.serving.config import RouterConfig
+from wim_service.serving.errors import STATUS, ServiceError
 from wim_service.serving.http.auth import Tenant
 from wim_service.serving.http.bodies import (
     DocumentRequest,
@@ -35,7 +36,7 @@ from wim_service.serving.http.edge import (
     RouteEdge,
     caller,
 )
-from wim_service.serving.http.errors import STATUS, HTTPFailure, install_error_handlers
+from wim_service.serving.http.errors import error_response, install_error_handlers
 from wim_service.serving.http.page import extract_routes, install_page
 from wim_service.serving.http.responses import json_response, sse_response
 from wim_service.serving.observability.logs import log_through_serve
@@ -70,9 +71,9 @@ def route_edges(config: RouterConfig) -> EdgeOf:
     return edge_of
 
 
-def refusal(edge: RouteEdge, failure: HTTPFailure) -> Response:
+def refusal(edge: RouteEdge, failure: ServiceError) -> Response:
     """A refusal at the edge in the route's own error shape."""
-    return OpenAIError.of(failure).response() if edge.openai else failure.response()
+    return OpenAIError.of(failure).response() if edge.openai else error_response(failure)
 
 
 class Readiness(BaseModel):

@@ -18,14 +18,10 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
+from wim_service.serving.errors import ServiceCode, ServiceError, status_of
 from wim_service.serving.http.auth import Tenant, TenantLimits
 from wim_service.serving.http.edge import EdgeMiddleware, RouteEdge
-from wim_service.serving.http.errors import (
-    HTTPFailure,
-    ServiceCode,
-    install_error_handlers,
-    status_of,
-)
+from wim_service.serving.http.errors import error_response, install_error_handlers
 from wim_service.serving.http.responses import first_item, with_late_errors
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import AnswerEvent, ErrorEvent, SegmentEvent, WiMEvent
@@ -105,14 +101,14 @@ def test_unknown_routes_and_methods_answer_in_the_tables_shape() -> None:
 
 def test_a_code_outside_the_table_is_a_500() -> None:
     assert status_of("a_code_added_later") == 500
-    assert HTTPFailure("a_code_added_later", "m").response().status_code == 500
+    assert error_response(ServiceError("a_code_added_later", "m")).status_code == 500
 
 
 @pytest.mark.parametrize(("retry_after", "header"), [(0.2, "1"), (1.0, "1"), (2.1, "3")])
 def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one(
     retry_after: float, header: str
 ) -> None:
-    response = HTTPFailure("overloaded", "busy", retry_after).response()
+    response = error_response(ServiceError("overloaded", "busy", retry_after))
     assert response.status_code == 429
     assert response.headers["Retry-After"] == header
 
@@ -164,7 +160,7 @@ async def test_a_failure_before_the_first_event_is_an_http_status() -> None:
         (error_first(), ("too_long", status_of("too_long"), "too long", None)),
     ]
     for items, expected in cases:
-        with pytest.raises(HTTPFailure) as failure:
+        with pytest.raises(ServiceError) as failure:
             await first_item(items)
         got = failure.value
         assert (got.code, got.status, got.message, got.retry_after) == expected
@@ -225,7 +221,7 @@ def body_limit(app: EchoApp) -> EdgeMiddleware:
         app,
         lambda _method, _path: edge,
         no_authentication,
-        lambda _, failure: failure.response(),
+        lambda _, failure: error_response(failure),
         body_timeout_s=BODY_TIMEOUT_S,
     )
 
@@ -342,7 +338,7 @@ async def test_an_unknown_caller_is_refused_before_its_body_is_read() -> None:
 
     async def unknown(authorization: str | None) -> Tenant:
         assert authorization == "Bearer nope"
-        raise HTTPFailure(ServiceCode.UNAUTHORIZED, "unknown API key")
+        raise ServiceError(ServiceCode.UNAUTHORIZED, "unknown API key")
 
     async def receive() -> Message:
         exchange.received += 1
@@ -359,7 +355,7 @@ async def test_an_unknown_caller_is_refused_before_its_body_is_read() -> None:
         "headers": [(b"authorization", b"Bearer nope"), (b"content-length", b"5")],
     }
     middleware = EdgeMiddleware(
-        app, lambda _m, _p: edge, unknown, lambda _, f: f.response(), body_timeout_s=60
+        app, lambda _m, _p: edge, unknown, lambda _, f: error_response(f), body_timeout_s=60
     )
     await middleware(scope, receive, send)
     assert exchange.status == 401 and exchange.received == 0 and app.calls == []
@@ -402,7 +398,7 @@ def tenant_edge(app: EchoApp, body_timeout_s: float, open_requests: int = 2) -> 
         app,
         lambda _m, _p: edge,
         authenticate,
-        lambda _, failure: failure.response(),
+        lambda _, failure: error_response(failure),
         body_timeout_s=body_timeout_s,
     )
 

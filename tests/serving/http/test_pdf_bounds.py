@@ -23,8 +23,8 @@ from tests.fakes.fake_service import API_KEY, LiveService
 from tests.harness.pdfs import HELVETICA, pages_pdf, pdf_file, shown, stream, tiny_pdf
 from tests.serving.routing.test_router_logic import FakeClient, FakeReplica
 from wim_service.serving.config import RouterConfig
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.auth import TenantLimits
-from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http.pdf import WORKER, WORKER_ENV, ExtractedText, PdfExtractor
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.routing.router import WiMRouter
@@ -228,11 +228,11 @@ async def test_a_router_that_shuts_down_kills_its_workers() -> None:
         extraction = asyncio.ensure_future(router.pdf.extract(ENDLESS))
         while not workers():
             await asyncio.sleep(0.02)
-    with pytest.raises(HTTPFailure) as refused:
+    with pytest.raises(ServiceError) as refused:
         await extraction
     assert (refused.value.status, refused.value.code) == (503, "unavailable")
     assert not workers()
-    with pytest.raises(HTTPFailure, match="shutting down"):  # and it starts no new one
+    with pytest.raises(ServiceError, match="shutting down"):  # and it starts no new one
         await router.pdf.extract(tiny_pdf(NORMAL))
 
 
@@ -260,7 +260,7 @@ async def test_a_pdf_worker_gets_none_of_the_routers_secrets(
         await asyncio.sleep(0.02)
     environment = running[0].environ()
     extractor.close()
-    with pytest.raises(HTTPFailure):
+    with pytest.raises(ServiceError):
         await extraction
     assert set(environment) <= set(WORKER_ENV), sorted(set(environment) - set(WORKER_ENV))
     for value in secrets.values():
@@ -276,7 +276,7 @@ async def test_a_router_runs_at_most_pdf_max_workers_at_once() -> None:
     extraction = asyncio.ensure_future(extractor.extract(ENDLESS))
     while not workers():
         await asyncio.sleep(0.02)
-    with pytest.raises(HTTPFailure) as refused:
+    with pytest.raises(ServiceError) as refused:
         await extractor.extract(tiny_pdf(NORMAL))
     failure = refused.value
     assert (failure.status, failure.code, failure.retry_after) == (429, "overloaded", 5)

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving.routing.test_router_logic import FakeClient, FakeReplica
-from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.observability.metrics import MAINTENANCE_STEPS
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.wim.errors import ErrorCode
@@ -56,7 +56,7 @@ async def test_a_failing_maintenance_step_is_logged_counted_and_the_loop_goes_on
         raise RuntimeError("the expiry scan broke")
 
     async def renew_held() -> None:
-        raise HTTPFailure(ErrorCode.UNAVAILABLE, "the session store is unavailable")
+        raise ServiceError(ErrorCode.UNAVAILABLE, "the session store is unavailable")
 
     async def claim() -> None:
         claimed.set()

@@ -14,7 +14,7 @@ import pytest
 
 from tests.fakes.fake_service import ScriptedClient, ScriptedReplica
 from tests.serving.routing.test_router_store import Routers, open_document, query, routers  # noqa: F401
-from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import StoredSession
 from wim_service.wim.events import ErrorEvent
@@ -160,7 +160,7 @@ async def test_a_session_deleted_while_its_copy_is_read_leaves_nothing_open() ->
     await asyncio.wait_for(reading.wait(), 5)
     assert await router.dispatcher.close_document(document_id)
     read_may_end.set()
-    with pytest.raises(HTTPFailure) as failure:
+    with pytest.raises(ServiceError) as failure:
         await copying
     assert failure.value.status == 404
     assert a.documents == {} and b.documents == {}
@@ -245,7 +245,7 @@ async def test_an_idle_copy_gives_its_room_to_a_new_session_before_a_refusal() -
     running = router.dispatcher.job(document_id, QUERY, WiMOptions(), record=record)
     assert (await anext(running))[0] == "b"
     other = StoredSession("doc-other", WiMOptions(), ttl_s=600.0)
-    with pytest.raises(HTTPFailure) as refused:
+    with pytest.raises(ServiceError) as refused:
         await router.dispatcher.open_document(other, TEXT)
     assert refused.value.status == 429 and document_id in b.documents
     _ = [item async for item in running]
@@ -255,7 +255,7 @@ async def test_an_idle_copy_gives_its_room_to_a_new_session_before_a_refusal() -
     assert hot_session is not None and hot_session.copies == ()
     assert counted(router, "wim_document_copies_retired_total") == 1
     # A document's primary is never reclaimed: a third session is refused.
-    with pytest.raises(HTTPFailure) as refused:
+    with pytest.raises(ServiceError) as refused:
         third = StoredSession("doc-3", WiMOptions(), ttl_s=600.0)
         await router.dispatcher.open_document(third, TEXT)
     assert refused.value.status == 429 and document_id in a.documents

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.state import Work
-from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened, OpenResult, ReplicaLoad
@@ -741,7 +741,7 @@ async def test_the_sizer_sizes_sessions_and_jobs_and_refuses_with_the_errors_sta
     job = check_query(plan, builder, sizer.limits, "q?", options).one_shot_blocks(block, window)
     assert sizer.blocks(await sizer.shape(DOCUMENT, options, None), one_shot=False) == session
     assert sizer.blocks(await sizer.shape(DOCUMENT, options, "q?"), one_shot=True) == job
-    with pytest.raises(HTTPFailure) as refused:
+    with pytest.raises(ServiceError) as refused:
         await sizer.shape(DOCUMENT * 40, options, "q?")
     assert (refused.value.code, refused.value.status) == ("too_long", 413)
     assert refused.value.message.startswith("the document is ")

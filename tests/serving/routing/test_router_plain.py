@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tests.fakes.fake_service import PLAIN_ANSWER, ScriptedClient, ScriptedReplica
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.auth import OPEN_TENANT
-from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.replica.plain import PlainParams
 from wim_service.serving.routing.router import WiMRouter
@@ -59,7 +59,7 @@ async def test_a_plain_request_streams_from_its_replica_bound_while_it_runs() ->
 
 async def test_a_plain_request_needs_its_prompt_and_answer_blocks() -> None:
     router = await router_over(ScriptedReplica("a", capacity=BLOCKS - 1))
-    with pytest.raises(HTTPFailure) as refused:
+    with pytest.raises(ServiceError) as refused:
         await anext(router.dispatcher.plain(SESSION, PROMPT, PARAMS))
     assert refused.value.status == 429
     assert "no engine replica has room for 2 KV blocks (1 live)" in refused.value.message

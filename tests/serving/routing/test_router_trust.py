@@ -23,6 +23,7 @@ from tests.serving.routing.test_router_logic import (
     metric,
 )
 from wim_service.serving.config import RouterConfig
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.auth import (
     KEYS_ENV,
     KEYS_FILE_ENV,
@@ -36,7 +37,6 @@ from wim_service.serving.http.auth import (
 )
 from wim_service.serving.http.bodies import DocumentRequest
 from wim_service.serving.http.edge import SMALL_BODY_BYTES
-from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.ingress import build_http_app, route_edges
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.routing.dispatcher import TRANSIENT_RETRIES
@@ -224,7 +224,7 @@ def test_keys_come_from_a_mounted_file_or_the_environment(tmp_path: Path) -> Non
     assert from_file.tenant("Bearer acme-key").name == "acme"
     from_env = ApiKeys.from_env({KEYS_ENV: KEYS.model_dump_json()})
     assert from_env.tenant("Bearer globex-key").name == "globex"
-    with pytest.raises(HTTPFailure, match="unknown API key"):
+    with pytest.raises(ServiceError, match="unknown API key"):
         from_env.tenant("Bearer nope")
     assert ApiKeys.from_env({}).open and not from_env.open
 
@@ -457,7 +457,7 @@ async def test_a_store_outage_neither_leaks_a_hold_nor_fails_an_answered_query()
     await table.hold("doc-x")
     store.down.add("touch")
     await table.release("doc-x")  # the answer is out: a failed renewal is no error
-    with pytest.raises(HTTPFailure) as refused:
+    with pytest.raises(ServiceError) as refused:
         await table.hold("doc-x")
     assert (refused.value.status, refused.value.retry_after) == (503, 2.0)
     assert list(table.in_use) == []  # no query holds the session now
@@ -536,13 +536,13 @@ def test_the_bearer_scheme_is_read_as_http_says() -> None:
     assert keys.tenant("bearer acme-key").name == "acme"
     assert keys.tenant("BEARER  acme-key ").name == "acme"
     for header in (None, "", "Bearer", "Bearer   ", "Basic acme-key", "acme-key"):
-        with pytest.raises(HTTPFailure) as refused:
+        with pytest.raises(ServiceError) as refused:
             keys.tenant(header)
         assert (refused.value.status, refused.value.message) == (
             401,
             "send your API key as 'Authorization: Bearer <key>'",
         ), header
-    with pytest.raises(HTTPFailure) as unknown:
+    with pytest.raises(ServiceError) as unknown:
         keys.tenant("Bearer ACME-KEY")  # keys are compared exactly
     assert (unknown.value.status, unknown.value.message) == (401, "unknown API key")
     # Open mode: every caller is the one anonymous tenant, whatever it sends.
@@ -582,19 +582,19 @@ async def test_the_request_rate_is_a_sliding_minute_per_tenant(
     now[0] = 1010.0
     await gate.admit(two)
     now[0] = 1020.0
-    with pytest.raises(HTTPFailure) as refused:
+    with pytest.raises(ServiceError) as refused:
         await gate.admit(two)
     # Come back when the oldest request leaves the minute: 1000 + 60 - 1020.
     assert (refused.value.status, refused.value.retry_after) == (429, 40.0)
     assert refused.value.message == "more than 2 requests in a minute"
     await gate.admit(Tenant("other", TenantLimits(requests_per_minute=2)))  # its own count
     now[0] = 1059.5
-    with pytest.raises(HTTPFailure) as soon:
+    with pytest.raises(ServiceError) as soon:
         await gate.admit(two)
     assert soon.value.retry_after == 1.0  # at least a second
     now[0] = 1060.0  # the first request is exactly a minute old: out of the window
     await gate.admit(two)
-    with pytest.raises(HTTPFailure):
+    with pytest.raises(ServiceError):
         await gate.admit(two)
 
 
@@ -602,7 +602,7 @@ async def test_a_tenants_jobs_at_once_are_held_and_given_back() -> None:
     gate = TenantGate(MemorySessionStore(), RouterConfig(retry_after_s=3), frozenset())
     one = Tenant("one", TenantLimits(concurrent_jobs=1))
     async with gate.job(one):
-        with pytest.raises(HTTPFailure) as refused:
+        with pytest.raises(ServiceError) as refused:
             async with gate.job(one):
                 pass
         assert (refused.value.status, refused.value.retry_after) == (429, 3)

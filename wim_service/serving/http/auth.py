@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from wim_service.serving.http.errors import HTTPFailure, ServiceCode
+from wim_service.serving.errors import ServiceCode, ServiceError
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Tenant:
 
     def require(self, capability: Capability) -> None:
         if capability not in self.allow:
-            raise HTTPFailure(ServiceCode.FORBIDDEN, f"this API key may not use {capability}")
+            raise ServiceError(ServiceCode.FORBIDDEN, f"this API key may not use {capability}")
 
 
 OPEN_TENANT = Tenant(
@@ -158,12 +158,12 @@ class ApiKeys:
             return OPEN_TENANT
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise HTTPFailure(
+            raise ServiceError(
                 ServiceCode.UNAUTHORIZED, "send your API key as 'Authorization: Bearer <key>'"
             )
         tenant = self._by_hash.get(hash_key(key.strip()))
         if tenant is None:
-            raise HTTPFailure(ServiceCode.UNAUTHORIZED, "unknown API key")
+            raise ServiceError(ServiceCode.UNAUTHORIZED, "unknown API key")
         return tenant
 
 

@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from wim_service.serving.errors import ServiceCode, ServiceError
 from wim_service.serving.http.auth import Tenant
-from wim_service.serving.http.errors import HTTPFailure, ServiceCode
 
 # Routes that take no body (GET, DELETE, the page and probes) still get a cap: a client may
 # send one anyway.
@@ -39,7 +39,7 @@ class RouteEdge:
 
 # The route's edge for (method, path); the route's error response for a refusal.
 EdgeOf = Callable[[str, str], RouteEdge]
-Refusal = Callable[[RouteEdge, HTTPFailure], Response]
+Refusal = Callable[[RouteEdge, ServiceError], Response]
 Authenticate = Callable[[str | None], Awaitable[Tenant]]
 
 
@@ -49,21 +49,21 @@ def caller(request: Request) -> Tenant:
     return tenant
 
 
-def body_too_large(max_bytes: int) -> HTTPFailure:
-    return HTTPFailure(
+def body_too_large(max_bytes: int) -> ServiceError:
+    return ServiceError(
         ServiceCode.BODY_TOO_LARGE,
         f"the request body is larger than this route takes ({max_bytes} bytes)",
     )
 
 
-def body_too_slow(timeout_s: float) -> HTTPFailure:
-    return HTTPFailure(
+def body_too_slow(timeout_s: float) -> ServiceError:
+    return ServiceError(
         ServiceCode.BODY_TIMEOUT, f"the request body did not arrive within {timeout_s:g} s"
     )
 
 
-def too_many_open(limit: int) -> HTTPFailure:
-    return HTTPFailure(
+def too_many_open(limit: int) -> ServiceError:
+    return ServiceError(
         ServiceCode.RATE_LIMITED,
         f"this tenant has {limit} requests open on this router, its limit; wait for one to finish",
         OPEN_REQUESTS_RETRY_S,
@@ -104,7 +104,7 @@ class EdgeMiddleware:
                 tenant = await self.authenticate(
                     None if authorization is None else authorization.decode("latin-1")
                 )
-            except HTTPFailure as exc:
+            except ServiceError as exc:
                 await self._refuse(edge, exc, scope, receive, send)
                 return
             scope.setdefault("state", {})["tenant"] = tenant
@@ -137,7 +137,7 @@ class EdgeMiddleware:
             return
         if body is None:
             return  # the client went away
-        if isinstance(body, HTTPFailure):
+        if isinstance(body, ServiceError):
             await self._refuse(edge, body, scope, receive, send)
             return
         replayed = False
@@ -152,7 +152,7 @@ class EdgeMiddleware:
         await self.app(scope, replay, send)
 
     async def _refuse(
-        self, edge: RouteEdge, failure: HTTPFailure, scope: Scope, receive: Receive, send: Send
+        self, edge: RouteEdge, failure: ServiceError, scope: Scope, receive: Receive, send: Send
     ) -> None:
         """Answer `failure` in the route's shape and close the connection: the body, unread
         or read in part, may never end, and the HTTP server would otherwise keep waiting on
@@ -162,7 +162,7 @@ class EdgeMiddleware:
         await refusal(scope, receive, send)
 
 
-async def _read_body(edge: RouteEdge, receive: Receive) -> bytes | HTTPFailure | None:
+async def _read_body(edge: RouteEdge, receive: Receive) -> bytes | ServiceError | None:
     """The body, counted against the route's cap whatever `Content-Length` said: the refusal
     as soon as it passes the cap (the rest is never asked for); None if the client left."""
     chunks: list[bytes] = []

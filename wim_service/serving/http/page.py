@@ -17,9 +17,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.auth import Tenant
 from wim_service.serving.http.edge import caller
-from wim_service.serving.http.errors import HTTPFailure
 from wim_service.serving.http.pdf import ExtractedText
 from wim_service.wim.errors import ErrorCode
 
@@ -64,7 +64,7 @@ async def _unless_the_client_leaves(request: Request, work: Awaitable[T]) -> T:
         leaving.cancel()
         await asyncio.wait((working, leaving))
     if working.cancelled():
-        raise HTTPFailure(ErrorCode.CANCELLED, "the client went away")
+        raise ServiceError(ErrorCode.CANCELLED, "the client went away")
     return working.result()
 
 
@@ -89,7 +89,7 @@ def extract_routes(
         the router's `pdf_*` settings; it counts as one of the tenant's concurrent jobs."""
         data = await request.body()
         if not data.startswith(b"%PDF"):
-            raise HTTPFailure(ErrorCode.INVALID_INPUT, "the body is not a PDF file")
+            raise ServiceError(ErrorCode.INVALID_INPUT, "the body is not a PDF file")
         async with job(caller(request)):
             return await _unless_the_client_leaves(request, extract(data))
 

@@ -24,7 +24,7 @@ import sys
 from pydantic import BaseModel, ValidationError
 
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.http.errors import HTTPFailure, ServiceCode
+from wim_service.serving.errors import ServiceCode, ServiceError
 from wim_service.serving.http.pdf_worker import Refusal
 from wim_service.wim.errors import ErrorCode
 
@@ -57,11 +57,11 @@ class PdfExtractor:
         self._closed = False
 
     async def extract(self, data: bytes) -> ExtractedText:
-        """The text of the PDF `data`; `HTTPFailure` if it cannot be read within the bounds,
+        """The text of the PDF `data`; `ServiceError` if it cannot be read within the bounds,
         or now (`pdf_max_workers` are reading)."""
         self._check_open()
         if self._running >= self.config.pdf_max_workers:
-            raise HTTPFailure(
+            raise ServiceError(
                 ErrorCode.OVERLOADED,
                 f"this router is reading {self._running} PDFs, the most it reads at once; "
                 "retry later",
@@ -94,7 +94,7 @@ class PdfExtractor:
             async with asyncio.timeout(config.pdf_timeout_s):
                 out, _ = await worker.communicate(data)
         except TimeoutError as exc:
-            raise HTTPFailure(
+            raise ServiceError(
                 ServiceCode.TOO_COMPLEX,
                 f"reading this PDF took longer than {config.pdf_timeout_s:g} s, "
                 "the most this service gives it",
@@ -118,29 +118,29 @@ class PdfExtractor:
             case None:
                 return ExtractedText(text=answer.text, pages=answer.pages)
             case Refusal.PAGES:
-                raise HTTPFailure(
+                raise ServiceError(
                     ErrorCode.TOO_LONG,
                     f"the PDF has {answer.pages} pages; this service reads at most "
                     f"{config.pdf_max_pages}",
                 )
             case Refusal.CHARS:
-                raise HTTPFailure(
+                raise ServiceError(
                     ErrorCode.TOO_LONG,
                     f"the PDF's text is longer than {config.max_document_chars} characters, "
                     "the most this service takes",
                 )
             case Refusal.MEMORY:
-                raise HTTPFailure(
+                raise ServiceError(
                     ServiceCode.TOO_COMPLEX,
                     f"reading this PDF needs more than {config.pdf_max_memory_bytes // 2**20} "
                     "MiB, the most this service gives it",
                 )
             case Refusal.UNREADABLE:
-                raise HTTPFailure(ErrorCode.INVALID_INPUT, "not a readable PDF")
+                raise ServiceError(ErrorCode.INVALID_INPUT, "not a readable PDF")
 
     def _check_open(self) -> None:
         if self._closed:
-            raise HTTPFailure(
+            raise ServiceError(
                 ErrorCode.UNAVAILABLE,
                 "this router is shutting down; send the PDF again",
                 self.config.retry_after_s,

@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.bodies import MarginOut, WiMResponse
-from wim_service.serving.http.errors import HTTPFailure
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import DoneEvent, ErrorEvent, WiMEvent
 
@@ -31,17 +31,17 @@ async def close(items: AsyncIterator[Item]) -> None:
 
 
 async def first_item(items: AsyncIterator[Item]) -> Item:
-    """The job's first event; an error before it (or as it) is raised as an HTTPFailure."""
+    """The job's first event; an error before it (or as it) is raised as a ServiceError."""
     try:
         first = await anext(items)
     except WiMError as exc:
-        raise HTTPFailure(exc.code, exc.message, exc.retry_after_s) from exc
+        raise ServiceError(exc.code, exc.message, exc.retry_after_s) from exc
     except StopAsyncIteration as exc:
-        raise HTTPFailure(ErrorCode.ENGINE_ERROR, "the job produced no output") from exc
+        raise ServiceError(ErrorCode.ENGINE_ERROR, "the job produced no output") from exc
     event = first[1]
     if isinstance(event, ErrorEvent):
         await close(items)
-        raise HTTPFailure(event.code, event.message, event.retry_after_s)
+        raise ServiceError(event.code, event.message, event.retry_after_s)
     return first
 
 
@@ -64,7 +64,7 @@ async def json_response(items: AsyncIterator[Item], session_id: str) -> Response
         if event.type == "margin":
             margins[event.segment] = MarginOut.model_validate(event, from_attributes=True)
         elif isinstance(event, ErrorEvent):
-            raise HTTPFailure(event.code, event.message, event.retry_after_s)
+            raise ServiceError(event.code, event.message, event.retry_after_s)
         elif isinstance(event, DoneEvent):
             body = WiMResponse(
                 answer=event.answer,
@@ -78,7 +78,7 @@ async def json_response(items: AsyncIterator[Item], session_id: str) -> Response
             )
             await close(items)
             return JSONResponse(body.model_dump())
-    raise HTTPFailure(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
+    raise ServiceError(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
 
 
 def sse_frame(event: str, data: dict[str, Any]) -> str:

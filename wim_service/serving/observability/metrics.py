@@ -7,7 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from wim_service.serving.http.errors import STATUS
+from wim_service.serving.errors import STATUS
 from wim_service.wim.events import WiMEvent
 
 # `*_created` timestamp series only double the exposition; nothing reads them.

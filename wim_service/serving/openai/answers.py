@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.responses import Item
 from wim_service.serving.openai.errors import OpenAIError
 from wim_service.serving.openai.models import (
@@ -74,7 +74,7 @@ async def collect(run: Run) -> Outcome:
         if isinstance(event, MarginEvent) and (line := margin_line(event)):
             margins[event.segment] = line
         elif isinstance(event, ErrorEvent):
-            raise HTTPFailure(event.code, event.message, event.retry_after_s)
+            raise ServiceError(event.code, event.message, event.retry_after_s)
         elif isinstance(event, DoneEvent):
             return Outcome(
                 event.answer,
@@ -82,7 +82,7 @@ async def collect(run: Run) -> Outcome:
                 openai_usage(event.usage),
                 run.finish_reason(event),
             )
-    raise HTTPFailure(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
+    raise ServiceError(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
 
 
 def _data(payload: dict[str, Any]) -> str:
@@ -90,7 +90,7 @@ def _data(payload: dict[str, Any]) -> str:
 
 
 def _late_error(event: ErrorEvent) -> str:
-    return _data(OpenAIError.of(HTTPFailure(event.code, event.message)).body())
+    return _data(OpenAIError.of(ServiceError(event.code, event.message)).body())
 
 
 @dataclass(frozen=True)

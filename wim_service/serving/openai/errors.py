@@ -1,7 +1,7 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
-Every error is raised as the service's one `HTTPFailure` (its status from the one table,
-`http/errors.py`); the OpenAI routes only present it in OpenAI's shape, with the status the
+Every error is raised as the service's one `ServiceError` (its status from the one table,
+`serving/errors.py`); the OpenAI routes only present it in OpenAI's shape, with the status the
 SDK maps to its exception classes.
 """
 
@@ -17,14 +17,8 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from wim_service.serving.http.errors import (
-    STATUS,
-    HTTPFailure,
-    ServiceCode,
-    framework_failure,
-    invalid_request,
-    retry_after_headers,
-)
+from wim_service.serving.errors import STATUS, ServiceCode, ServiceError
+from wim_service.serving.http.errors import framework_failure, invalid_request, retry_after_headers
 from wim_service.serving.openai.models import ErrorResponse
 from wim_service.wim.errors import ErrorCode
 
@@ -42,7 +36,7 @@ _TYPES = {
 
 @dataclass(frozen=True)
 class OpenAIError:
-    """An `HTTPFailure` as OpenAI answers it."""
+    """A `ServiceError` as OpenAI answers it."""
 
     status: int
     code: str
@@ -51,7 +45,7 @@ class OpenAIError:
     retry_after: float | None = None
 
     @classmethod
-    def of(cls, failure: HTTPFailure) -> OpenAIError:
+    def of(cls, failure: ServiceError) -> OpenAIError:
         status, code = failure.status, failure.code
         if code in _OPENAI_CODES:
             status, code = BAD_REQUEST, _OPENAI_CODES[ErrorCode(code)]
@@ -82,7 +76,7 @@ class OpenAIRoute(APIRoute):
         async def route(request: Request) -> Response:
             try:
                 return await handler(request)
-            except HTTPFailure as exc:
+            except ServiceError as exc:
                 return OpenAIError.of(exc).response()
             except RequestValidationError as exc:
                 return OpenAIError.of(invalid_request(exc)).response()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from wim_service.assets.default_model import GGUF_FILE
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.http.errors import HTTPFailure, ServiceCode
+from wim_service.serving.errors import ServiceCode, ServiceError
 from wim_service.serving.openai.models import ChatMessage
 from wim_service.wim.tokenizer import Tokenizer
 
@@ -30,13 +30,13 @@ def chat_turns(messages: list[ChatMessage]) -> list[Turn]:
     for index, message in enumerate(messages):
         where = f"messages.{index}"
         if message.role in ("tool", "function"):
-            raise HTTPFailure(
+            raise ServiceError(
                 ServiceCode.UNSUPPORTED, "tool messages are not supported", param=where
             )
         content = message.content
         if content is None:
             if message.role != "assistant":
-                raise HTTPFailure(
+                raise ServiceError(
                     ServiceCode.INVALID_REQUEST,
                     f"a {message.role} message needs content",
                     param=where,
@@ -44,13 +44,13 @@ def chat_turns(messages: list[ChatMessage]) -> list[Turn]:
             content = ""
         if not isinstance(content, str):
             if any(part.type != "text" or part.text is None for part in content):
-                raise HTTPFailure(
+                raise ServiceError(
                     ServiceCode.UNSUPPORTED, "only text content is supported", param=where
                 )
             content = "".join(part.text or "" for part in content)
         turns.append(Turn("system" if message.role == "developer" else message.role, content))
     if not any(turn.role == "user" for turn in turns):
-        raise HTTPFailure(
+        raise ServiceError(
             ServiceCode.INVALID_REQUEST, "the messages have no user turn", param="messages"
         )
     return turns
@@ -66,7 +66,7 @@ def chat_prompt_ids(tokenizer: Tokenizer, turns: list[Turn]) -> list[int]:
     )
     pieces = _TURN_MARK_RE.split(rendered)
     if sorted(int(p) for p in pieces[1::2]) != list(range(len(turns))):
-        raise HTTPFailure(
+        raise ServiceError(
             ServiceCode.INVALID_REQUEST,
             "the model's chat template cannot render these messages",
             param="messages",

@@ -35,9 +35,9 @@ from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from wim_service.serving.errors import ServiceCode, ServiceError
 from wim_service.serving.http.auth import Capability, Tenant
 from wim_service.serving.http.bodies import MAX_QUERY_CHARS, WiMRequest
-from wim_service.serving.http.errors import HTTPFailure, ServiceCode
 from wim_service.serving.http.responses import SSE_HEADERS
 from wim_service.serving.openai.answers import Head, Outcome, Run, collect
 from wim_service.serving.openai.models import (
@@ -82,16 +82,16 @@ class OpenAIService:
         """Refuse what cannot be honoured, and a prompt past the service's input limit before
         any tokenization (the limit of `/wim`: a document and a query)."""
         if body.model != self.model:
-            raise HTTPFailure(
+            raise ServiceError(
                 ServiceCode.MODEL_NOT_FOUND,
                 f"The model `{body.model}` does not exist.",
                 param="model",
             )
         for param, why in body.unhonoured():
-            raise HTTPFailure(ServiceCode.UNSUPPORTED, f"{param}: {why}", param=param)
+            raise ServiceError(ServiceCode.UNSUPPORTED, f"{param}: {why}", param=param)
         limit = self.router.config.router.max_document_chars + MAX_QUERY_CHARS
         if (size := sum(len(text) for text in texts)) > limit:
-            raise HTTPFailure(
+            raise ServiceError(
                 ErrorCode.TOO_LONG,
                 f"the prompt has {size} characters; this service takes at most {limit}",
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
@@ -137,7 +137,7 @@ class OpenAIService:
         param: str,
     ) -> Run:
         if split_document(text)[0]:
-            raise HTTPFailure(
+            raise ServiceError(
                 ServiceCode.INVALID_REQUEST,
                 "give the document either in the prompt or as document_id, not both",
                 param=param,
@@ -155,7 +155,7 @@ class OpenAIService:
         except ValidationError as exc:
             first = exc.errors()[0]
             param = "max_tokens" if first["loc"][0] == "answer_max_tokens" else "wim"
-            raise HTTPFailure(ServiceCode.INVALID_REQUEST, first["msg"], param=param) from exc
+            raise ServiceError(ServiceCode.INVALID_REQUEST, first["msg"], param=param) from exc
 
     async def _wim(
         self,
@@ -169,7 +169,7 @@ class OpenAIService:
         document_id: str | None = None,
     ) -> Run:
         if not query:
-            raise HTTPFailure(
+            raise ServiceError(
                 ServiceCode.INVALID_REQUEST,
                 "the prompt asks nothing besides its document",
                 param=param,
@@ -179,7 +179,7 @@ class OpenAIService:
             job = WiMRequest(context=context, document_id=document_id, query=query, options=options)
         except ValidationError as exc:  # e.g. a query longer than /wim takes
             message = "; ".join(e["msg"] for e in exc.errors())
-            raise HTTPFailure(ServiceCode.INVALID_REQUEST, message, param=param) from exc
+            raise ServiceError(ServiceCode.INVALID_REQUEST, message, param=param) from exc
         _, items = await self.router.start_job(job, tenant, lease)
         return Run(items, options.answer_max_tokens)
 
@@ -197,7 +197,7 @@ class OpenAIService:
         room = window - len(prompt_ids)
         max_tokens = body.answer_tokens or min(room, self.router.config.router.plain_max_tokens)
         if max_tokens > room or max_tokens < 1:
-            raise HTTPFailure(
+            raise ServiceError(
                 ErrorCode.TOO_LONG,
                 f"This model's maximum context length is {window} tokens. However, you "
                 f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from wim_service.placement.state import NoRoom, Work
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened
@@ -195,7 +195,7 @@ class DocumentCopies:
             return False
         try:
             added = await self.documents.add_copy(document_id, replica, self.config.max_copies)
-        except HTTPFailure:
+        except ServiceError:
             await close_on(self.client, replica, document_id)
             raise
         if not added:  # another router reached the limit or read it first, or it ended

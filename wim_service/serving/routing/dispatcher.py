@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.responses import Item
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
@@ -104,7 +104,7 @@ class Dispatcher:
                 ),
                 text,
             )
-        except HTTPFailure:
+        except ServiceError:
             # Not stored (the store is down): no KV may stay pinned for a session nobody has.
             await close_on(self.client, replica, session.session_id)
             await self.stored_kv.delete(session.tenant, session.session_id)
@@ -235,7 +235,7 @@ class Dispatcher:
                     if job.progress.fresh(event):
                         yield replica, event
                 return
-            except (HTTPFailure, WiMError, asyncio.CancelledError):
+            except (ServiceError, WiMError, asyncio.CancelledError):
                 raise
             except ReplicaLost as exc:
                 await self._recover(job, replica, exc)

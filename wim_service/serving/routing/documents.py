@@ -15,8 +15,8 @@ from collections.abc import Awaitable
 from typing import TypeVar
 from weakref import WeakValueDictionary
 
+from wim_service.serving.errors import ServiceCode, ServiceError
 from wim_service.serving.http.bodies import DocumentResponse
-from wim_service.serving.http.errors import HTTPFailure, ServiceCode
 from wim_service.serving.store import (
     Holding,
     SessionStore,
@@ -57,7 +57,7 @@ def check_document_options(fixed: WiMOptions, asked: WiMOptions) -> None:
             if getattr(asked.prompts, p) != getattr(fixed.prompts, p)
         ]
     if changed:
-        raise HTTPFailure(
+        raise ServiceError(
             ServiceCode.OPTIONS_FIXED,
             f"{', '.join(changed)} were fixed when the document was read; "
             "upload the document again to change them",
@@ -127,7 +127,7 @@ class DocumentTable:
 
     async def release_copy(self, document_id: str, replica: str, lease: str) -> None:
         """The query ended; if the store cannot be told, the lease runs out instead."""
-        with contextlib.suppress(HTTPFailure):
+        with contextlib.suppress(ServiceError):
             await self._call(self.store.release_copy(document_id, replica, lease))
 
     async def remove(self, document_id: str) -> StoredSession | None:
@@ -147,7 +147,7 @@ class DocumentTable:
         self.in_use[document_id] += 1
         try:
             await self._call(self.store.touch(document_id, self.hold_s))
-        except HTTPFailure:
+        except ServiceError:
             self._drop(document_id)
             raise
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from dataclasses import replace
 
-from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened
@@ -38,8 +38,8 @@ class SessionMissing(ReplicaLost):
     then wait `replica_wait_s` for one."""
 
 
-def session_gone(document_id: str) -> HTTPFailure:
-    return HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
+def session_gone(document_id: str) -> ServiceError:
+    return ServiceError(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
 
 
 class SessionFailover:
@@ -93,7 +93,7 @@ class SessionFailover:
                 raise
             if isinstance(result, ErrorEvent):
                 self.fleet.table.cancel(booking)
-                raise HTTPFailure(result.code, result.message, result.retry_after_s)
+                raise ServiceError(result.code, result.message, result.retry_after_s)
             assert isinstance(result, DocumentOpened)
             # Read: a query placed next must not wait behind it.
             self.fleet.table.done(booking)
@@ -146,7 +146,7 @@ class SessionFailover:
         replica, opened, _ = await self.read(session, text, exclude)
         try:
             moved = await self.documents.rebind(document_id, old, replica)
-        except HTTPFailure:
+        except ServiceError:
             await close_on(self.client, replica, document_id)
             raise
         if not moved:

@@ -18,7 +18,7 @@ from wim_service.placement.policy import make_policy
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import NoRoom, Work
 from wim_service.serving.config import RouterConfig
-from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient
 from wim_service.serving.replica.contracts import ReplicaLoad
@@ -206,12 +206,12 @@ class ReplicaFleet:
                 if live or time.monotonic() > deadline:
                     self.metrics.binding.labels(BindResult.REJECTED).inc()
                     if live:
-                        raise HTTPFailure(
+                        raise ServiceError(
                             ErrorCode.OVERLOADED,
                             f"every engine replica's KV is committed ({exc}); retry later",
                             self.config.retry_after_s,
                         ) from exc
-                    raise HTTPFailure(
+                    raise ServiceError(
                         ErrorCode.UNAVAILABLE,
                         "no engine replica is ready; retry later",
                         self.config.retry_after_s,

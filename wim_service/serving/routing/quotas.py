@@ -24,8 +24,8 @@ from collections.abc import AsyncIterator, Awaitable, Mapping, Set
 from typing import TypeVar
 
 from wim_service.serving.config import RouterConfig
+from wim_service.serving.errors import ServiceCode, ServiceError
 from wim_service.serving.http.auth import Tenant
-from wim_service.serving.http.errors import HTTPFailure, ServiceCode
 from wim_service.serving.store import SessionStore, StoredSession, StoreUnavailable, reachable
 
 logger = logging.getLogger(__name__)
@@ -81,8 +81,8 @@ class TenantGate:
     async def _call(self, call: Awaitable[T]) -> T:
         return await reachable(call, "tenant limits are", self.config.retry_after_s)
 
-    def _refuse(self, message: str, retry_after_s: float) -> HTTPFailure:
-        return HTTPFailure(ServiceCode.RATE_LIMITED, message, retry_after_s)
+    def _refuse(self, message: str, retry_after_s: float) -> ServiceError:
+        return ServiceError(ServiceCode.RATE_LIMITED, message, retry_after_s)
 
     async def admit(self, tenant: Tenant) -> None:
         """Count one request against the tenant's rate; 429 past it."""

@@ -9,13 +9,16 @@
   queries are shared with copies on other replicas, `routing/copies.py`) and, if that replica
   dies or leaves, hands the session to a live copy or rebuilds it elsewhere from the text
   (`routing/failover.py`) and retries, so the client still gets its answer.
-* Errors are HTTP statuses with a JSON body `{code, message}` (`http/errors.py`); a streamed job
-  reports late errors as an `error` event (`http/responses.py`).
+* A request fails with a `ServiceError` (`serving/errors.py`), whose code gives its HTTP
+  status; a streamed job reports late errors as an `error` event (`http/responses.py`).
 * `LoopLagMonitor` measures how late the router's event loop runs
   (`observability/loop_lag.py`), from the HTTP app's start to its shutdown.
 
-A plain class that knows no HTTP app: `serving/ingress.py` builds the ASGI app over it, and
-`serving/app.py` makes that the Serve ingress deployment.
+A plain class that builds no web app and sees no request or connection: it takes the API's
+parsed bodies (`http/bodies.py`), reads uploads with `http/pdf.py`, and returns bodies and
+streams of items (`http/responses.py`). `serving/ingress.py` builds the ASGI app (routes,
+edge limits, error answers) over it, and `serving/app.py` makes that the Serve ingress
+deployment.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from wim_service.serving.config import ServiceConfig
+from wim_service.serving.errors import ServiceError, status_of
 from wim_service.serving.http.auth import ApiKeys, Capability, Tenant, check_open_mode
 from wim_service.serving.http.bodies import DocumentRequest, DocumentResponse, WiMRequest
-from wim_service.serving.http.errors import HTTPFailure, status_of
 from wim_service.serving.http.pdf import PdfExtractor
 from wim_service.serving.http.responses import (
     Item,
@@ -120,7 +123,7 @@ class WiMRouter:
         try:
             tenant = self.keys.tenant(authorization)
             await self.gate.admit(tenant)
-        except HTTPFailure as exc:
+        except ServiceError as exc:
             self.metrics.requests.labels(str(exc.status)).inc()
             raise
         return tenant
@@ -178,7 +181,7 @@ class WiMRouter:
         except Exception as exc:
             self.metrics.maintenance_failures.labels(name).inc()
             # A store that is down says so in its message; anything else is a bug to trace.
-            trace = not isinstance(exc, HTTPFailure)
+            trace = not isinstance(exc, ServiceError)
             logger.warning("maintenance step %s failed: %s", name, exc, exc_info=trace)
 
     async def _claim_documents(self) -> None:
@@ -190,7 +193,7 @@ class WiMRouter:
         orphan rule is for a router that is gone, not for a store that is down. A session that
         ended meanwhile drops out of the first listing once the store answers again.
         """
-        with contextlib.suppress(HTTPFailure):  # the store is down: keep the last listing
+        with contextlib.suppress(ServiceError):  # the store is down: keep the last listing
             self._listed = await self.documents.holdings()
         held: dict[str, list[str]] = {replica: [] for replica in self.fleet.table.loads}
         for session in self._listed:
@@ -241,7 +244,7 @@ class WiMRouter:
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"the job ran past {self.config.router.request_timeout_s:g} s and was stopped",
             ) from exc
-        except HTTPFailure as exc:
+        except ServiceError as exc:
             status = str(exc.status)
             raise
         except asyncio.CancelledError:
@@ -253,13 +256,13 @@ class WiMRouter:
     def _check_size(self, text: str, tenant: Tenant) -> None:
         limit = self.config.router.max_document_chars
         if len(text) > limit:
-            raise HTTPFailure(
+            raise ServiceError(
                 ErrorCode.TOO_LONG,
                 f"the document has {len(text)} characters; this service takes at most {limit}",
             )
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > tenant.limits.document_bytes:
-            raise HTTPFailure(
+            raise ServiceError(
                 ErrorCode.TOO_LONG,
                 f"the document is {size} bytes; your limit is {tenant.limits.document_bytes}",
             )
@@ -268,7 +271,7 @@ class WiMRouter:
         """The tenant's live session; another tenant's is as unknown as a missing one."""
         session = await self.documents.get(document_id)
         if session is None or session.tenant != tenant.name:
-            raise HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
+            raise ServiceError(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
         return session
 
     async def start_job(
@@ -277,7 +280,7 @@ class WiMRouter:
         """Start a job: its session id and its events, the first one already produced; it
         runs under `lease`, one of the tenant's jobs taken already, if given.
 
-        Errors before the first event are raised as `HTTPFailure`; later ones arrive as an
+        Errors before the first event are raised as `ServiceError`; later ones arrive as an
         `error` event. `POST /wim` and the OpenAI-compatible API build on this.
         """
         if body.context is not None:
@@ -309,7 +312,7 @@ class WiMRouter:
     ) -> AsyncIterator[Item]:
         """Start one plain completion of `prompt_ids` (no WiM) under `lease` if given: its
         events, the first one already produced, with errors before it raised as
-        `HTTPFailure`."""
+        `ServiceError`."""
         tenant.require(Capability.JOBS)
         await self._started()
         session_id = "plain-" + secrets.token_hex(8)
@@ -333,7 +336,7 @@ class WiMRouter:
                 session = await self.dispatcher.open_document(new, body.context)
             self.metrics.binding.labels(BindResult.NEW).inc()
             status = "201"
-        except HTTPFailure as exc:
+        except ServiceError as exc:
             status = str(exc.status)
             raise
         finally:
@@ -346,7 +349,7 @@ class WiMRouter:
     async def delete_document(self, document_id: str, tenant: Tenant) -> None:
         await self._document(document_id, tenant)
         if not await self.dispatcher.close_document(document_id):
-            raise HTTPFailure(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
+            raise ServiceError(ErrorCode.NOT_FOUND, f"no document session {document_id!r}")
 
     # -- health and metrics ----------------------------------------------------------------
 

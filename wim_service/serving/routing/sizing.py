@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 
 from wim_service.engine.config import EngineConfig
-from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.errors import ServiceError
 from wim_service.wim.backend import EngineLimits
 from wim_service.wim.capacity import JobShape
 from wim_service.wim.errors import WiMError
@@ -49,7 +49,7 @@ class JobSizer:
         try:
             return await asyncio.to_thread(self._shape, text, options, query)
         except WiMError as exc:
-            raise HTTPFailure(exc.code, exc.message, exc.retry_after_s) from exc
+            raise ServiceError(exc.code, exc.message, exc.retry_after_s) from exc
 
     def blocks(self, shape: JobShape, *, one_shot: bool) -> int:
         """KV blocks of a one-shot job's or a document session's shape."""

@@ -11,7 +11,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from wim_service.serving.config import StoreConfig
-from wim_service.serving.http.errors import HTTPFailure
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.store.base import (
     Holding,
     SessionExists,
@@ -54,6 +54,6 @@ async def reachable(call: Awaitable[T], what: str, retry_after_s: float) -> T:
         return await call
     except StoreUnavailable as exc:
         logger.warning("session store unavailable: %s", exc)
-        raise HTTPFailure(
+        raise ServiceError(
             ErrorCode.UNAVAILABLE, f"{what} unavailable for a moment; retry later", retry_after_s
         ) from exc
