@@ -7,14 +7,17 @@ as the command allows, waits for its EngineCore, signals the command's process a
 `kill PID` does) and records every process the tree ever had (tests/harness/process_tree.py). The
 signal reaches `wim run` and `wim serve` while their engine still loads (the command blocked
 in vLLM's start-up), `wim eval` and `wim bench` once their engine works. SIGTERM and SIGINT
-are each sent to two commands.
+are each sent to two commands. A `wim serve` that answered a request is stopped by Ctrl-C too,
+after what `./run.sh` prints while it runs is checked.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -96,5 +99,62 @@ def test_signal_ends_the_whole_process_tree(
         took = tree.stop(signum, WITHIN_S)
         print(f"wim {command}: every process ended {took:.1f} s after {signum.name}")
         assert tree.root.returncode == 128 + signum, tree.output()
+    finally:
+        tree.kill()
+
+
+# Serve's access lines of what the service calls on its own: the router's polls of each engine
+# replica, a scrape and its fan-out, the readiness probe (serving/observability/logs.py).
+ROUTINE_LINES = (
+    "CALL load ",
+    "CALL claim ",
+    "CALL metrics_text ",
+    "GET /metrics ",
+    "GET /readyz 200",
+    "GET /healthz ",
+)
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=60) as answer:
+        return int(answer.status)
+
+
+@pytest.mark.serving
+@pytest.mark.timeout(int(3 * START_TIMEOUT_S))  # a start, a request, a stop
+def test_serve_prints_requests_not_its_own_calls_and_ctrl_c_one_line(tmp_path: Path) -> None:
+    """What `./run.sh` prints: after its ready line, no line per poll of the router (two per
+    engine replica every poll) or per scrape, but the request; and a Ctrl-C that ends with
+    `wim: stopped by SIGINT` alone, no thread dump, although Serve's own stop outlasts the
+    watchdog's grace (lifecycle.py)."""
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    tree = ProcessTree(_command("serve", tmp_path), tmp_path / "output.log", env)
+    url = f"http://127.0.0.1:{SERVE_PORT}"
+    try:
+        tree.wait_for(lambda _: tree.printed("wim_service ready at"), START_TIMEOUT_S)
+        # Ready means the router had a load report: the replica had answered `load` polls.
+        assert _get(url + "/metrics") == 200 and _get(url + "/healthz") == 200
+        body = json.dumps({"context": DOCUMENT, "query": QUERY}).encode()
+        request = urllib.request.Request(
+            url + "/wim", data=body, headers={"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=START_TIMEOUT_S) as answer:
+            assert answer.status == 200 and json.load(answer)["answer"]
+        # Each replica's lines come in its order: the router's line of the request after its
+        # scrape's and probe's, the engine replica's after its polls' (which came first).
+        tree.wait_for(
+            lambda _: tree.printed("POST /wim 200") and tree.printed("CALL run OK"),
+            START_TIMEOUT_S,
+        )
+        running = tree.log.read_text(errors="replace")
+        after_ready = running[running.index("wim_service ready at") :]
+        assert [line for line in ROUTINE_LINES if line in after_ready] == [], after_ready[-3000:]
+
+        tree.stop(signal.SIGINT, WITHIN_S)
+        assert tree.root.returncode == 128 + signal.SIGINT, tree.output()
+        stopping = tree.log.read_text(errors="replace")[len(running) :]
+        ours = [line for line in stopping.splitlines() if line.startswith("wim")]
+        assert ours == ["wim: stopped by SIGINT"], stopping
+        assert "most recent call first" not in stopping, stopping
     finally:
         tree.kill()
