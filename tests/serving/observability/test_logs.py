@@ -1,7 +1,7 @@
 """Serve's access lines of the calls the service makes on its own stay out of the replica log;
 requests and errors stay in (`serving/observability/logs.py`). The lines are formatted by
 Serve's own `access_log_msg`, as a replica writes them; the real stack's idle log is tested in
-tests/cli/test_serve_log.py."""
+tests/cli/test_signals.py."""
 
 from __future__ import annotations
 
