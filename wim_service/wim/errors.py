@@ -30,8 +30,16 @@ class WiMError(Exception):
         self.retry_after_s = retry_after_s
 
 
-def logged_failure(code: ErrorCode, message: str, exc: BaseException, subject: str) -> WiMError:
-    """The error a client is told of a failure it did not cause: `message` and an incident id.
+def logged_failure(
+    code: ErrorCode,
+    message: str,
+    exc: BaseException,
+    subject: str,
+    *,
+    retry_after_s: float | None = None,
+) -> WiMError:
+    """The error a client is told of a failure it did not cause: `message` and an incident id
+    (and `retry_after_s`, when sending it again later may well work).
 
     The exception's own text (a path, a traceback, engine internals, another request's data)
     goes to the server log under that id, with `subject` (the job, session or context it hit),
@@ -39,4 +47,5 @@ def logged_failure(code: ErrorCode, message: str, exc: BaseException, subject: s
     """
     incident = secrets.token_hex(4)
     logger.error("%s: %s [incident %s]", subject, message, incident, exc_info=exc)
-    return WiMError(code, f"{message} (incident {incident} in the server log)")
+    message = f"{message} (incident {incident} in the server log)"
+    return WiMError(code, message, retry_after_s=retry_after_s)

@@ -561,7 +561,8 @@ def test_one_shot_job_fails_over_and_gives_up_after_max_failovers() -> None:
     c.die_after = d.die_after = 0
     failing, _ = make_service(c, d, e, max_failovers=1)
     response = failing.post("/wim", json={"context": DOCUMENT, "query": "q"})
-    assert response.status_code == 502, response.text
+    # Replicas lost, not a bad request: retryable.
+    assert response.status_code == 503 and response.headers["retry-after"] == "5", response.text
     message = response.json()["message"]
     assert message.startswith("engine replicas kept failing") and "RuntimeError" not in message
     assert [r.calls.count("run") for r in (c, d, e)] == [1, 1, 0]

@@ -119,7 +119,7 @@ async def test_a_plain_answer_cut_by_a_lost_replica_ends_with_an_error_event() -
     # The first delta was already sent: the failure can only be an event of the stream.
     assert [(replica, event.type) for replica, event in got] == [("a", "answer"), ("a", "error")]
     error = got[-1][1]
-    assert error.type == "error" and error.code == "engine_error"
+    assert error.type == "error" and error.code == "unavailable" and error.retry_after_s == 5
     assert error.message.startswith(LOST) and "RuntimeError" not in error.message
 
 

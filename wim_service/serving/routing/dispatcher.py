@@ -207,10 +207,11 @@ class Dispatcher:
         except ReplicaLost as exc:
             self.fleet.lost(replica, "replica_lost")
             raise logged_failure(
-                ErrorCode.ENGINE_ERROR,
+                ErrorCode.UNAVAILABLE,
                 "the engine replica running this request was lost; send the request again",
                 exc,
                 session_id,
+                retry_after_s=self.config.retry_after_s,
             ) from exc
         finally:
             self.fleet.table.done(booking)
@@ -302,11 +303,13 @@ class Dispatcher:
             return
         job.failovers += 1
         if job.failovers > self.config.max_failovers:
+            # Lost replicas, not a bad request: the client may send it again (503).
             raise logged_failure(
-                ErrorCode.ENGINE_ERROR,
+                ErrorCode.UNAVAILABLE,
                 "engine replicas kept failing on this request; retry later",
                 exc,
                 job.subject,
+                retry_after_s=self.config.retry_after_s,
             ) from exc
         missing = isinstance(exc, SessionMissing)
         if missing:
