@@ -15,7 +15,7 @@ import copy
 import ipaddress
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -365,7 +365,7 @@ def test_serve_config_v2_is_a_valid_serve_config(
 ) -> None:
     config = serve_config(rayservice(manifests))
     check_serve_config(config, routers=2 if value_set in ("two-routers", "multinode") else 1)
-    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 930}
 
 
 def test_gpu_values_switch_image_and_ask_for_gpus() -> None:
@@ -1243,7 +1243,7 @@ def test_multinode_config_is_the_two_router_config_placed_on_hosts() -> None:
     )
     # A proxy on every node, listening beyond loopback: any host takes requests.
     assert config["proxy_location"] == "EveryNode"
-    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 930}
     # Both engines from the start, one per engine host.
     scaling = deployments(the_app(config))["EngineReplica"]["autoscaling_config"]
     assert scaling["min_replicas"] == scaling["max_replicas"] == 2
@@ -1254,7 +1254,7 @@ def test_multinode_config_is_the_two_router_config_placed_on_hosts() -> None:
     two_routers = local_config(TWO_ROUTERS_CONFIG)
     assert config == two_routers | {
         "proxy_location": "EveryNode",
-        "http_options": {"host": "0.0.0.0", "port": 8000},
+        "http_options": {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 930},
     }
 
 
@@ -1287,6 +1287,36 @@ def test_chart_and_local_config_describe_the_same_application(
     assert shape(the_app(chart_config)) == shape(the_app(local_config(path)))
 
 
+CONFIGS: dict[str, Callable[[], dict[str, Any]]] = {
+    "chart": lambda: serve_config(rayservice(render(WITH_KEYS))),
+    "local": local_config,
+    "two-routers": lambda: local_config(TWO_ROUTERS_CONFIG),
+    "multinode": lambda: local_config(MULTINODE_CONFIG),
+}
+
+
+@pytest.mark.parametrize("source", list(CONFIGS))
+def test_the_deadlines_end_a_slow_job_in_the_routers_shape_before_the_proxy_cuts_it(
+    source: str,
+) -> None:
+    """Every config sets the data plane's deadlines (docs/reliability.md, "Deadlines"): Serve's
+    proxy cuts a request later than the router's own job deadline ends it (a 504 in the
+    route's shape, not the proxy's plain 408); an engine is taken for lost on missing load
+    reports only after several polls; the routers are health-checked more tightly than the
+    engines."""
+    config = CONFIGS[source]()
+    router = RouterConfig.model_validate(the_app(config)["args"]["router"])
+    assert config["http_options"]["request_timeout_s"] > router.request_timeout_s
+    assert router.replica_silence_s >= 3 * router.load_poll_interval_s
+    options = deployments(the_app(config))
+    for name in DEPLOYMENTS:
+        assert options[name]["health_check_timeout_s"] >= options[name]["health_check_period_s"]
+    assert (
+        options["WiMRouter"]["health_check_timeout_s"]
+        < options["EngineReplica"]["health_check_timeout_s"]
+    )
+
+
 @pytest.mark.parametrize("source", ["chart", "local", "two-routers", "multinode"])
 def test_the_app_builds_with_the_configs_arguments(source: str) -> None:
     """build_app accepts the configs' args and names the deployments they configure."""
@@ -1295,13 +1325,7 @@ def test_the_app_builds_with_the_configs_arguments(source: str) -> None:
 
     from wim_service.serving.app import build_app
 
-    configs = {
-        "chart": lambda: serve_config(rayservice(render(WITH_KEYS))),
-        "local": local_config,
-        "two-routers": lambda: local_config(TWO_ROUTERS_CONFIG),
-        "multinode": lambda: local_config(MULTINODE_CONFIG),
-    }
-    app = the_app(configs[source]())
+    app = the_app(CONFIGS[source]())
     # Through Serve's own builder call, as `serve run`/`serve deploy` make it.
     built = build(
         call_user_app_builder_with_args_if_necessary(build_app, app["args"]), name=app["name"]
