@@ -11,7 +11,8 @@ replicas are ready, replay the trace (loadtest/replay.py, at most `--replay-minu
 the service with every process it started; then simulate the trace in-process, as
 `wim sim --trace FILE --replicas 2 --policies <policy> --profile P.json` does (the replay's
 time scale, segment and margin sizes), and print per policy the live and simulated TTFT p50
-and p95, their relative difference, whether it is within `--tolerance`, and the median live
+and p95 and goodput (answers per second; a refused request, 429, is none), their relative
+difference, whether each is within `--tolerance`, the requests refused, and the median live
 over simulated time of the trace's plain rows that prefilled their whole prompt (about 1 when
 the engines ran at the profile's speed: on 4 December the VM came up on a CPU with AVX-512
 BF16, `dtype: auto` ran bfloat16 there, and the engines ran 2.4x faster than the float32
@@ -223,18 +224,23 @@ def relative(sim: float | None, live: float | None) -> float | None:
     return None if sim is None or not live else (sim - live) / live
 
 
+# What is compared: (row key, the reports' key).
+COMPARED = (("p50_s", "ttft_p50_s"), ("p95_s", "ttft_p95_s"), ("goodput", "goodput_per_s"))
+
+
 def compare(policy: str, live_run: dict[str, Any] | None, sim: dict[str, Any] | None) -> dict:
     row: dict[str, Any] = {"policy": policy}
-    for q in ("p50", "p95"):
-        key = f"ttft_{q}_s"
-        row[f"live_{q}_s"] = (live_run or {}).get(key)
-        row[f"sim_{q}_s"] = (sim or {}).get(key)
-        row[f"rel_diff_{q}"] = relative(row[f"sim_{q}_s"], row[f"live_{q}_s"])
+    for name, key in COMPARED:
+        row[f"live_{name}"] = (live_run or {}).get(key)
+        row[f"sim_{name}"] = (sim or {}).get(key)
+        row[f"rel_diff_{name}"] = relative(row[f"sim_{name}"], row[f"live_{name}"])
+    row["live_refused"] = (live_run or {}).get("refused")
+    row["sim_refused"] = (sim or {}).get("refused")
     return row
 
 
 def within(row: dict[str, Any], tolerance: float) -> str:
-    diffs = [row["rel_diff_p50"], row["rel_diff_p95"]]
+    diffs = [row[f"rel_diff_{name}"] for name, _ in COMPARED]
     if None in diffs:
         return "-"
     return "yes" if all(abs(d) <= tolerance for d in diffs) else "no"
@@ -247,6 +253,7 @@ def comparison_table(rows: list[dict[str, Any]], tolerance: float) -> str:
         return f"{value:+.0%}" if percent else f"{value:.2f}"
 
     header = ["policy", "live p50", "live p95", "sim p50", "sim p95", "diff p50", "diff p95"]
+    header += ["live goodput/s", "sim goodput/s", "diff goodput", "refused live/sim"]
     header += [f"within {tolerance:.0%}?", "plain rows live/sim"]
     lines = [header]
     for row in rows:
@@ -254,8 +261,14 @@ def comparison_table(rows: list[dict[str, Any]], tolerance: float) -> str:
             [
                 row["policy"],
                 *(cell(row[k]) for k in ("live_p50_s", "live_p95_s", "sim_p50_s", "sim_p95_s")),
-                cell(row["rel_diff_p50"], True),
-                cell(row["rel_diff_p95"], True),
+                cell(row["rel_diff_p50_s"], True),
+                cell(row["rel_diff_p95_s"], True),
+                cell(row["live_goodput"]),
+                cell(row["sim_goodput"]),
+                cell(row["rel_diff_goodput"], True),
+                "/".join(
+                    "-" if n is None else str(n) for n in (row["live_refused"], row["sim_refused"])
+                ),
                 within(row, tolerance),
                 cell(row.get("plain_live_over_sim")),
             ]

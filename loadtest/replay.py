@@ -122,6 +122,14 @@ class Library:
 # -- one request ---------------------------------------------------------------------------
 
 
+class OpenFailed(RuntimeError):
+    """`POST /documents` did not open the session: every row waiting for it fails with it."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"POST /documents: {status} {text[:200]}")
+        self.status = status
+
+
 @dataclass
 class Record:
     """What one trace row did; `status` is ok, failed, cancelled or not_sent."""
@@ -194,7 +202,7 @@ class Replay:
         }
         response = await self.client.post("/documents", json=body)
         if response.status_code != 201:
-            raise RuntimeError(f"POST /documents: {response.status_code} {response.text[:200]}")
+            raise OpenFailed(response.status_code, response.text)
         opened: dict[str, Any] = response.json()
         self.opened[document_id(row)] = opened["document_id"]
         return opened
@@ -222,7 +230,8 @@ class Replay:
         query = self.query(row, record)
         try:
             session_id = await self.session(row, record)
-        except RuntimeError as exc:
+        except OpenFailed as exc:
+            record.http_status = exc.status
             return record.fail(str(exc))
         body = {
             "document_id": session_id,
@@ -329,8 +338,9 @@ class Replay:
 
 # -- the summary ---------------------------------------------------------------------------
 
-# The replay's own columns, after the simulator's `KEYS`: rows that did not complete.
-REPLAY_KEYS = ("failed", "not_sent")
+# The replay's own columns, after the simulator's `KEYS`: rows that did not complete, and of
+# those the ones refused (429: no room, as `wim sim` counts its refusals).
+REPLAY_KEYS = ("failed", "not_sent", "refused")
 
 
 def summarise_records(
@@ -355,6 +365,7 @@ def summarise_records(
         ),
         "failed": sum(r["status"] in ("failed", "cancelled") for r in records),
         "not_sent": sum(r["status"] == "not_sent" for r in records),
+        "refused": sum(r.get("http_status") == 429 for r in records),
     }
 
 

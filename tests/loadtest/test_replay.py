@@ -107,7 +107,7 @@ def test_the_summary_counts_completed_requests_only(replay: ModuleType) -> None:
     records = [
         {"status": "ok", "ttft_s": 1.0, "e2e_s": 2.0, "prompt_tokens": 100, "cached_tokens": 80},
         {"status": "ok", "ttft_s": 3.0, "e2e_s": 6.0, "prompt_tokens": 300, "cached_tokens": 0},
-        {"status": "failed", "ttft_s": None, "e2e_s": 0.5, "prompt_tokens": None},
+        {"status": "failed", "ttft_s": None, "e2e_s": 0.5, "http_status": 429},
         {"status": "cancelled", "ttft_s": 9.0, "e2e_s": 9.0},
         {"status": "not_sent", "ttft_s": None, "e2e_s": None},
     ]
@@ -126,6 +126,7 @@ def test_the_summary_counts_completed_requests_only(replay: ModuleType) -> None:
         "goodput_per_s": 0.2,
         "failed": 2,
         "not_sent": 1,
+        "refused": 1,
     }
     assert list(result) == [*KEYS, *replay.REPLAY_KEYS]
 
@@ -148,9 +149,10 @@ def test_the_replay_prints_the_simulator_columns_and_its_own(
         *(HEADERS[key] for key in KEYS),
         "failed",
         "not_sent",
+        "refused",
     ]
     assert [cell.strip() for cell in line.split("|")[1:4]] == ["live", "2", "3"]
-    assert [cell.strip() for cell in line.split("|")[-3:-1]] == ["0", "0"]
+    assert [cell.strip() for cell in line.split("|")[-4:-1]] == ["0", "0", "0"]
 
 
 # -- replay.py against a stub of the API (no engine) ---------------------------------------
@@ -385,21 +387,26 @@ def test_compare_sim_refuses_a_mooncake_trace(
 
 
 def test_the_comparison_flags_differences_past_the_tolerance(compare_sim: ModuleType) -> None:
-    live = {"ttft_p50_s": 10.0, "ttft_p95_s": 20.0}
-    close = compare_sim.compare("expected_wait", live, {"ttft_p50_s": 12.0, "ttft_p95_s": 16.0})
-    far = compare_sim.compare("sticky", live, {"ttft_p50_s": 13.0, "ttft_p95_s": 20.0})
+    live = {"ttft_p50_s": 10.0, "ttft_p95_s": 20.0, "goodput_per_s": 0.5, "refused": 1}
+    sim = {"ttft_p50_s": 12.0, "ttft_p95_s": 16.0, "goodput_per_s": 0.55, "refused": 2}
+    close = compare_sim.compare("expected_wait", live, sim)
+    far = compare_sim.compare("sticky", live, sim | {"ttft_p50_s": 13.0})
+    # Latencies alike, but the simulator answers far more of what the service refused.
+    fewer = compare_sim.compare("sticky", live, sim | {"goodput_per_s": 0.7})
     missing = compare_sim.compare("round_robin", live, None)
-    assert close["rel_diff_p50"] == pytest.approx(0.2) and close["rel_diff_p95"] == -0.2
+    assert close["rel_diff_p50_s"] == pytest.approx(0.2) and close["rel_diff_p95_s"] == -0.2
+    assert close["rel_diff_goodput"] == pytest.approx(0.1)
     assert compare_sim.within(close, 0.25) == "yes"
-    assert compare_sim.within(far, 0.25) == "no"
+    assert compare_sim.within(far, 0.25) == compare_sim.within(fewer, 0.25) == "no"
     assert compare_sim.within(missing, 0.25) == "-"
     close["plain_live_over_sim"] = 0.55
     lines = compare_sim.comparison_table([close, far, missing], 0.25).splitlines()
     assert lines[0].split()[-5:] == ["within", "25%?", "plain", "rows", "live/sim"]
     assert lines[1].split() == [
-        *("expected_wait", "10.00", "20.00", "12.00", "16.00", "+20%", "-20%", "yes", "0.55")
+        *("expected_wait", "10.00", "20.00", "12.00", "16.00", "+20%", "-20%"),
+        *("0.50", "0.55", "+10%", "1/2", "yes", "0.55"),
     ]
-    assert lines[3].split()[3:] == ["-"] * 6
+    assert lines[3].split()[3:] == [*["-"] * 4, "0.50", "-", "-", "1/-", "-", "-"]
 
 
 def test_the_plain_rows_tell_how_fast_the_engines_ran_against_the_profile(
