@@ -105,3 +105,19 @@ def test_the_json_rows_carry_refusals_goodput_and_the_floor(tmp_path: Path) -> N
     assert row["goodput_per_s"] == row["requests_per_s"] > 0
     floors = ttft_floor(read_trace(trace), EngineProfile.load(), SimSettings(slots=1))
     assert row["floor_p95_s"] == round(percentile(list(floors.values()), 95) or 0, 3) > 0
+
+
+def test_the_admission_defaults_are_the_services() -> None:
+    # What the replay refuses by is what the router and the engine deployment refuse by.
+    from wim_service.serving.app import EngineReplicaDeployment
+    from wim_service.serving.config import RouterConfig
+
+    settings, router = SimSettings(), RouterConfig()
+    assert (settings.retry_after_s, settings.deadline_s) == (
+        router.retry_after_s,
+        router.request_timeout_s,
+    )
+    assert (settings.replica_calls, settings.queued_calls) == (
+        EngineReplicaDeployment.max_ongoing_requests,
+        EngineReplicaDeployment.max_queued_requests,
+    )
