@@ -6,9 +6,13 @@ by a veth pair into a bridge in the root namespace (which has an address there t
 the test process reaches the nodes and the nodes reach the Redis it runs):
 
     head   GCS (fault tolerant: its tables in a real redis-server), dashboard, Serve
-           controller and Serve's one HTTP proxy; no CPU, so no replica lands there
+           controller; no CPU, so no replica lands there
     e1, e2 one CPU and `wim_engine_host: 1` each: one engine replica per node
-    r1, r2 `wim_router_host`: the routers, one per node (`max_replicas_per_node`)
+    r1, r2 `wim_router_host: 1` each: one router per node
+
+and a Serve proxy on every node (`proxy_location: EveryNode`). Each node starts as
+docs/deploy.md starts a host, and the cluster runs `deploy/serve_config_multinode.yaml`
+(tests/harness/multinode_deploy.py).
 
 Namespaces split the network only: every node sees the same file system (the model, the
 code), and `ray start` runs in each. The test process stays out of the cluster: it deploys
@@ -41,7 +45,8 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.harness.live_stack import ENGINE, TWO_ROUTERS, application, auth, wait_for
+from tests.harness.live_stack import auth, keys_json, wait_for
+from tests.harness.multinode_deploy import ENGINE_HOST, ROUTER_HOST, host_env, serve_config
 from tests.harness.process_tree import is_engine_core
 from tests.harness.redis_server import RedisServer
 
@@ -51,28 +56,9 @@ PREFIX = "wimt"
 GCS_PORT = 6379
 DASHBOARD_PORT = 8265
 HTTP_PORT = 8000
-# The resources that place replicas on purpose (the Helm chart uses the same names).
-ENGINE_HOST = "wim_engine_host"
-ROUTER_HOST = "wim_router_host"
 # The default object store takes 30% of the machine's memory per node; the service passes
 # little through it.
 OBJECT_STORE_BYTES = 100 * 2**20
-# Engines on nodes of their own each have local rank 0: "rank" would bind both to core 0.
-MULTINODE_ENGINE = {**ENGINE, "cpu_threads_bind": "nobind"}
-NODE_ENV = {
-    "RAY_worker_niceness": "0",
-    # Ray kills actors when the *machine* passes 95% memory (tests/harness/live_stack.py).
-    "RAY_memory_monitor_refresh_ms": "0",
-    # The GCS declares a node dead after `failure_threshold` failed health checks, one every
-    # `period`, each failing after `timeout`: Ray's defaults (5 x 3 s, 10 s each) keep an
-    # unreachable node's replicas in the routing set for up to a minute; these, ~3-6 s.
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}
 
 
 def run_ip(*args: str, check: bool = True) -> str:
@@ -189,7 +175,7 @@ class Cluster:
         self.bridge_ip = f"{self.subnet}.254"
         head_ip = f"{self.subnet}.1"
         engine = ("--num-cpus", "1", "--resources", json.dumps({ENGINE_HOST: 1}))
-        router = ("--num-cpus", "0", "--resources", json.dumps({ROUTER_HOST: 100}))
+        router = ("--num-cpus", "0", "--resources", json.dumps({ROUTER_HOST: 1}))
         worker = ("--address", f"{head_ip}:{GCS_PORT}")
         head = (
             *("--head", "--port", str(GCS_PORT), "--num-cpus", "0"),
@@ -208,6 +194,7 @@ class Cluster:
             for i, (name, host, args) in enumerate(roles)
         }
         self.redis: RedisServer | None = None
+        self.keys_file = workdir / "keys.json"
         # Processes the test process started itself (a restarted GCS): reaped at teardown.
         self.restarted: list[subprocess.Popen[bytes]] = []
         # The cluster's own token (Ray authenticates every RPC and dashboard call): not the
@@ -248,6 +235,8 @@ class Cluster:
             run_ip("-n", node.netns, "link", "set", "eth0", "up")
             run_ip("-n", node.netns, "link", "set", "lo", "up")
         self.redis = RedisServer(redis_binary, self.workdir, host=self.bridge_ip).start()
+        # The routers' API keys, as a file at the same path on every router host (`host_env`).
+        self.keys_file.write_text(keys_json())
         (self.workdir / "ray").mkdir()
         self.ray_dir.symlink_to(self.workdir / "ray")
         # One after another: started side by side, two of four workers timed out joining the
@@ -257,11 +246,12 @@ class Cluster:
         self.wait_for(lambda: self.alive_nodes() == set(self.nodes), "all nodes alive", 120)
 
     def node_env(self, node: Node) -> dict[str, str]:
-        env = {**os.environ, **NODE_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+        assert self.redis is not None
+        role = "head" if node.name == "head" else "engine" if node.is_engine_host else "router"
+        env = {**os.environ, **host_env(role, self.token, self.redis.url, self.keys_file)}
         # The workers import this checkout's code, whatever the virtualenv has installed.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         if node.name == "head":
-            assert self.redis is not None
             # GCS fault tolerance: the GCS keeps its tables in Redis and a restarted GCS
             # reads them back (the raylets and workers reconnect meanwhile).
             env["RAY_REDIS_ADDRESS"] = f"{self.redis.host}:{self.redis.port}"
@@ -280,7 +270,12 @@ class Cluster:
         if node.name == "head":
             assert self.redis is not None
             # The GCS keeps its tables in the password-protected Redis (`node_env`).
-            argv += ["--redis-password", self.redis.password]
+            argv += ["--redis-username", "default", "--redis-password", self.redis.password]
+        if node.name == "head":
+            # `ray start --head` refuses to start where a raylet names its address: it looks
+            # through this machine's processes, where the other nodes' raylets run too (a
+            # head on a host of its own sees none), unless its temp dir names no cluster.
+            (self.ray_dir / "ray_current_cluster").unlink(missing_ok=True)
         log = self.workdir / f"ray-start-{node.name}.log"
         with log.open("ab") as out:
             done = subprocess.run(
@@ -321,6 +316,36 @@ class Cluster:
                 )
 
         return restart
+
+    def gcs_running(self) -> bool:
+        return any(
+            process.name() == "gcs_server"
+            for process in map(psutil.Process, netns_pids(self.head.netns))
+        )
+
+    def _redis_rule(self, action: str, node: Node) -> None:
+        assert self.redis is not None
+        to = ("to", self.redis.host, "ipproto", "tcp", "dport", str(self.redis.port))
+        run_ip("-n", node.netns, "rule", action, *to, "blackhole")
+
+    def cut_from_redis(self, node: Node) -> None:
+        """A partition between the node and Redis alone: its packets to Redis are dropped
+        (connections open hang, new ones fail), every other link works."""
+        self._redis_rule("add", node)
+
+    def reconnect_redis(self, node: Node) -> None:
+        self._redis_rule("del", node)
+
+    def restart_redis(self, down_s: float) -> None:
+        """Redis restarted as a supervisor restarts a persistent one: its data written as it
+        stops (`SHUTDOWN SAVE`), down `down_s`, started again reading it back. (The test's
+        server keeps no other persistence; docs/deploy.md's appends every write.)"""
+        assert self.redis is not None
+        with self.redis.client() as client:
+            client.shutdown(save=True)
+        self.redis.stop()
+        time.sleep(down_s)  # the restart's length: part of the fault, not a wait
+        self.redis.start()
 
     def cut(self, node: Node) -> None:
         """A network partition: the node's link goes down; its processes run on."""
@@ -378,33 +403,11 @@ class Cluster:
             if row["state"] == "ALIVE" and row["node_ip"] in by_ip
         }
 
-    def deploy(self, redis_url: str, *, router_memory: int | None = None) -> None:
-        """The two-router application (sessions in Redis) with routers and two engines placed
-        on their hosts, one replica per node; Serve's one proxy on the head. `router_memory`
-        (a router actor option) changes the routers alone: a deploy that replaces them."""
-        router_actor: dict[str, Any] = {"num_cpus": 0, "resources": {ROUTER_HOST: 1}}
-        if router_memory is not None:
-            router_actor["memory"] = router_memory
-        config = {
-            "proxy_location": "HeadOnly",
-            "http_options": {"host": "0.0.0.0", "port": HTTP_PORT},
-            "applications": [
-                application(
-                    TWO_ROUTERS,
-                    2,
-                    redis_url=redis_url,
-                    engine=MULTINODE_ENGINE,
-                    router_options={
-                        "ray_actor_options": router_actor,
-                        "max_replicas_per_node": 1,
-                    },
-                    engine_options={
-                        "ray_actor_options": {"num_cpus": 1, "resources": {ENGINE_HOST: 1}},
-                        "max_replicas_per_node": 1,
-                    },
-                )
-            ],
-        }
+    def deploy(self, *, router_memory: int | None = None) -> None:
+        """`deploy/serve_config_multinode.yaml`, as `serve deploy` puts it on a cluster;
+        `router_memory` (a router actor option) changes the routers alone: a deploy that
+        replaces them."""
+        config = serve_config(router_memory=router_memory)
         response = self.http.put(f"{self.dashboard}/api/serve/applications/", json=config)
         assert response.status_code == 200, response.text
 
@@ -430,15 +433,25 @@ class Cluster:
             for name, deployment in app["deployments"].items()
         }
 
+    def proxies(self) -> set[str]:
+        """The nodes whose Serve proxy is healthy."""
+        response = self.http.get(f"{self.dashboard}/api/serve/applications/")
+        by_ip = {node.ip: node.name for node in self.nodes.values()}
+        return {
+            by_ip[proxy["node_ip"]]
+            for proxy in response.json()["proxies"].values()
+            if proxy["status"] == "HEALTHY" and proxy["node_ip"] in by_ip
+        }
+
     def whole(self) -> bool:
-        """Every node alive, two routers on the two router nodes, two engines on the two
-        engine nodes, and the routers see both engines ready."""
+        """Every node alive with a healthy proxy, two routers on the two router nodes, two
+        engines on the two engine nodes, and the routers see both engines ready."""
         replicas = self.replicas()
         routers = sorted(node for _, node in replicas.get("WiMRouter", []))
         engines = sorted(node for _, node in replicas.get("EngineReplica", []))
         if routers != ["r1", "r2"] or engines != ["e1", "e2"]:
             return False
-        if self.alive_nodes() != set(self.nodes):
+        if self.alive_nodes() != set(self.nodes) or self.proxies() != set(self.nodes):
             return False
         with self.client(timeout=10) as client:
             response = client.get("/readyz")
