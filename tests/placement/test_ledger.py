@@ -113,3 +113,12 @@ def test_an_unreported_replica_is_live_but_takes_no_work() -> None:
     book.take_reports(set(), [])
     with pytest.raises(NoRoom):
         book.place(JOB)
+
+
+def test_a_replica_lost_for_silence_is_back_with_any_report_it_answers() -> None:
+    book, _ = ledger("a", "b")
+    asked = book.mark()
+    book.lose("a", silent=True)
+    assert not book.is_live("a")
+    book.take_reports({"a", "b"}, [report("a")], covers={"a": asked})
+    assert book.is_live("a")  # it answered the call it was silent on

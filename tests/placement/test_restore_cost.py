@@ -120,9 +120,9 @@ def test_the_router_charges_restores_when_its_service_has_a_kv_store(
     if setting is not None:
         router_config["restore_copies"] = setting
     _, router = make_service(FakeReplica("a"), **router_config)
-    table = router.fleet.table
-    assert (table.profile.restore is not None) == restores
-    assert table.profile == table.policy.profile  # type: ignore[attr-defined]
+    ledger = router.fleet.ledger
+    assert (ledger.profile.restore is not None) == restores
+    assert ledger.profile == ledger.policy.profile  # type: ignore[attr-defined]
 
 
 # -- wim sim --------------------------------------------------------------------------------

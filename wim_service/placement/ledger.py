@@ -120,6 +120,9 @@ class Ledger:
         # hold them in its prefix cache (the replica's own cache evicts on its own terms).
         self.prefixes: dict[str, PrefixCache] = {}
         self.bindings: dict[str, str] = {}  # a one-shot job's or plain request's id -> replica
+        # When each live replica was last heard from: its last report taken, or when it was
+        # first seen live without one.
+        self.reported_at: dict[str, float] = {}
         self._replicas: dict[str, _Replica] = {}
         self._next = 0  # the number the next booking or loss takes
 
@@ -141,6 +144,11 @@ class Ledger:
         replica no longer live is dropped with its bookings."""
         self.live = frozenset(live)
         now = self.clock()
+        reports = list(reports)
+        fresh = {report.replica for report in reports}
+        self.reported_at = {
+            r: now if r in fresh else self.reported_at.get(r, now) for r in self.live
+        }
         for report in reports:
             if report.replica not in self.live:
                 continue
@@ -179,10 +187,6 @@ class Ledger:
         loads = {r: self.load(r) for r in self._replicas}
         return {r: load for r, load in loads.items() if load is not None}
 
-    def reported_at(self, replica: str) -> float | None:
-        entry = self._replicas.get(replica)
-        return entry.at if entry is not None else None
-
     def is_live(self, replica: str) -> bool:
         """Whether `replica` still holds its sessions: reported healthy, or routed to by Serve
         and not reported at all yet (just started, or its first poll timed out; another router
@@ -190,12 +194,13 @@ class Ledger:
         load = self.load(replica)
         return load.healthy if load is not None else replica in self.live
 
-    def lose(self, replica: str) -> None:
+    def lose(self, replica: str, *, silent: bool = False) -> None:
         """Place nothing more on `replica` (a call to it failed) until a report asked after
-        this says it is healthy."""
+        this says it is healthy; one that was lost for answering no load call (`silent`) is
+        back with any report it answers."""
         entry = self._replicas.get(replica)
         if entry is not None:
-            entry.lost = self._take_number()
+            entry.lost = -1 if silent else self._take_number()
 
     # -- placement -------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from wim_service.engine.config import EngineConfig
+from wim_service.placement.copies import DEFAULT_COPY_IDLE_S
 from wim_service.placement.policy import DEFAULT_MAX_COPIES, policy_name
 from wim_service.placement.profile import EngineProfile
 
@@ -108,7 +109,7 @@ class RouterConfig(BaseModel):
     # document is never copied).
     max_copies: int = Field(DEFAULT_MAX_COPIES, ge=1, le=64)
     # A copy no query used for this long is closed (never a session's last one).
-    copy_idle_s: float = Field(120.0, gt=0)
+    copy_idle_s: float = Field(DEFAULT_COPY_IDLE_S, gt=0)
     # The engine cost profile the `expected_wait` placement and the replicas' backlogs are
     # computed with (`wim sim --calibrate` measures one); unset: the profile shipped with the
     # service.

@@ -21,9 +21,9 @@ from tests.fakes.fake_service import (
     LiveService,
     scripted_job,
 )
+from wim_service.placement.ledger import LoadReport
 from wim_service.serving.http.bodies import MAX_QUERY_CHARS
 from wim_service.serving.openai.prompts import Turn, chat_prompt_ids, document_and_query
-from wim_service.serving.replica.contracts import ReplicaLoad
 from wim_service.wim.options import WiMOptions
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -380,11 +380,11 @@ def test_errors_come_in_openai_shape(client: openai.OpenAI, service: LiveService
     }
 
 
-def load_of_a(service: LiveService) -> ReplicaLoad:
+def load_of_a(service: LiveService) -> LoadReport:
     """Replica a's load as the router last saw it; a poll that timed out on a loaded machine
-    leaves it out of the table until the next poll (then: no capacity, no room)."""
-    no_report = ReplicaLoad(replica="a", capacity_blocks=0, reserved_blocks=0, sessions=0)
-    return service.router.fleet.table.loads.get("a", no_report)
+    leaves it out of the ledger until the next poll (then: no capacity, no room)."""
+    no_report = LoadReport("a", capacity_blocks=0, reserved_blocks=0, sessions=0)
+    return service.router.fleet.ledger.loads.get("a", no_report)
 
 
 def test_full_replicas_answer_429_with_retry_after(service: LiveService) -> None:
@@ -447,7 +447,7 @@ async def test_closing_a_stream_cancels_the_job(service: LiveService) -> None:
     finally:
         service.client.delay_s = 0.0
     assert service.replica.cancelled == cancelled + 1
-    assert service.router.fleet.table.bindings == {}
+    assert service.router.fleet.ledger.bindings == {}
 
 
 def test_reasoning_holds_only_the_notes_the_answer_reads() -> None:

@@ -145,7 +145,7 @@ async def test_a_sessions_queries_go_on_on_its_holder_while_a_copy_is_read() -> 
     session = await router.documents.get(document_id)
     assert session is not None and session.copies == ("b",)
     # Every booking given back: the read's when it ended, each query's when it answered.
-    loads = router.fleet.table.loads
+    loads = router.fleet.ledger.loads
     assert [(loads[r].running, round(loads[r].backlog_s, 6)) for r in "ab"] == [(0, 0), (0, 0)]
 
 
@@ -357,12 +357,12 @@ async def test_copies_decided_and_given_up_book_nothing_on_their_replica() -> No
     reading, read_may_end = held_reads(b)
     copying = asyncio.create_task(ask(router, document_id))
     await asyncio.wait_for(reading.wait(), 5)
-    b_load = router.fleet.table.loads["b"]
+    b_load = router.fleet.ledger.loads["b"]
     booked = (b_load.sessions, b_load.reserved_blocks)
     await asyncio.sleep(0.3)  # older than the fresh loads: each decision asks again
     during = [await asyncio.wait_for(ask(router, document_id), 5) for _ in range(3)]
     assert during == ["a", "a", "a"]
-    b_load = router.fleet.table.loads["b"]
+    b_load = router.fleet.ledger.loads["b"]
     # At most the read's booking (a report since, taken during the read, replaced it).
     assert b_load.sessions <= booked[0] and b_load.reserved_blocks <= booked[1], booked
     read_may_end.set()

@@ -263,7 +263,7 @@ def test_one_shot_job_answers_with_margins_and_unbinds() -> None:
     assert body["answer"] == "The code is 4417." and body["replica"] == "a"
     assert [m["segment"] for m in body["margins"]] == [0, 1, 2]
     assert [m["relevant"] for m in body["margins"]] == [False, True, False]
-    assert router.fleet.table.bindings == {}  # the job's binding ended with it
+    assert router.fleet.ledger.bindings == {}  # the job's binding ended with it
     assert metric(client, "wim_requests_total", status="200") == 1
     assert metric(client, "wim_margins_total", relevant="true") == 1
     assert metric(client, "wim_prefix_cache_hit_tokens_total") == 7
@@ -340,7 +340,7 @@ async def test_work_is_refused_on_fresh_loads_only() -> None:
     booking = await router.fleet.place(
         "job", Work(prompt_tokens=100, answer_tokens=8, kv_blocks=60)
     )
-    assert booking.replica == "a" and router.fleet.table.loads["a"].reserved_blocks == 60
+    assert booking.replica == "a" and router.fleet.ledger.loads["a"].reserved_blocks == 60
     assert a.calls.count("load") == 2
     router.shutdown()
 
@@ -440,12 +440,12 @@ async def test_a_replica_that_does_not_answer_holds_back_no_other_replicas_repor
         started = loop.time()
         await router.fleet.refresh_loads()
         assert loop.time() - started < POLL_WAIT_S + 0.5
-        loads = router.fleet.table.loads
+        loads = router.fleet.ledger.loads
         assert (loads["a"].reserved_blocks, loads["b"].reserved_blocks) == (0, 7)
     assert a.calls.count("load") == 2  # the first poll's, then the one still waiting
     answer.set()
     await router.fleet.refresh_loads()
-    assert router.fleet.table.loads["a"].reserved_blocks == 7
+    assert router.fleet.ledger.loads["a"].reserved_blocks == 7
     router.shutdown()
 
 
@@ -539,7 +539,7 @@ def test_a_sole_replica_that_forgot_the_session_rebuilds_it_at_once() -> None:
     response = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
     assert response.status_code == 200, response.text
     assert response.json()["replica"] == "a" and a.calls.count("open_document") == 2
-    assert router.fleet.table.is_live("a") and router.fleet.ready() == ["a"]
+    assert router.fleet.ledger.is_live("a") and router.fleet.ready() == ["a"]
     assert metric(client, "wim_session_failover_total", reason="session_missing") == 1
     assert metric(client, "wim_session_failover_total", reason="replica_lost") == 0
 

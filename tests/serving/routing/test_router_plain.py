@@ -44,8 +44,8 @@ async def test_a_plain_request_streams_from_its_replica_bound_while_it_runs() ->
     events = router.dispatcher.plain(SESSION, PROMPT, PARAMS)
     first_replica, first = await anext(events)
     # While it streams, the request holds its binding and its KV blocks on the replica.
-    assert router.fleet.table.replica_of(SESSION) == "a"
-    assert router.fleet.table.loads["a"].reserved_blocks == BLOCKS
+    assert router.fleet.ledger.replica_of(SESSION) == "a"
+    assert router.fleet.ledger.loads["a"].reserved_blocks == BLOCKS
     rest = [event async for _, event in events]
     assert first_replica == "a"
     assert replica.streams == [("complete", (PROMPT, PARAMS))]
@@ -53,7 +53,7 @@ async def test_a_plain_request_streams_from_its_replica_bound_while_it_runs() ->
         PLAIN_ANSWER.split(" ")[:2]
     )
     assert rest[-1].type == "done"
-    assert router.fleet.table.replica_of(SESSION) is None  # unbound once it ended
+    assert router.fleet.ledger.replica_of(SESSION) is None  # unbound once it ended
     assert counted(router, "wim_session_binding_total", result="new") == 1
 
 
@@ -74,7 +74,7 @@ async def test_a_plain_request_takes_kv_but_no_session_slot() -> None:
     router = await router_over(replica)
     events = router.dispatcher.plain(SESSION, PROMPT, PARAMS)
     assert (await anext(events))[0] == "a"
-    load = router.fleet.table.loads["a"]
+    load = router.fleet.ledger.loads["a"]
     assert (load.reserved_blocks, load.sessions) == (BLOCKS, 0)
     assert [event async for _, event in events][-1].type == "done"
 
@@ -95,7 +95,7 @@ async def test_a_plain_request_on_a_lost_replica_is_not_failed_over() -> None:
     assert spare.streams == []  # the client sends it again, the router does not
     assert router.fleet.ready() == ["b"]
     assert counted(router, "wim_session_failover_total", reason="replica_lost") == 1
-    assert router.fleet.table.replica_of(SESSION) is None
+    assert router.fleet.ledger.replica_of(SESSION) is None
 
 
 class DiesMidAnswer(ScriptedClient):

@@ -11,6 +11,7 @@ real HTTP app in the test's event loop (httpx over ASGI), so that routers run co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
@@ -102,6 +103,14 @@ async def open_document(client: httpx.AsyncClient, **body: Any) -> dict[str, Any
     return response.json()
 
 
+def reports_full(router: WiMRouter, replica: str) -> None:
+    """`replica` reports its KV committed to `router` (and to it alone)."""
+    ledger = router.fleet.ledger
+    load = ledger.load(replica)
+    assert load is not None
+    ledger.take_reports(ledger.live, [dataclasses.replace(load, reserved_blocks=5_000)])
+
+
 async def query(client: httpx.AsyncClient, document_id: str) -> httpx.Response:
     return await client.post("/wim", json={"document_id": document_id, "query": "code?"})
 
@@ -171,8 +180,8 @@ async def test_two_routers_failing_over_one_session_bind_it_to_one_replica(
         document_id = (await open_document(first))["document_id"]
         a.dead = True
         # Each router would rebuild it on a different replica.
-        one.fleet.table.loads["b"].reserved_blocks = 5_000
-        two.fleet.table.loads["c"].reserved_blocks = 5_000
+        reports_full(one, "b")
+        reports_full(two, "c")
         answers = await asyncio.gather(query(first, document_id), query(second, document_id))
         bound = (await second.get(f"/documents/{document_id}")).json()["replica"]
         assert bound in ("b", "c")

@@ -294,7 +294,7 @@ def test_a_job_past_its_deadline_is_stopped_with_504() -> None:
     client = TestClient(build_http_app(router))
     response = client.post("/wim", json={"context": DOCUMENT, "query": "q"})
     assert response.status_code == 504 and response.json()["code"] == "deadline_exceeded"
-    assert router.fleet.table.bindings == {}
+    assert router.fleet.ledger.bindings == {}
 
 
 def test_a_delete_during_failover_never_brings_the_session_back() -> None:
@@ -497,7 +497,7 @@ def test_a_transient_actor_error_is_retried_without_losing_the_replica() -> None
     document = client.post("/documents", json={"context": DOCUMENT}).json()
     answer = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
     assert answer.status_code == 200 and answer.json()["replica"] == "a"
-    assert router.fleet.table.is_live("a")
+    assert router.fleet.ledger.is_live("a")
     assert metric(client, "wim_session_failover_total") == 0
 
 
@@ -514,7 +514,7 @@ def test_a_replica_unreachable_past_the_retries_is_failed_over() -> None:
     answer = client.post("/wim", json={"context": DOCUMENT, "query": "q"})
     assert answer.status_code == 200 and answer.json()["replica"] == "b"
     assert (a.calls.count("run"), b.calls.count("run")) == (TRANSIENT_RETRIES + 1, 1)
-    assert not router.fleet.table.is_live("a")
+    assert not router.fleet.ledger.is_live("a")
     assert metric(client, "wim_session_binding_total", result="repin") == 1
 
 

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
+from wim_service.placement.ledger import LoadReport
 from wim_service.wim.events import ErrorEvent
 
 
 class ReplicaLoad(BaseModel):
-    """What a replica last reported about itself (the router adjusts it between polls)."""
+    """What a replica reports about itself, never changed once sent: the router books the
+    work it places between two reports apart from it (`placement/ledger.py`)."""
+
+    model_config = ConfigDict(frozen=True)
 
     replica: str
     capacity_blocks: int
@@ -33,9 +37,19 @@ class ReplicaLoad(BaseModel):
     # of the same (`EngineProfile.dtype_mismatch`).
     dtype: str = ""
 
-    @property
-    def room_blocks(self) -> int:
-        return self.capacity_blocks - self.reserved_blocks
+    def report(self) -> LoadReport:
+        """What placement reads of it, for the router's ledger."""
+        return LoadReport(
+            self.replica,
+            capacity_blocks=self.capacity_blocks,
+            reserved_blocks=self.reserved_blocks,
+            sessions=self.sessions,
+            max_sessions=self.max_sessions,
+            healthy=self.healthy,
+            draining=self.draining,
+            backlog_s=self.backlog_s,
+            running=self.running,
+        )
 
 
 class DocumentOpened(BaseModel):

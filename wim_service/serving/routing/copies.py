@@ -38,9 +38,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 
+from wim_service.placement.copies import CopyBook
+from wim_service.placement.ledger import Booking
 from wim_service.placement.state import NoRoom, Work
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceError
@@ -48,7 +49,6 @@ from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened
 from wim_service.serving.replica.work import session_work
-from wim_service.serving.routing.bindings import Booking
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.store import Holding, StoredSession
@@ -101,19 +101,17 @@ class DocumentCopies:
         self.documents = documents
         self.config = config
         self.metrics = metrics
-        # (document id, replica) -> this router's queries running there / when one last ran.
-        self._running: Counter[tuple[str, str]] = Counter()
-        self._used: dict[tuple[str, str], float] = {}
+        # This router's queries running on each holder, and when one last ran on each copy.
+        self.book = CopyBook()
         # Documents this router is reading a copy of (see above).
         self._opening: set[str] = set()
-        fleet.reclaim = self.reclaim
 
     async def holder(self, session: StoredSession, query: str, options: WiMOptions) -> HolderChoice:
         """The holder a query of `session` (its primary live) runs on, by the policy, with
-        the query's booking there (`BindingTable.done` once it ends); or a replica to read a
-        new copy on first (`copy_of`). Called under the session's lock."""
-        table = self.fleet.table
-        holders = [r for r in session.holders if table.is_live(r)]
+        the query's booking there (`Ledger.done` once it ends); or a replica to read a new
+        copy on first (`copy_of`). Called under the session's lock."""
+        ledger = self.fleet.ledger
+        holders = [r for r in session.holders if ledger.is_live(r)]
         work = session_work(
             session.session_id,
             session.context_tokens,
@@ -123,10 +121,10 @@ class DocumentCopies:
             segments=session.segments,
         )
         booking = self._place(work, holders)
-        if booking is not None and booking.placement.open_copy and table.policy.weighs_loads:
-            table.cancel(booking)  # placed on loads that may be stale: weigh fresh ones
+        if booking is not None and booking.placement.open_copy and ledger.policy.weighs_loads:
+            ledger.cancel(booking)  # placed on loads that may be stale: weigh fresh ones
             await self.fleet.fresh_loads.get()
-            holders = [r for r in holders if table.is_live(r)]
+            holders = [r for r in holders if ledger.is_live(r)]
             booking = self._place(work, holders) if holders else None
         home = session.replica or holders[0]
         if booking is None:
@@ -136,12 +134,12 @@ class DocumentCopies:
             return HolderChoice(booking.replica, booking)
         # A copy only beside holders whose loads are known (the policy weighed them), within
         # the limit (a policy other than `expected_wait` may ask for more), one read at a time.
-        known = all(r in table.loads for r in holders)
+        known = all(ledger.load(r) is not None for r in holders)
         room = len(holders) < self.config.max_copies
         if known and room and session.session_id not in self._opening:
             self._opening.add(session.session_id)
             return HolderChoice(booking.replica, booking, copy_of=session, fallback=home)
-        table.cancel(booking)  # nothing runs there after all
+        ledger.cancel(booking)  # nothing runs there after all
         return HolderChoice(home, None)
 
     async def read_copy(self, choice: HolderChoice) -> HolderChoice:
@@ -149,21 +147,21 @@ class DocumentCopies:
         session's other queries start on its holders meanwhile); the choice settled on the
         copy, or on its fallback if the copy could not be read or recorded, and the query
         counted as running there (`begin`)."""
-        session, booking, table = choice.copy_of, choice.booking, self.fleet.table
+        session, booking, ledger = choice.copy_of, choice.booking, self.fleet.ledger
         assert session is not None and booking is not None
         try:
             opened = await self._open(session, choice.replica)
         except BaseException:
-            table.cancel(booking)
+            ledger.cancel(booking)
             raise
         finally:
             self._opening.discard(session.session_id)
         if opened:
             # Read: the query's own part of the booking stays.
-            table.done(booking, table.profile.read_seconds(session.context_tokens, saved=True))
+            ledger.done(booking, ledger.profile.read_seconds(session.context_tokens, saved=True))
             settled = HolderChoice(choice.replica, booking)
         else:
-            table.cancel(booking)  # nothing read or kept there
+            ledger.cancel(booking)  # nothing read or kept there
             settled = HolderChoice(choice.fallback, None)
         primary = settled.replica == session.replica
         self.begin(session.session_id, settled.replica, primary=primary)
@@ -172,7 +170,7 @@ class DocumentCopies:
     def _place(self, work: Work, holders: list[str]) -> Booking | None:
         """The query's placement, booked; None if no replica has room for it."""
         try:
-            return self.fleet.table.place(None, work, holders=holders)
+            return self.fleet.ledger.place(work, holders=holders)
         except NoRoom:
             return None
 
@@ -202,28 +200,22 @@ class DocumentCopies:
             await close_unless_held(self.client, self.documents, replica, document_id)
             return False
         self.metrics.copies_opened.inc()
-        self._used[(document_id, replica)] = time.monotonic()
+        self.book.opened(document_id, replica, time.monotonic())
         logger.info("a document session got a copy on %s", replica)
         return True
 
     def begin(self, document_id: str, replica: str, *, primary: bool) -> None:
         """A query of this router starts on a holder (under the session's lock)."""
-        self._running[(document_id, replica)] += 1
+        self.book.begin(document_id, replica)
         self.metrics.copy_queries.labels("primary" if primary else "copy").inc()
 
     def end(self, document_id: str, replica: str) -> None:
-        key = (document_id, replica)
-        self._running[key] -= 1
-        if self._running[key] <= 0:
-            del self._running[key]
-        self._used[key] = time.monotonic()
+        self.book.end(document_id, replica, time.monotonic())
 
     async def retire_idle(self, sessions: list[Holding]) -> None:
         """Close the copies idle for `copy_idle_s` among `sessions` (the store's listing)."""
-        now = time.monotonic()
-        listed = {(s.session_id, r) for s in sessions for r in s.copies}
         # A copy first seen here (another router opened it) is idle from now on.
-        self._used = {key: self._used.get(key, now) for key in listed}
+        self.book.listed([(s.session_id, r) for s in sessions for r in s.copies], time.monotonic())
         await self._retire(self.config.copy_idle_s)
 
     async def reclaim(self) -> int:
@@ -234,23 +226,22 @@ class DocumentCopies:
         return await self._retire(0.0)
 
     async def _retire(self, idle_s: float) -> int:
-        now = time.monotonic()
         retired = 0
-        for key in list(self._used):
-            document_id, replica = key
+        for document_id, replica in self.book.idle(time.monotonic(), idle_s):
             lock = self.documents.lock(document_id)
             # A query of this router is starting on the session (or a failover rebuilding
             # it holds its lock while it places work, and may be what asked to reclaim).
-            if self._running[key] or now - self._used[key] < idle_s or lock.locked():
+            if lock.locked():
                 continue
             # Under the session's lock: no query of this router starts on it meanwhile.
             async with lock:
-                if self._running[key] or key not in self._used:
+                key = (document_id, replica)
+                if self.book.running(document_id, replica) or key not in self.book:
                     continue
                 if await self.documents.drop_copy(document_id, replica):
                     await close_on(self.client, replica, document_id)
                     self.metrics.copies_retired.inc()
-                    self._used.pop(key, None)  # a listing may have dropped it meanwhile
+                    self.book.closed(document_id, replica)  # a listing may have dropped it
                     retired += 1
-        self.metrics.document_copies.set(len(self._used))
+        self.metrics.document_copies.set(len(self.book))
         return retired

@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from wim_service.placement.ledger import Booking
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.responses import Item
@@ -23,7 +24,7 @@ from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
 from wim_service.serving.replica.watch import ReplicaSilent
 from wim_service.serving.replica.work import one_shot_work, plain_work
-from wim_service.serving.routing.bindings import BindResult, Booking
+from wim_service.serving.routing.bindings import BindResult
 from wim_service.serving.routing.copies import DocumentCopies, HolderChoice, close_on
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.failover import SessionFailover, SessionMissing, session_gone
@@ -80,7 +81,9 @@ class Dispatcher:
         self.config = config
         self.metrics = metrics
         self.copies = DocumentCopies(client, fleet, documents, config, metrics)
-        self.failover = SessionFailover(client, fleet, documents, sizer, metrics)
+        self.failover = SessionFailover(
+            client, fleet, documents, sizer, metrics, reclaim=self.copies.reclaim
+        )
         self.stored_kv = StoredKV.from_env(metrics)
 
     # -- document sessions -----------------------------------------------------------------
@@ -142,7 +145,7 @@ class Dispatcher:
             primary = session.replica
             replica: str | None
             booking = None
-            if primary is not None and self.fleet.table.is_live(primary):
+            if primary is not None and self.fleet.ledger.is_live(primary):
                 self.metrics.binding.labels(BindResult.HIT).inc()
                 choice = await self.copies.holder(session, query, options)
                 if choice.copy_of is not None:
@@ -180,7 +183,7 @@ class Dispatcher:
                 yield item
         finally:
             if record is None:
-                self.fleet.table.unbind(session_id)
+                self.fleet.ledger.unbind(session_id)
             else:
                 await self.documents.release(record.session_id)
 
@@ -198,7 +201,7 @@ class Dispatcher:
         work = plain_work(
             len(prompt_ids), params.max_tokens, needed, prefix=prefix, block_tokens=block
         )
-        booking = await self.fleet.place(session_id, work)
+        booking = await self.fleet.place(session_id, work, reclaim=self.copies.reclaim)
         replica = booking.replica
         self.metrics.binding.labels(BindResult.NEW).inc()
         try:
@@ -214,8 +217,8 @@ class Dispatcher:
                 retry_after_s=self.config.retry_after_s,
             ) from exc
         finally:
-            self.fleet.table.done(booking)
-            self.fleet.table.unbind(session_id)
+            self.fleet.ledger.done(booking)
+            self.fleet.ledger.unbind(session_id)
 
     async def _attempts(
         self,
@@ -253,7 +256,7 @@ class Dispatcher:
     def _attempt_ended(self, job: _Job, replica: str) -> None:
         if job.booking is not None:
             # Its work ended: it stops counting on the replica before the next load report.
-            self.fleet.table.done(job.booking)
+            self.fleet.ledger.done(job.booking)
             job.booking = None
         if job.record is not None:
             self.copies.end(job.session_id, replica)
@@ -275,7 +278,9 @@ class Dispatcher:
             shape = await self.sizer.shape(context or "", options, query)
             blocks = self.sizer.blocks(shape, one_shot=True)
             work = one_shot_work(shape.context_tokens, shape.segments, blocks, options, query)
-            job.booking = await self.fleet.place(job.session_id, work, job.exclude)
+            job.booking = await self.fleet.place(
+                job.session_id, work, job.exclude, reclaim=self.copies.reclaim
+            )
             job.replica = job.booking.replica
             self.metrics.binding.labels(BindResult.REPIN if job.failovers else BindResult.NEW).inc()
         return job.replica, self.client.replica(job.replica).run(context or "", query, options)
@@ -324,7 +329,7 @@ class Dispatcher:
         else:
             self.fleet.lost(replica, _reason(exc))
             job.exclude.add(replica)
-            self.fleet.table.unbind(job.session_id)
+            self.fleet.ledger.unbind(job.session_id)
             job.replica = None
 
 

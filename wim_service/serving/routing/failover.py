@@ -22,7 +22,7 @@ from wim_service.serving.replica.work import session_work
 from wim_service.serving.routing.bindings import BindResult
 from wim_service.serving.routing.copies import close_on, close_unless_held
 from wim_service.serving.routing.documents import DocumentTable
-from wim_service.serving.routing.fleet import ReplicaFleet
+from wim_service.serving.routing.fleet import Reclaim, ReplicaFleet
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode
@@ -50,12 +50,14 @@ class SessionFailover:
         documents: DocumentTable,
         sizer: JobSizer,
         metrics: WiMMetrics,
+        reclaim: Reclaim,
     ) -> None:
         self.client = client
         self.fleet = fleet
         self.documents = documents
         self.sizer = sizer
         self.metrics = metrics
+        self.reclaim = reclaim  # closes spare copies when no replica has room for a read
 
     async def read(
         self, session: StoredSession, text: str, exclude: set[str], *, fresh: bool = False
@@ -75,33 +77,33 @@ class SessionFailover:
             session.session_id, shape.context_tokens, blocks, session.options, restorable=not fresh
         )
         while True:
-            booking = await self.fleet.place(None, work, exclude)
+            booking = await self.fleet.place(None, work, exclude, reclaim=self.reclaim)
             replica = booking.replica
             try:
                 result = await self.client.replica(replica).open_document(
                     session.session_id, text, session.options, session.tenant, not fresh
                 )
             except ReplicaLost:
-                self.fleet.table.cancel(booking)
+                self.fleet.ledger.cancel(booking)
                 self.fleet.lost(replica, "replica_lost")
                 exclude.add(replica)
                 continue
             except asyncio.CancelledError:
-                self.fleet.table.cancel(booking)
+                self.fleet.ledger.cancel(booking)
                 if fresh:
                     await asyncio.shield(close_on(self.client, replica, session.session_id))
                 raise
             if isinstance(result, ErrorEvent):
-                self.fleet.table.cancel(booking)
+                self.fleet.ledger.cancel(booking)
                 raise ServiceError(result.code, result.message, result.retry_after_s)
             assert isinstance(result, DocumentOpened)
             # Read: a query placed next must not wait behind it.
-            self.fleet.table.done(booking)
+            self.fleet.ledger.done(booking)
             return replica, result, blocks
 
     async def drop_lost_copies(self, session: StoredSession) -> StoredSession:
         """`session` without its copies on replicas that are gone (dropped from the store)."""
-        lost = [r for r in session.copies if not self.fleet.table.is_live(r)]
+        lost = [r for r in session.copies if not self.fleet.ledger.is_live(r)]
         for replica in lost:
             await self.documents.drop_copy(session.session_id, replica)
         return replace(session, copies=tuple(r for r in session.copies if r not in lost))
@@ -121,8 +123,8 @@ class SessionFailover:
         if replica != session.replica:
             await self.documents.drop_copy(document_id, replica)
             return None
-        table = self.fleet.table
-        copy = next((r for r in session.copies if r != replica and table.is_live(r)), None)
+        ledger = self.fleet.ledger
+        copy = next((r for r in session.copies if r != replica and ledger.is_live(r)), None)
         if copy is None:
             return await self.rebuild(session, reason, exclude=set() if alive else {replica})
         if not await self.documents.rebind(document_id, replica, copy, promote=True):

@@ -1,8 +1,9 @@
 """The engine replicas as the router sees them: their loads, polled, and where work goes.
 
-`ReplicaFleet` polls every live replica's load into the binding table, places work by the
-configured policy (`RouterConfig.placement`, waiting a while when no replica is up), and marks
-replicas lost.
+`ReplicaFleet` polls every live replica's load into the ledger (`placement/ledger.py`: the
+reports as taken, and the work placed since), places work by the configured policy
+(`RouterConfig.placement`, waiting a while when no replica is up, closing spare copies it is
+given a `reclaim` for before it refuses), and marks replicas lost.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 from wim_service.engine.kv_transfer.documents import store_url
+from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.policy import make_policy
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import NoRoom, Work
@@ -23,7 +25,7 @@ from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient
 from wim_service.serving.replica.contracts import ReplicaLoad
 from wim_service.serving.replica.watch import WatchedClient
-from wim_service.serving.routing.bindings import BindingTable, BindResult, Booking
+from wim_service.serving.routing.bindings import BindResult
 from wim_service.serving.routing.recent import Recent
 from wim_service.wim.errors import ErrorCode
 
@@ -39,6 +41,10 @@ LOAD_TIMEOUT_S = 10.0
 POLL_WAIT_S = 1.0
 # How old the loads a refusal or a copy is decided on may be.
 FRESH_LOADS_S = 0.25
+
+# Closes the spare copies of hot documents to make room, the number closed
+# (`DocumentCopies.reclaim`): passed to `ReplicaFleet.place` by whoever keeps the copies.
+Reclaim = Callable[[], Awaitable[int]]
 
 
 class ReplicaFleet:
@@ -56,15 +62,13 @@ class ReplicaFleet:
             restores = store_url() is not None
         profile = EngineProfile.load(path).for_store(restores)
         policy = make_policy(config.placement, profile, max_copies=config.max_copies)
-        self.table = BindingTable(policy, profile)
-        # Each replica's load call, until it answers (one at a time per replica).
-        self._asking: dict[str, asyncio.Task[ReplicaLoad]] = {}
+        self.ledger = Ledger(policy, profile)
+        # Each replica's load call, until it answers (one at a time per replica), with the
+        # ledger's mark when it was asked: the report covers the work booked before.
+        self._asking: dict[str, asyncio.Task[tuple[int, ReplicaLoad]]] = {}
         # The loads asked again for a decision that must not rest on a poll's (a refusal, a
         # copy's read), at most once per FRESH_LOADS_S however many decide at once.
         self.fresh_loads = Recent(self.refresh_loads, FRESH_LOADS_S)
-        # Closes idle copies of hot documents, the number closed, before work is refused
-        # (`DocumentCopies.reclaim`, set by whoever keeps the copies).
-        self.reclaim: Callable[[], Awaitable[int]] | None = None
         self._dtypes_seen: set[str] = set()  # the engines' dtypes checked against the profile
 
     async def refresh_loads(self) -> None:
@@ -75,18 +79,19 @@ class ReplicaFleet:
         self._asking.update(asking)
         if asking:
             await asyncio.wait(asking.values(), timeout=POLL_WAIT_S)
-        loads = []
+        loads, covers = [], {}
         for replica, task in asking.items():
             if not task.done():
                 continue
             if self._asking.get(replica) is task:
                 del self._asking[replica]
             if not task.cancelled() and task.exception() is None:
-                loads.append(task.result())
+                covers[replica], load = task.result()
+                loads.append(load)
             else:
                 error = "cancelled" if task.cancelled() else repr(task.exception())
                 logger.warning("engine replica %s did not report its load: %s", replica, error)
-        self.table.update_replicas(set(replicas), loads)
+        self.ledger.take_reports(replicas, [load.report() for load in loads], covers)
         self._condemn_silent()
         self._export(loads)
         self._check_dtypes(loads)
@@ -99,11 +104,11 @@ class ReplicaFleet:
         whose node is gone wait for it, and Serve keeps routing to it. A replica that answers
         a load call again is placed on as before."""
         now = time.monotonic()
-        for replica, reported in self.table.reported_at.items():
+        for replica, reported in self.ledger.reported_at.items():
             silent = now - reported
             if silent <= self.config.replica_silence_s:
                 continue
-            load = self.table.loads.get(replica)
+            load = self.ledger.load(replica)
             if load is not None and load.healthy:
                 logger.warning(
                     "engine replica %s answered no load call for %.1f s; taking it for lost",
@@ -111,7 +116,7 @@ class ReplicaFleet:
                     silent,
                 )
                 # Not counted here: each job it ends counts its failover (`replica_silent`).
-                load.healthy = False
+                self.ledger.lose(replica, silent=True)
             self.watched.condemn(replica)
 
     def _check_dtypes(self, loads: list[ReplicaLoad]) -> None:
@@ -122,7 +127,7 @@ class ReplicaFleet:
             if not load.dtype or load.dtype in self._dtypes_seen:
                 continue
             self._dtypes_seen.add(load.dtype)
-            mismatch = self.table.profile.dtype_mismatch(load.dtype)
+            mismatch = self.ledger.profile.dtype_mismatch(load.dtype)
             if mismatch is not None:
                 logger.warning(
                     "%s (replica %s): the router's wait estimates are in the profile's "
@@ -132,8 +137,8 @@ class ReplicaFleet:
                     load.replica,
                 )
 
-    def _ask(self, replica: str) -> asyncio.Task[ReplicaLoad]:
-        return asyncio.get_running_loop().create_task(self._load_of(replica))
+    def _ask(self, replica: str) -> asyncio.Task[tuple[int, ReplicaLoad]]:
+        return asyncio.get_running_loop().create_task(self._load_of(replica, self.ledger.mark()))
 
     def _export(self, loads: list[ReplicaLoad]) -> None:
         """The replicas' reports as the router's gauges."""
@@ -150,12 +155,12 @@ class ReplicaFleet:
         # A replica that left the routing set while calls of ours still run on it is draining:
         # Serve lets those calls finish before it stops the replica.
         for replica, calls in self.client.in_flight.items():
-            if calls and replica not in self.table.live:
+            if calls and replica not in self.ledger.live:
                 self.metrics.replica_draining.labels(replica).set(1)
 
-    async def _load_of(self, replica: str) -> ReplicaLoad:
+    async def _load_of(self, replica: str, mark: int) -> tuple[int, ReplicaLoad]:
         load = await asyncio.wait_for(self.client.replica(replica).load(), LOAD_TIMEOUT_S)
-        return ReplicaLoad.model_validate(load)
+        return mark, ReplicaLoad.model_validate(load)
 
     def stop(self) -> None:
         """End the load calls still waiting for an answer."""
@@ -164,14 +169,14 @@ class ReplicaFleet:
         self._asking.clear()
 
     def ready(self) -> list[str]:
-        return [load.replica for load in self.table.loads.values() if load.healthy]
+        return [load.replica for load in self.ledger.loads.values() if load.healthy]
 
     def session_capacity(self) -> int:
         """The sessions the replicas that take new ones admit at once (their `max_sessions`):
         what the tenants' fair shares divide."""
         return sum(
             load.max_sessions
-            for load in self.table.loads.values()
+            for load in self.ledger.loads.values()
             if load.healthy and not load.draining
         )
 
@@ -181,26 +186,29 @@ class ReplicaFleet:
         work: Work,
         exclude: Collection[str] = (),
         holders: Collection[str] = (),
+        *,
+        reclaim: Reclaim | None = None,
     ) -> Booking:
         """Where `work` runs, by the policy, bound to `session` if given; waits a while for a
-        first replica to come up. `holders` hold a copy of the work's document."""
+        first replica to come up. `holders` hold a copy of the work's document. With no room
+        anywhere, `reclaim` (if given) closes spare copies before the work is refused."""
         deadline = time.monotonic() + self.config.replica_wait_s
         asked = reclaimed = False
         while True:
             try:
-                return self.table.place(session, work, exclude=exclude, holders=holders)
+                return self.ledger.place(work, session=session, exclude=exclude, holders=holders)
             except NoRoom as exc:
                 live = exc.replicas
                 if live and not asked:
-                    # Refused on fresh loads only: between two reports the table counts work
+                    # Refused on fresh loads only: between two reports the ledger counts work
                     # that may have ended (a one-shot job's KV, an ended session's).
                     asked = True
                     await self.fresh_loads.get()
                     continue
-                if live and not reclaimed and self.reclaim is not None:
+                if live and not reclaimed and reclaim is not None:
                     # Idle copies of hot documents give their room to new work first.
                     reclaimed = True
-                    if await self.reclaim():
+                    if await reclaim():
                         await self.refresh_loads()
                         continue
                 if live or time.monotonic() > deadline:
@@ -223,6 +231,4 @@ class ReplicaFleet:
     def lost(self, replica: str, reason: str) -> None:
         """Count a failover off `replica` and stop placing sessions there."""
         self.metrics.failover.labels(reason).inc()
-        load = self.table.loads.get(replica)
-        if load is not None:
-            load.healthy = False
+        self.ledger.lose(replica)

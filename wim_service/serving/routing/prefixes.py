@@ -2,7 +2,7 @@
 full token blocks, each chained to the ones before it, salted with the tenant's cache salt.
 
 The router keeps, per replica, the blocks of the plain prompts it sent there
-(`BindingTable.prefixes`), so that the placement policy can send a repeated long prefix back
+(`Ledger.prefixes`), so that the placement policy can send a repeated long prefix back
 to the replica that holds it. Salted as the engine's cache is: one tenant's prompt never
 matches another's, whatever their tokens.
 """

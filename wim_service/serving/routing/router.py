@@ -151,7 +151,7 @@ class WiMRouter:
     async def _started(self) -> None:
         """Start the maintenance loop, and learn the replicas before the first placement."""
         self._start_background()
-        if not self.fleet.table.loads:
+        if not self.fleet.ledger.loads:
             await self.fleet.refresh_loads()
 
     def _maintenance_steps(self) -> dict[str, Callable[[], Awaitable[object]]]:
@@ -195,7 +195,7 @@ class WiMRouter:
         """
         with contextlib.suppress(ServiceError):  # the store is down: keep the last listing
             self._listed = await self.documents.holdings()
-        held: dict[str, list[str]] = {replica: [] for replica in self.fleet.table.loads}
+        held: dict[str, list[str]] = {replica: [] for replica in self.fleet.ledger.loads}
         for session in self._listed:
             # Copies are claimed like the primary: no replica reaps a copy as an orphan.
             for replica in session.holders:
@@ -374,7 +374,7 @@ class WiMRouter:
         return await asyncio.to_thread(merge_replica_metrics, own, texts)
 
     async def _fetch_replica_metrics(self) -> dict[str, str]:
-        replicas = sorted(self.fleet.table.loads)
+        replicas = sorted(self.fleet.ledger.loads)
         texts = await asyncio.gather(
             *(asyncio.wait_for(self.client.replica(r).metrics_text(), 10) for r in replicas),
             return_exceptions=True,

@@ -1,0 +1,66 @@
+"""The copies of documents beside their primary, as one router or `wim sim` keeps them: the
+queries running on each and when each was last used, and so which are idle (closed after
+`copy_idle_s`) or spare (closed at once to make room, `reclaim`).
+
+A copy is never idle while a query runs on it. The primary (the replica a session was first
+read on) is not a copy here: closing it ends the session, which its TTL or a DELETE decides.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+# A copy no query used for this long is closed, its KV and session slot given back: the
+# router's `copy_idle_s` and `wim sim`'s default.
+DEFAULT_COPY_IDLE_S = 120.0
+
+Key = tuple[str, str]  # (document, replica)
+
+
+class CopyBook:
+    def __init__(self) -> None:
+        self._running: Counter[Key] = Counter()  # queries running, on copies and primaries
+        self._used: dict[Key, float] = {}  # every copy -> when a query last ended on it
+
+    def __len__(self) -> int:
+        return len(self._used)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._used
+
+    def opened(self, document: str, replica: str, now: float) -> None:
+        """A copy of `document` was read on `replica`: idle from `now` until a query runs."""
+        self._used[(document, replica)] = now
+
+    def listed(self, copies: Iterable[Key], now: float) -> None:
+        """The copies that exist (a session store's listing): one not known here (another
+        router opened it) is idle from `now`; one no longer listed is forgotten."""
+        self._used = {key: self._used.get(key, now) for key in copies}
+
+    def closed(self, document: str, replica: str) -> None:
+        self._used.pop((document, replica), None)
+
+    def begin(self, document: str, replica: str) -> None:
+        """A query starts on `replica`'s copy (or primary) of `document`."""
+        self._running[(document, replica)] += 1
+
+    def end(self, document: str, replica: str, now: float) -> None:
+        key = (document, replica)
+        self._running[key] -= 1
+        if self._running[key] <= 0:
+            del self._running[key]
+        if key in self._used:
+            self._used[key] = now
+
+    def running(self, document: str, replica: str) -> int:
+        return self._running[(document, replica)]
+
+    def idle(self, now: float, idle_s: float) -> list[Key]:
+        """The copies no query runs on and none has used for `idle_s` (0: spare now), in the
+        order they were opened."""
+        return [
+            key
+            for key, used in self._used.items()
+            if not self._running[key] and now - used >= idle_s
+        ]
