@@ -5,16 +5,19 @@ The engine's own save and restore: tests/engine/kv_transfer/test_kv_restore.py."
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tests.serving.routing.test_router_logic import DOCUMENT, FakeReplica, make_service, metric
+from tests.fakes.replicas import DOCUMENT, FakeReplica
+from tests.serving.routing.test_router_logic import make_service, metric
 from wim_service.engine.kv_transfer.documents import DocumentKV
 from wim_service.engine.kv_transfer.keys import KVCipher
 from wim_service.engine.kv_transfer.store import DirectoryKVStore
-from wim_service.serving.observability.metrics import StoredKVMetrics
+from wim_service.serving.observability.metrics import StoredKVMetrics, WiMMetrics
 from wim_service.serving.replica.contracts import OpenResult
+from wim_service.serving.routing.stored_kv import StoredKV
 from wim_service.wim.backend import StoredDocument
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.events import ErrorEvent
@@ -117,3 +120,23 @@ def test_the_replicas_stored_kv_counts_reach_metrics_with_their_replica() -> Non
     assert (
         'wim_kv_restore_fallbacks_total{reason="digest",replica="a"}' in client.get("/metrics").text
     )  # exported at 0, not missing
+
+
+async def test_the_router_deletes_stored_kv_past_its_age_and_measures_the_rest(
+    tmp_path: Path,
+) -> None:
+    """What no router ended (every router gone with its sessions) goes once unused for
+    `WIM_KV_STORE_MAX_AGE_H`; any router's sweep deletes it."""
+    store = DocumentKV(DirectoryKVStore(tmp_path, 2**30), KVCipher(os.urandom(32)), max_age_s=3600)
+    metrics = WiMMetrics()
+    stale, kept = StoredDocument("acme", "stale"), StoredDocument("acme", "kept")
+    for doc in (stale, kept):
+        store.put(doc, "0", "engine", SAVED)
+    then = time.time() - 7200
+    os.utime(tmp_path / store.cipher.storage_id(stale), (then, then))
+    await StoredKV(metrics, store).maintain()
+    assert store.get(stale, "0", "engine") is None
+    assert store.get(kept, "0", "engine") == SAVED
+    exported = generate_latest(metrics.registry).decode()
+    assert f"wim_kv_store_bytes {float(store.total_bytes())}" in exported
+    assert store.total_bytes() > 0
