@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 
 import pytest
+
+from wim_service.benchmarks.redis_server import end_process
 
 
 def system_tool(program: str, package: str, checks: str) -> str:
@@ -25,11 +26,5 @@ def system_tool(program: str, package: str, checks: str) -> str:
     return path
 
 
-def end(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL if `process` has not ended within 10 s."""
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+# How a test's server ends: SIGTERM, then SIGKILL if it has not ended within 10 s.
+end = end_process

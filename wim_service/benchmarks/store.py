@@ -16,16 +16,16 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import statistics
-import subprocess
+import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 from wim_service.benchmarks.common import line
-from wim_service.engine.lifetime import dies_with_this_thread
+from wim_service.benchmarks.redis_server import RedisServer
 from wim_service.serving.config import StoreConfig
 from wim_service.serving.http.auth import OPEN_TENANT, ApiKeys
 from wim_service.serving.http.bodies import DocumentRequest
@@ -82,21 +82,12 @@ def redis_url() -> Iterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("wim bench: set WIM_REDIS_URL or install redis-server")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        dies_with_this_thread(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        ),
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(0.5)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
-        process.wait(10)
+    with tempfile.TemporaryDirectory(prefix="wim-bench-redis-") as workdir:
+        server = RedisServer(binary, Path(workdir)).start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
 
 
 async def _per_query(store: SessionStore) -> list[float]:
