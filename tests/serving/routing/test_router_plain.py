@@ -89,7 +89,7 @@ async def test_a_plain_request_on_a_lost_replica_is_not_failed_over() -> None:
     with pytest.raises(WiMError) as failed:
         async for _ in router.dispatcher.plain(SESSION, PROMPT, PARAMS):
             pass
-    assert failed.value.code == ErrorCode.ENGINE_ERROR
+    assert failed.value.code == ErrorCode.UNAVAILABLE and failed.value.retry_after_s == 5
     assert failed.value.message.startswith(LOST)
     assert str(failed.value.__cause__) not in failed.value.message  # logged, not sent
     assert spare.streams == []  # the client sends it again, the router does not
