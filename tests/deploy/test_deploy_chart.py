@@ -100,7 +100,14 @@ KV_VOLUME = {
     }
 }
 KV_ENV = {STORE_ENV, MASTER_KEY_ENV, MAX_GIB_ENV, MAX_AGE_ENV}
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_worker_niceness": "0"}
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "RAY_worker_niceness": "0",
+    # A call to a node cut off the network fails within seconds (docs/deploy.md, "Deadlines").
+    "RAY_grpc_client_keepalive_time_ms": "5000",
+    "RAY_grpc_client_keepalive_timeout_ms": "5000",
+}
 DEPLOYMENTS = {"WiMRouter", "EngineReplica"}
 SERVE_PORT = 8000
 # Ray's control-plane ports: GCS, dashboard, client, dashboard agent, metrics, a worker port

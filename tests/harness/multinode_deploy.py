@@ -33,6 +33,10 @@ EVERY_HOST = {
     "RAY_worker_niceness": "0",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
+    # A call already sent to a node cut off the network fails within seconds (docs/deploy.md,
+    # "Deadlines"): the router partition's requests are cut and retried, not held for minutes.
+    "RAY_grpc_client_keepalive_time_ms": "5000",
+    "RAY_grpc_client_keepalive_timeout_ms": "5000",
 }
 # What a test cluster on one shared machine needs beyond the documented deployment.
 TEST_CLUSTER = {

@@ -320,6 +320,13 @@ spec:
         # Ray starts workers at nice 15 otherwise, and the engines inherit it.
         - name: RAY_worker_niceness
           value: "0"
+        # Ray's connections ping their peer every 5 s and fail their calls after 5 s without
+        # an answer: a request already sent to a router on a node cut off the network is cut
+        # (and retried by its client) within seconds, not minutes (docs/deploy.md, "Deadlines").
+        - name: RAY_grpc_client_keepalive_time_ms
+          value: "5000"
+        - name: RAY_grpc_client_keepalive_timeout_ms
+          value: "5000"
         {{- include "wim-service.serviceEnv" $root | trim | nindent 8 }}
         {{- with $root.Values.env }}
         {{- toYaml . | nindent 8 }}
