@@ -24,11 +24,11 @@ from typing import Any
 import uvicorn
 
 from tests.serving.routing.test_router_logic import FakeClient, FakeReplica
-from wim_service.serving.http.auth import ApiKeys, KeysConfig, TenantConfig, TenantLimits, hash_key
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.replica.contracts import DocumentOpened, OpenResult
 from wim_service.serving.replica.plain import PlainParams
 from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.tenants import ApiKeys, KeysConfig, TenantConfig, TenantLimits, hash_key
 from wim_service.wim.events import (
     AnswerEvent,
     DoneEvent,

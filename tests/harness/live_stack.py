@@ -95,7 +95,7 @@ def auth(tenant: str | None = "alpha") -> dict[str, str]:
 
 def keys_json() -> str:
     """`WIM_API_KEYS` (as a Kubernetes Secret would set it): every tenant's key, hashed."""
-    from wim_service.serving.http.auth import hash_key
+    from wim_service.serving.tenants import hash_key
 
     tenants = {
         name: {"keys": [hash_key(key)], "limits": TENANTS[name]}

@@ -27,7 +27,6 @@ from typing import Any
 from wim_service.benchmarks.common import line
 from wim_service.benchmarks.redis_server import RedisServer
 from wim_service.serving.config import StoreConfig
-from wim_service.serving.http.auth import OPEN_TENANT, ApiKeys
 from wim_service.serving.http.bodies import DocumentRequest
 from wim_service.serving.replica.contracts import DocumentOpened, ReplicaLoad
 from wim_service.serving.replica.protocol import CallsByName
@@ -35,6 +34,7 @@ from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import SessionStore, StoredSession, make_store
 from wim_service.serving.store.redis_store import RedisSessionStore, connect
+from wim_service.serving.tenants import OPEN_TENANT, ApiKeys
 from wim_service.wim.events import WiMEvent
 from wim_service.wim.options import WiMOptions
 

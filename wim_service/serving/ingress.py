@@ -20,7 +20,6 @@ from pydantic import BaseModel
 
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import STATUS, ServiceError
-from wim_service.serving.http.auth import Tenant
 from wim_service.serving.http.bodies import (
     DocumentRequest,
     DocumentResponse,
@@ -44,6 +43,7 @@ from wim_service.serving.openai.errors import OpenAIError
 from wim_service.serving.openai.models import ErrorResponse
 from wim_service.serving.openai.routes import openai_routes
 from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.tenants import Tenant
 
 # A route parameter of this type is the authenticated caller (in open mode: anyone).
 Caller = Annotated[Tenant, Depends(caller)]

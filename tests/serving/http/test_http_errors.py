@@ -19,10 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from wim_service.serving.errors import ServiceCode, ServiceError, status_of
-from wim_service.serving.http.auth import Tenant, TenantLimits
 from wim_service.serving.http.edge import EdgeMiddleware, RouteEdge
 from wim_service.serving.http.errors import error_response, install_error_handlers
 from wim_service.serving.http.responses import first_item, with_late_errors
+from wim_service.serving.tenants import Tenant, TenantLimits
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import AnswerEvent, ErrorEvent, SegmentEvent, WiMEvent
 

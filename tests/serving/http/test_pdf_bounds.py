@@ -24,10 +24,10 @@ from tests.harness.pdfs import HELVETICA, pages_pdf, pdf_file, shown, stream, ti
 from tests.serving.routing.test_router_logic import FakeClient, FakeReplica
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceError
-from wim_service.serving.http.auth import TenantLimits
 from wim_service.serving.http.pdf import WORKER, WORKER_ENV, ExtractedText, PdfExtractor
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.tenants import TenantLimits
 
 DEADLINE_S = RouterConfig().pdf_timeout_s
 MAX_PAGES = RouterConfig().pdf_max_pages

@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import pytest
 
-from wim_service.serving.http.auth import Tenant, TenantLimits
 from wim_service.serving.openai.prompts import Turn, chat_prompt_ids
 from wim_service.serving.replica.plain import PlainParams, plain_blocks, plain_events
+from wim_service.serving.tenants import Tenant, TenantLimits
 from wim_service.wim.errors import ErrorCode, WiMError
 
 pytestmark = pytest.mark.engine

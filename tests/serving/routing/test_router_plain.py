@@ -11,10 +11,10 @@ import pytest
 
 from tests.fakes.fake_service import PLAIN_ANSWER, ScriptedClient, ScriptedReplica
 from wim_service.serving.errors import ServiceError
-from wim_service.serving.http.auth import OPEN_TENANT
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.replica.plain import PlainParams
 from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.tenants import OPEN_TENANT
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import WiMEvent
 

@@ -26,12 +26,12 @@ from tests.serving.routing.test_router_logic import DOCUMENT, FakeClient, FakeRe
 from tests.serving.routing.test_router_trust import ACME, KEYS
 from wim_service.engine.config import EngineConfig
 from wim_service.serving.config import StoreConfig
-from wim_service.serving.http.auth import ApiKeys, KeysConfig
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import MemorySessionStore, SessionStore
 from wim_service.serving.store.redis_store import RedisSessionStore, connect
+from wim_service.serving.tenants import ApiKeys, KeysConfig
 
 ROUNDS = 10
 # The maintenance loop runs once when a router starts; tests drive expiry and claims.

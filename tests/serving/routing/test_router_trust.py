@@ -24,7 +24,16 @@ from tests.serving.routing.test_router_logic import (
 )
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceError
-from wim_service.serving.http.auth import (
+from wim_service.serving.http.bodies import DocumentRequest
+from wim_service.serving.http.edge import SMALL_BODY_BYTES
+from wim_service.serving.ingress import build_http_app, route_edges
+from wim_service.serving.replica.client import ReplicaLost
+from wim_service.serving.routing.dispatcher import TRANSIENT_RETRIES
+from wim_service.serving.routing.documents import DocumentTable
+from wim_service.serving.routing.quotas import TenantGate
+from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable, memory
+from wim_service.serving.tenants import (
     KEYS_ENV,
     KEYS_FILE_ENV,
     OPEN_TENANT,
@@ -35,15 +44,6 @@ from wim_service.serving.http.auth import (
     check_open_mode,
     hash_key,
 )
-from wim_service.serving.http.bodies import DocumentRequest
-from wim_service.serving.http.edge import SMALL_BODY_BYTES
-from wim_service.serving.ingress import build_http_app, route_edges
-from wim_service.serving.replica.client import ReplicaLost
-from wim_service.serving.routing.dispatcher import TRANSIENT_RETRIES
-from wim_service.serving.routing.documents import DocumentTable
-from wim_service.serving.routing.quotas import TenantGate
-from wim_service.serving.routing.router import WiMRouter
-from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable, memory
 from wim_service.wim.options import WiMOptions
 
 KEYS = KeysConfig.model_validate(
@@ -562,7 +562,7 @@ def test_open_mode_knows_loopback_by_name_and_refuses_a_public_name(
         assert str(refused.value).endswith("=1 to run without authentication on purpose")
     with pytest.raises(RuntimeError):
         check_open_mode(ApiKeys(None), "0.0.0.0", {"WIM_ALLOW_OPEN": "true"})  # only "1"
-    with caplog.at_level(logging.WARNING, logger="wim_service.serving.http.auth"):
+    with caplog.at_level(logging.WARNING, logger="wim_service.serving.tenants"):
         check_open_mode(ApiKeys(None), "0.0.0.0", {"WIM_ALLOW_OPEN": "1"})
     assert [r.getMessage() for r in caplog.records] == [
         "NO AUTHENTICATION: the service listens on 0.0.0.0 without API keys because "

@@ -18,9 +18,9 @@ import pytest
 from tests.harness.redis_server import RedisServer
 from tests.serving.routing.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.serving.routing.test_router_store import Routers, on_redis
-from wim_service.serving.http.auth import ApiKeys, KeysConfig, hash_key
 from wim_service.serving.replica.contracts import ReplicaLoad
 from wim_service.serving.routing.quotas import over_fair_share
+from wim_service.serving.tenants import ApiKeys, KeysConfig, hash_key
 from wim_service.wim.events import WiMEvent
 
 JOB = {"context": DOCUMENT, "query": "code?"}

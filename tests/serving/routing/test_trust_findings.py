@@ -31,7 +31,6 @@ from tests.serving.store.test_session_store import TEXT, redis_config, session
 from wim_service.engine.admission import AdmissionLoad
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.profile import EngineProfile
-from wim_service.serving.http.auth import ApiKeys, KeysConfig, Tenant, TenantLimits, hash_key
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.openai import service as openai_service
 from wim_service.serving.replica.backlog import Backlog
@@ -40,6 +39,7 @@ from wim_service.serving.replica.held_documents import HeldDocuments
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import StoreUnavailable
 from wim_service.serving.store.redis_store import RedisSessionStore, connect
+from wim_service.serving.tenants import ApiKeys, KeysConfig, Tenant, TenantLimits, hash_key
 
 V1_KEYS = KeysConfig.model_validate(
     {

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wim_service.serving.errors import ServiceCode, ServiceError
-from wim_service.serving.http.auth import Tenant
+from wim_service.serving.tenants import Tenant
 
 # Routes that take no body (GET, DELETE, the page and probes) still get a cap: a client may
 # send one anyway.

@@ -18,9 +18,9 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from wim_service.serving.errors import ServiceError
-from wim_service.serving.http.auth import Tenant
 from wim_service.serving.http.edge import caller
 from wim_service.serving.http.pdf import ExtractedText
+from wim_service.serving.tenants import Tenant
 from wim_service.wim.errors import ErrorCode
 
 T = TypeVar("T")

@@ -36,7 +36,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from wim_service.serving.errors import ServiceCode, ServiceError
-from wim_service.serving.http.auth import Capability, Tenant
 from wim_service.serving.http.bodies import MAX_QUERY_CHARS, WiMRequest
 from wim_service.serving.http.responses import SSE_HEADERS
 from wim_service.serving.openai.answers import Head, Outcome, Run, collect
@@ -58,6 +57,7 @@ from wim_service.serving.openai.prompts import (
 from wim_service.serving.replica.plain import PlainParams
 from wim_service.serving.routing.quotas import JobLease
 from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.tenants import Capability, Tenant
 from wim_service.wim.errors import ErrorCode
 from wim_service.wim.options import WiMOptions
 from wim_service.wim.tokenizer import Tokenizer

@@ -25,8 +25,8 @@ from typing import TypeVar
 
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceCode, ServiceError
-from wim_service.serving.http.auth import Tenant
 from wim_service.serving.store import SessionStore, StoredSession, StoreUnavailable, reachable
+from wim_service.serving.tenants import Tenant
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

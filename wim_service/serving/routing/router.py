@@ -32,7 +32,6 @@ from typing import Any
 
 from wim_service.serving.config import ServiceConfig
 from wim_service.serving.errors import ServiceError, status_of
-from wim_service.serving.http.auth import ApiKeys, Capability, Tenant, check_open_mode
 from wim_service.serving.http.bodies import DocumentRequest, DocumentResponse, WiMRequest
 from wim_service.serving.http.pdf import PdfExtractor
 from wim_service.serving.http.responses import (
@@ -57,6 +56,7 @@ from wim_service.serving.routing.quotas import JobLease, TenantGate
 from wim_service.serving.routing.recent import Paced, Recent
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import Holding, SessionStore, StoredSession, make_store
+from wim_service.serving.tenants import ApiKeys, Capability, Tenant, check_open_mode
 from wim_service.wim.errors import ErrorCode, WiMError
 
 logger = logging.getLogger(__name__)
