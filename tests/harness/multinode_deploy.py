@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from tests.harness.live_stack import kv_store_env
-from wim_service.serving.http.auth import KEYS_FILE_ENV
 from wim_service.serving.store.redis_store import REDIS_URL_ENV
+from wim_service.serving.tenants import KEYS_FILE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CONFIG = REPO / "deploy" / "serve_config_multinode.yaml"

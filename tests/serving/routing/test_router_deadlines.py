@@ -13,13 +13,13 @@ from fastapi.testclient import TestClient
 
 from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica
 from tests.serving.routing.test_router_logic import metric
-from wim_service.serving.http.auth import OPEN_TENANT
 from wim_service.serving.http.bodies import DocumentRequest, WiMRequest
 from wim_service.serving.http.responses import Item
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.replica.contracts import ReplicaLoad
 from wim_service.serving.replica.watch import ReplicaSilent, WatchedClient
 from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.tenants import OPEN_TENANT
 from wim_service.wim.events import WiMEvent
 from wim_service.wim.options import WiMOptions
 
