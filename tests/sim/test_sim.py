@@ -451,9 +451,11 @@ def test_a_session_is_opened_on_its_own_then_asked_as_the_live_client_does(
 ) -> None:
     # Round robin: the session's read takes the first turn (r0); its two queries, which
     # arrived while it was read, are placed after it, the next turns: r1 (reading a copy),
-    # then r0 (the session's own copy).
+    # then r0 (the session's own copy). Three segments of margins: the times below allow for
+    # those, not the service's default six.
     rows = [doc_row(0.0, "a", wim=True), doc_row(0.1, "a", wim=True)]
-    result = run(document_trace(rows, tmp_path), "round_robin", 2)
+    trace = document_trace(rows, tmp_path)
+    result = run(trace, "round_robin", 2, segment_tokens=1024, margin_tokens=24)
     first, second = sorted(result.outcomes, key=lambda o: o.index)
     assert (first.replica, second.replica, result.copies_opened) == (1, 0, 2)
     read = PROFILE.prefill.seconds(3000)

@@ -5,8 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from wim_service.placement.copies import DEFAULT_COPY_IDLE_S
 from wim_service.placement.policy import DEFAULT_MAX_COPIES
 from wim_service.sim.traces import MAX_ARRIVAL_S, MAX_RETRIES, MIN_SEGMENT_TOKENS
+from wim_service.wim.options import WiMOptions
+
+_OPTIONS = WiMOptions.model_fields
 
 # A bound on one option: its name, its value, the least and the most it may be.
 Bound = tuple[str, float | None, float, float]
@@ -32,9 +36,11 @@ class SimSettings:
     # max_sessions admission, 4 in its default deployment).
     slots: int = 4
     # A copy no job has used for this long is retired: its KV and slot come back.
-    copy_idle_s: float = 120.0
-    segment_tokens: int = 1024  # a WiM query writes one margin per segment of its document
-    margin_tokens: int = 24  # tokens decoded per margin
+    copy_idle_s: float = DEFAULT_COPY_IDLE_S
+    # A WiM query writes one margin per segment of its document, of up to `margin_tokens`
+    # tokens: the service's defaults (`WiMOptions`), so that a replay describes the service.
+    segment_tokens: int = _OPTIONS["segment_tokens"].default
+    margin_tokens: int = _OPTIONS["margin_max_tokens"].default
     max_copies: int = DEFAULT_MAX_COPIES  # copies of one document `expected_wait` may open
     # Whether a replica's backlog (what placement reads) counts its batch's decode left, or
     # only the prefills booked ahead (engine.py says why both are defensible).
