@@ -23,7 +23,7 @@ from typing import Any
 
 import uvicorn
 
-from tests.serving.routing.test_router_logic import FakeClient, FakeReplica
+from tests.fakes.replicas import FakeClient, FakeReplica
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.replica.contracts import DocumentOpened, OpenResult
 from wim_service.serving.replica.plain import PlainParams
@@ -191,32 +191,26 @@ class ScriptedReplica(FakeReplica):
 
     # `ReplicaProtocol`'s jobs, scripted (`ScriptedClient.stream` adds delays and counts).
     async def run(self, document: str, query: str, options: WiMOptions) -> AsyncIterator[WiMEvent]:
-        for event in self.events("run", (document, query, options)):
+        self.streams.append(("run", (document, query, options)))
+        for event in scripted_job(document, query, options, segments=True):
             yield event
 
     async def complete(self, prompt_ids: list[int], params: PlainParams) -> AsyncIterator[WiMEvent]:
-        for event in self.events("complete", (prompt_ids, params)):
+        self.streams.append(("complete", (prompt_ids, params)))
+        for event in scripted_plain(prompt_ids, params):
             yield event
 
     async def query_document(
         self, document_id: str, query: str, options: WiMOptions
     ) -> AsyncIterator[WiMEvent]:
-        for event in self.events("query_document", (document_id, query, options)):
+        self.streams.append(("query_document", (document_id, query, options)))
+        if document_id not in self.texts:
+            yield ErrorEvent(code="not_found", message="not on this replica")
+            return
+        # Segment sizes were fixed when the document was read.
+        fixed = self.documents[document_id]
+        for event in scripted_job(self.texts[document_id], query, fixed, segments=False):
             yield event
-
-    def events(self, method: str, args: tuple[Any, ...]) -> list[WiMEvent]:
-        if method == "run":
-            context, query, options = args
-            return scripted_job(context, query, options, segments=True)
-        if method == "query_document":
-            document_id, query, _ = args
-            if document_id not in self.texts:
-                return [ErrorEvent(code="not_found", message="not on this replica")]
-            # Segment sizes were fixed when the document was read.
-            fixed = self.documents[document_id]
-            return scripted_job(self.texts[document_id], query, fixed, segments=False)
-        assert method == "complete"
-        return scripted_plain(*args)
 
 
 class ScriptedClient(FakeClient):
@@ -231,17 +225,17 @@ class ScriptedClient(FakeClient):
         self.delay_s = delay_s
         self.job_s = job_s
 
-    async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
-        target = self._replica(replica)
+    async def stream(
+        self, replica: str, events: AsyncIterator[WiMEvent]
+    ) -> AsyncIterator[WiMEvent]:
+        target = self.replicas[replica]
         assert isinstance(target, ScriptedReplica)
-        target.calls.append(method)
-        target.streams.append((method, args))
         target.started += 1
         target.backlog_s += self.job_s
         target.running += 1
         done = False
         try:
-            for event in target.events(method, args):
+            async for event in events:
                 await asyncio.sleep(self.delay_s)
                 yield event
             done = True

@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from tests.fakes.fake_service import API_KEY, LiveService
+from tests.fakes.replicas import FakeClient, FakeReplica
 from tests.harness.pdfs import HELVETICA, pages_pdf, pdf_file, shown, stream, tiny_pdf
-from tests.serving.routing.test_router_logic import FakeClient, FakeReplica
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.pdf import WORKER, WORKER_ENV, ExtractedText, PdfExtractor

@@ -10,7 +10,7 @@ import logging
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serving.routing.test_router_logic import FakeClient, FakeReplica
+from tests.fakes.replicas import FakeClient, FakeReplica
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.observability.metrics import MAINTENANCE_STEPS
 from wim_service.serving.routing.router import WiMRouter

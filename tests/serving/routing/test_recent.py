@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.serving.routing.test_router_logic import FakeReplica
+from tests.fakes.replicas import FakeReplica
 from tests.serving.routing.test_router_trust import service
 from wim_service.serving.routing.recent import Recent
 

@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica, job_events
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.state import Work
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.ingress import build_http_app
-from wim_service.serving.replica.client import ReplicaLost
-from wim_service.serving.replica.contracts import DocumentOpened, OpenResult, ReplicaLoad
+from wim_service.serving.replica.contracts import DocumentOpened, ReplicaLoad
 from wim_service.serving.replica.plain import PlainParams
-from wim_service.serving.replica.protocol import CallsByName, NamedReplica, ReplicaProtocol
+from wim_service.serving.replica.protocol import NamedReplica, ReplicaProtocol
 from wim_service.serving.routing.progress import StreamProgress
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.routing.sizing import JobSizer
@@ -35,176 +35,24 @@ from wim_service.wim.events import (
     AnswerEvent,
     DoneEvent,
     ErrorEvent,
-    MarginEvent,
     SegmentEvent,
-    Timings,
-    Usage,
     WiMEvent,
 )
 from wim_service.wim.options import WiMOptions
 from wim_service.wim.plan import check_query, plan_document
 from wim_service.wim.prompts import PromptBuilder
 
-SEGMENTS = 3
-DOCUMENT = "The night gate code is 4417. " * 40
-
-
-def job_events(answer: str = "The code is 4417.") -> list[WiMEvent]:
-    events: list[WiMEvent] = []
-    for i in range(SEGMENTS):
-        events.append(
-            SegmentEvent(
-                segment=i,
-                segments=SEGMENTS,
-                tokens=10,
-                context_tokens=10 * (i + 1),
-                char_start=0,
-                char_end=1,
-            )
-        )
-        events.append(
-            MarginEvent(
-                segment=i,
-                text=f"margin {i}",
-                relevant=i == 1,
-                char_start=0,
-                char_end=1,
-                elapsed_s=0.1,
-            )
-        )
-    events += [AnswerEvent(text=answer[:8]), AnswerEvent(text=answer[8:])]
-    events.append(
-        DoneEvent(
-            answer=answer,
-            usage=Usage(context_tokens=30, segments=SEGMENTS, prompt_tokens_cached=7),
-            timings=Timings(),
-        )
-    )
-    return events
-
-
-class FakeReplica:
-    """An engine replica in this process: it implements `ReplicaProtocol` as `EngineReplica`
-    does; every job streams `job_events()`."""
-
-    def __init__(self, name: str, capacity: int = 10_000) -> None:
-        self.name = name
-        self.capacity = capacity
-        self.reserved = 0
-        self.documents: dict[str, WiMOptions] = {}
-        self.calls: list[str] = []
-        self.die_after: int | None = None  # events streamed before this replica "dies"
-        self.dead = False
-        self.backlog_s = 0.0  # the expected seconds of work it reports queued
-        self.running = 0  # the jobs it reports running
-        self.max_sessions = 1 << 30
-        self.dtype = "bfloat16"  # the dtype it reports its engine runs in
-        self.opens: list[tuple[str, str, bool]] = []  # (tenant, document, restore) of each read
-        # A KV store shared with other fakes: (tenant, document) saved by a read; None: none.
-        self.kv_store: set[tuple[str, str]] | None = None
-
-    async def load(self) -> ReplicaLoad:
-        return ReplicaLoad(
-            replica=self.name,
-            capacity_blocks=self.capacity,
-            reserved_blocks=self.reserved,
-            sessions=len(self.documents),
-            max_sessions=self.max_sessions,
-            documents=len(self.documents),
-            dtype=self.dtype,
-            backlog_s=self.backlog_s,
-            running=self.running,
-        )
-
-    async def open_document(
-        self,
-        document_id: str,
-        document: str,
-        options: WiMOptions,
-        tenant: str = "",
-        restore: bool = False,
-    ) -> OpenResult:
-        assert isinstance(options, WiMOptions)
-        self.documents[document_id] = options
-        self.opens.append((tenant, document_id, restore))
-        tokens, key = len(document) // 4, (tenant, document_id)
-        restored = tokens if restore and self.kv_store is not None and key in self.kv_store else 0
-        if self.kv_store is not None:
-            self.kv_store.add(key)  # saved as it is read
-        return DocumentOpened(context_tokens=tokens, segments=SEGMENTS, restored_tokens=restored)
-
-    async def close_document(self, document_id: str) -> bool:
-        return self.documents.pop(document_id, None) is not None
-
-    async def claim(self, document_ids: list[str], orphan_timeout_s: float) -> int:
-        self.claimed = list(document_ids)
-        return len(set(document_ids) & set(self.documents))
-
-    async def metrics_text(self) -> str:
-        return "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
-
-    async def run(self, document: str, query: str, options: WiMOptions) -> AsyncIterator[WiMEvent]:
-        for event in job_events():
-            yield event.model_copy()
-
-    async def complete(self, prompt_ids: list[int], params: PlainParams) -> AsyncIterator[WiMEvent]:
-        for event in job_events():
-            yield event.model_copy()
-
-    async def query_document(
-        self, document_id: str, query: str, options: WiMOptions
-    ) -> AsyncIterator[WiMEvent]:
-        if document_id not in self.documents:
-            yield ErrorEvent(code="not_found", message="not on this replica")
-            return
-        for event in job_events():
-            yield event.model_copy()
-
-
-class FakeClient(CallsByName):
-    """`ReplicaClient` over in-process fake replicas: calls by name, as Serve's handles take
-    them, to each replica's `ReplicaProtocol` method of that name."""
-
-    def __init__(self, *replicas: FakeReplica) -> None:
-        self.replicas = {r.name: r for r in replicas}
-        self.in_flight: dict[str, int] = {}
-
-    async def live_replicas(self) -> frozenset[str]:
-        return frozenset(n for n, r in self.replicas.items() if not r.dead)
-
-    def _replica(self, name: str) -> FakeReplica:
-        replica = self.replicas[name]
-        if replica.dead:
-            raise ReplicaLost(name, RuntimeError("actor died"))
-        return replica
-
-    async def call(self, replica: str, method: str, *args: Any) -> Any:
-        target = self._replica(replica)
-        target.calls.append(method)
-        return await getattr(target, method)(*args)
-
-    async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
-        target = self._replica(replica)
-        target.calls.append(method)
-        n = 0
-        async for event in getattr(target, method)(*args):
-            if event.type != "error" and target.die_after is not None and n >= target.die_after:
-                target.dead = True
-                raise ReplicaLost(replica, RuntimeError("actor died mid-stream"))
-            n += 1
-            yield event
-
 
 def test_the_fakes_implement_the_replica_protocol() -> None:
     """The fakes are replicas of the same protocol as `EngineReplica`: every method, with the
-    same parameters; and a call through the client reaches the fake's method of that name."""
+    same parameters, both the fake replica and what its client answers for it."""
     expected = {
         name: inspect.signature(member)
         for name, member in vars(ReplicaProtocol).items()
         if inspect.isfunction(member) and not name.startswith("_")
     }
     assert set(expected) >= {"load", "claim", "run", "query_document", "open_document"}
-    for fake in (FakeReplica("a"), NamedReplica(FakeClient(FakeReplica("a")), "a")):
+    for fake in (FakeReplica("a"), FakeClient(FakeReplica("a")).replica("a")):
         assert isinstance(fake, ReplicaProtocol)
         for name, signature in expected.items():
             own = inspect.signature(getattr(type(fake), name))
@@ -235,6 +83,43 @@ async def test_a_typed_call_reaches_the_method_of_its_name() -> None:
         "query_document",
         "metrics_text",
         "close_document",
+    ]
+
+
+async def test_a_named_replica_sends_each_call_by_its_own_name() -> None:
+    """`NamedReplica` turns each typed call into a call by name to its replica (what a Serve
+    handle takes), with the call's arguments, and answers what came back."""
+    sent: list[tuple[str, str, tuple[Any, ...]]] = []
+
+    class Recorded:
+        async def call(self, replica: str, method: str, *args: Any) -> Any:
+            sent.append((replica, method, args))
+            return method
+
+        async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
+            sent.append((replica, method, args))
+            yield AnswerEvent(text=method)
+
+    remote = NamedReplica(Recorded(), "a")
+    options, params = WiMOptions(), PlainParams(max_tokens=4, cache_salt="t")
+    assert await remote.load() == "load"
+    assert await remote.claim(["d"], 1.0) == "claim"
+    assert await remote.metrics_text() == "metrics_text"
+    assert await remote.open_document("d", "text", options, "t", True) == "open_document"
+    assert await remote.close_document("d") == "close_document"
+    assert [e async for e in remote.run("text", "q?", options)] == [AnswerEvent(text="run")]
+    assert [e async for e in remote.complete([1, 2], params)] == [AnswerEvent(text="complete")]
+    queried = [e async for e in remote.query_document("d", "q?", options)]
+    assert queried == [AnswerEvent(text="query_document")]
+    assert sent == [
+        ("a", "load", ()),
+        ("a", "claim", (["d"], 1.0)),
+        ("a", "metrics_text", ()),
+        ("a", "open_document", ("d", "text", options, "t", True)),
+        ("a", "close_document", ("d",)),
+        ("a", "run", ("text", "q?", options)),
+        ("a", "complete", ([1, 2], params)),
+        ("a", "query_document", ("d", "q?", options)),
     ]
 
 
@@ -576,7 +461,9 @@ class ScriptedClient(FakeClient):
         super().__init__(*replicas)
         self.events = events
 
-    async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
+    async def stream(
+        self, replica: str, events: AsyncIterator[WiMEvent]
+    ) -> AsyncIterator[WiMEvent]:
         for event in self.events:
             yield event.model_copy()
 

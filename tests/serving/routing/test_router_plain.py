@@ -101,9 +101,11 @@ async def test_a_plain_request_on_a_lost_replica_is_not_failed_over() -> None:
 class DiesMidAnswer(ScriptedClient):
     """Each replica dies after the first event it streams."""
 
-    async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
-        events = super().stream(replica, method, *args)
-        yield await anext(events)
+    async def stream(
+        self, replica: str, events: AsyncIterator[WiMEvent]
+    ) -> AsyncIterator[WiMEvent]:
+        streamed = super().stream(replica, events)
+        yield await anext(streamed)
         self.replicas[replica].dead = True
         raise ReplicaLost(replica, RuntimeError("actor died mid-stream"))
 

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica
 from tests.harness.redis_server import RedisServer, redis_binary
-from tests.serving.routing.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.serving.routing.test_router_trust import ACME, KEYS
 from wim_service.engine.config import EngineConfig
 from wim_service.serving.config import StoreConfig

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,13 +16,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.serving.routing.test_router_logic import (
-    DOCUMENT,
-    FakeClient,
-    FakeReplica,
-    job_events,
-    metric,
-)
+from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica, SlowReader, job_events
+from tests.serving.routing.test_router_logic import metric
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.bodies import DocumentRequest
@@ -44,6 +40,7 @@ from wim_service.serving.tenants import (
     check_open_mode,
     hash_key,
 )
+from wim_service.wim.events import WiMEvent
 from wim_service.wim.options import WiMOptions
 
 KEYS = KeysConfig.model_validate(
@@ -69,12 +66,13 @@ class TransientlyDown(FakeClient):
         super().__init__(*replicas)
         self.failures, self.down = failures, down
 
-    async def stream(self, replica: str, method: str, *args: Any):
+    async def stream(
+        self, replica: str, events: AsyncIterator[WiMEvent]
+    ) -> AsyncIterator[WiMEvent]:
         if self.failures and self.down in (None, replica):
             self.failures -= 1
-            self.replicas[replica].calls.append(method)
             raise ReplicaLost(replica, RuntimeError("unavailable"), transient=True)
-        async for event in super().stream(replica, method, *args):
+        async for event in super().stream(replica, events):
             yield event
 
 
@@ -280,7 +278,9 @@ def test_a_request_id_comes_back_and_internal_errors_say_nothing_more(
 
 def test_a_job_past_its_deadline_is_stopped_with_504() -> None:
     class Stuck(FakeClient):
-        async def stream(self, replica: str, method: str, *args: Any):
+        async def stream(
+            self, replica: str, events: AsyncIterator[WiMEvent]
+        ) -> AsyncIterator[WiMEvent]:
             await asyncio.sleep(3600)
             yield job_events()[0]
 
@@ -319,19 +319,11 @@ def test_a_delete_during_failover_never_brings_the_session_back() -> None:
     assert asyncio.run(router.documents.get(doc)) is None
 
 
-class SlowReads(FakeClient):
-    """Reading a document takes a while (other requests run meanwhile)."""
-
-    async def call(self, replica: str, method: str, *args: Any) -> Any:
-        if method == "open_document":
-            await asyncio.sleep(0.05)
-        return await super().call(replica, method, *args)
-
-
 async def test_two_queries_failing_over_one_session_rebuild_it_once() -> None:
-    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
+    # Reads take a while: the second query's failover starts during the first's rebuild.
+    a, b = SlowReader("a", capacity=100_000), SlowReader("b")
     config = {"router": {"replica_wait_s": 0, "load_poll_interval_s": 3600}}
-    router = WiMRouter(None, config, client=SlowReads(a, b), http_host="127.0.0.1")
+    router = WiMRouter(None, config, client=FakeClient(a, b), http_host="127.0.0.1")
     transport = httpx.ASGITransport(app=build_http_app(router))
     async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
         opened = await client.post("/documents", json={"context": DOCUMENT})
@@ -465,9 +457,11 @@ async def test_a_store_outage_neither_leaks_a_hold_nor_fails_an_answered_query()
 
 def test_ttl_does_not_end_a_session_in_use() -> None:
     class Slow(FakeClient):
-        async def stream(self, replica: str, method: str, *args: Any):
+        async def stream(
+            self, replica: str, events: AsyncIterator[WiMEvent]
+        ) -> AsyncIterator[WiMEvent]:
             await asyncio.sleep(1.0)  # a query running past the session's TTL
-            async for event in super().stream(replica, method, *args):
+            async for event in super().stream(replica, events):
                 yield event
 
     a = FakeReplica("a")

@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from typing import Any
 
 import httpx
 import pytest
 
+from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica, SlowReader
 from tests.harness.redis_server import RedisServer
-from tests.serving.routing.test_router_logic import DOCUMENT, FakeClient, FakeReplica
 from tests.serving.routing.test_router_store import Routers, on_redis
 from wim_service.serving.replica.contracts import ReplicaLoad
 from wim_service.serving.routing.quotas import over_fair_share
@@ -55,20 +54,13 @@ class HeldJobs(FakeClient):
         super().__init__(*replicas)
         self.started, self.go = asyncio.Event(), asyncio.Event()
 
-    async def stream(self, replica: str, method: str, *args: Any) -> AsyncIterator[WiMEvent]:
+    async def stream(
+        self, replica: str, events: AsyncIterator[WiMEvent]
+    ) -> AsyncIterator[WiMEvent]:
         self.started.set()
         await self.go.wait()
-        async for event in super().stream(replica, method, *args):
+        async for event in super().stream(replica, events):
             yield event
-
-
-class SlowReads(FakeClient):
-    """Reading a document takes a while: two creates overlap."""
-
-    async def call(self, replica: str, method: str, *args: Any) -> Any:
-        if method == "open_document":
-            await asyncio.sleep(0.2)
-        return await super().call(replica, method, *args)
 
 
 class FourSlots(FakeReplica):
@@ -135,9 +127,9 @@ async def test_the_jobs_of_a_router_that_died_stop_counting_after_their_lease(
 async def test_two_concurrent_creates_on_two_routers_pass_an_open_documents_limit_once(
     routers: Routers,
 ) -> None:
-    a = FakeReplica("a")
+    a = SlowReader("a", read_s=0.2)  # reading takes a while: the two creates overlap
     keys = tenants(acme={"open_documents": 1})
-    slow = SlowReads(a)
+    slow = FakeClient(a)
     first, _ = await routers.new(keys=keys, client=slow)
     second, _ = await routers.new(keys=keys, client=slow)
     body = {"context": DOCUMENT}
