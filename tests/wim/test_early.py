@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.wim.test_orchestrator import DOC, FakeBackend, FakeContext, options
+from tests.fakes.engine import DOC, FakeBackend, FakeContext, options
 from wim_service.wim.early import EarlyAnswers
 from wim_service.wim.options import GroundingMode
 from wim_service.wim.pinned import PinnedDocument

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.engine.test_vllm_engine import spans_since, wait_for_baseline
-from tests.wim.test_orchestrator import FakeBackend, FakeContext
+from tests.fakes.engine import FakeBackend, FakeContext, RecordingEngine
 from wim_service.eval.tasks import TaskKind, generate_tasks
 from wim_service.wim.backend import EngineLimits, GenerationParams, RequestKind, StoredDocument
 from wim_service.wim.grounding import Claim, SegmentText, may_still_copy, query_overlap
@@ -514,37 +514,6 @@ async def test_notes_get_what_the_window_leaves_most_relevant_first(tokenizer) -
 # -- the real engine ----------------------------------------------------------------------------
 
 README_QUERY = "What is the access code for the night gate?"
-
-
-class RecordingEngine:
-    """The real engine, with the final-step suffix of every answer request recorded (appended
-    to the context, or a branch: an answer started early)."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.finals: list[list[int]] = []
-
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)
-
-    async def open_context(self, **kwargs):
-        context = await self.engine.open_context(**kwargs)
-        finals = self.finals
-
-        class Context:
-            def __getattr__(self, name: str):
-                return getattr(context, name)
-
-            def conclude(self, suffix_ids: list[int], params: GenerationParams):
-                finals.append(list(suffix_ids))
-                return context.conclude(suffix_ids, params)
-
-            def branch(self, prefix_tokens: int, suffix_ids: list[int], params: GenerationParams):
-                if params.kind is RequestKind.ANSWER:
-                    finals.append(list(suffix_ids))
-                return context.branch(prefix_tokens, suffix_ids, params)
-
-        return Context()
 
 
 @pytest.mark.engine

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from tests.wim.test_orchestrator import DOC, FakeBackend, options
+from tests.fakes.engine import DOC, FakeBackend, options
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.options import (
     MAX_STOP_STRING_CHARS,

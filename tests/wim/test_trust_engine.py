@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.wim.test_orchestrator import DOC, FakeBackend, FakeContext, options
+from tests.fakes.engine import DOC, FakeBackend, FakeContext, options
 from wim_service.wim.backend import GenerationChunk, GenerationParams, RequestKind
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.options import RelevanceMode, WiMOptions

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.wim.test_orchestrator import DOC, FakeBackend, options
+from tests.fakes.engine import DOC, FakeBackend, options
 from wim_service.serving.replica.held_documents import HeldDocuments
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.orchestrator import open_document
