@@ -10,26 +10,10 @@ from typing import Any
 
 import pytest
 
+from tests.fakes.profile import PROFILE, PROFILE_FIELDS
 from wim_service.placement.policy import RoundRobin, first_token_s, job_s
 from wim_service.placement.profile import EngineProfile, ProfileError, RestoreCost
 from wim_service.placement.state import NoRoom, PrefixCache, ReplicaState, Work
-
-FIELDS: dict[str, Any] = {
-    "model": "test",
-    "dtype": "float32",
-    "machine": "tests",
-    "measured_at": "never",
-    "load_average": [0, 0, 0],
-    "block_tokens": 32,
-    "kv_capacity_tokens": 23000,
-    "max_batch": 128,
-    "margin_prompt_tokens": 60,
-    "prefill": {"fixed_s": 0.02, "per_token_s": 3e-4, "per_token_context_s": 1e-8},
-    "decode": {"fixed_s": 0.02, "per_sequence_s": 1e-3, "per_context_token_s": 1e-7},
-    "query_extra_tokens": 50,
-}
-PROFILE = EngineProfile.model_validate(FIELDS)
-
 
 # -- the profile ----------------------------------------------------------------------------
 
@@ -71,22 +55,22 @@ def _load_error(tmp_path: Path, fields: dict[str, Any]) -> str:
 def test_a_bad_profile_is_named_by_its_first_error_and_the_count_of_the_others(
     tmp_path: Path,
 ) -> None:
-    one = _load_error(tmp_path, FIELDS | {"block_tokens": 0})
+    one = _load_error(tmp_path, PROFILE_FIELDS | {"block_tokens": 0})
     assert one == (
         f"profile {tmp_path / 'profile.json'}: block_tokens: Input should be greater than 0, not 0"
     )
-    two = _load_error(tmp_path, FIELDS | {"block_tokens": 0, "max_batch": 0})
+    two = _load_error(tmp_path, PROFILE_FIELDS | {"block_tokens": 0, "max_batch": 0})
     assert two.endswith(", not 0 (and 1 more)")
-    three = _load_error(tmp_path, FIELDS | {"block_tokens": 0, "max_batch": 0, "model": 1})
+    three = _load_error(tmp_path, PROFILE_FIELDS | {"block_tokens": 0, "max_batch": 0, "model": 1})
     assert three.endswith(" (and 2 more)")
 
 
 def test_a_long_bad_value_is_cut_short_and_a_bad_whole_profile_is_named(tmp_path: Path) -> None:
     # A repr of exactly 40 characters is shown whole; one of 41 is cut to its first 30.
     forty, forty_one = "x" * 38, "x" * 39
-    whole = _load_error(tmp_path, FIELDS | {"version": forty})
+    whole = _load_error(tmp_path, PROFILE_FIELDS | {"version": forty})
     assert whole.endswith(f"not {forty!r}")
-    cut = _load_error(tmp_path, FIELDS | {"version": forty_one})
+    cut = _load_error(tmp_path, PROFILE_FIELDS | {"version": forty_one})
     assert cut.endswith(f"not {repr(forty_one)[:30]}... (41 characters)")
     # Not an object at all: no field to name.
     path = tmp_path / "profile.json"

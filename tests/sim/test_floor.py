@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.fakes.profile import PROFILE_FIELDS
 from wim_service.placement.profile import EngineProfile
 from wim_service.sim.floor import floor_line, ttft_floor
 from wim_service.sim.settings import SimSettings
@@ -13,21 +14,7 @@ from wim_service.sim.traces import Request, Trace
 # 718 blocks of 32 tokens per replica (23,000 // 32), and a restore far cheaper than a read:
 # a floor that charged a first read as a restore would show.
 PROFILE = EngineProfile.model_validate(
-    {
-        "model": "test",
-        "dtype": "float32",
-        "machine": "tests",
-        "measured_at": "never",
-        "load_average": [0, 0, 0],
-        "block_tokens": 32,
-        "kv_capacity_tokens": 23000,
-        "max_batch": 128,
-        "margin_prompt_tokens": 60,
-        "prefill": {"fixed_s": 0.02, "per_token_s": 3e-4, "per_token_context_s": 1e-8},
-        "decode": {"fixed_s": 0.02, "per_sequence_s": 1e-3, "per_context_token_s": 1e-7},
-        "query_extra_tokens": 50,
-        "restore": {"fixed_s": 0.01, "per_token_s": 1e-6},
-    }
+    PROFILE_FIELDS | {"restore": {"fixed_s": 0.01, "per_token_s": 1e-6}}
 )
 SETTINGS = SimSettings(segment_tokens=1024, margin_tokens=5)
 CAPACITY_BLOCKS = 23000 // 32

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.fakes.profile import PROFILE
 from wim_service.cli import main
-from wim_service.placement.profile import EngineProfile
 from wim_service.sim.engine import DecodeRun
 from wim_service.sim.floor import ttft_floor
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
@@ -27,24 +27,6 @@ from wim_service.sim.report import KEYS, figures, percentile, summarise, table
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import DOCUMENT_BLOCK_TOKENS, Request, Trace, TraceError, read_trace
 
-# The tests' own profile: the shipped one is replaced by measurements, which must not change
-# what these tests find (a 135M model on a 2-core CPU, 23,000 KV tokens per replica).
-PROFILE = EngineProfile.model_validate(
-    {
-        "model": "test",
-        "dtype": "float32",
-        "machine": "tests",
-        "measured_at": "never",
-        "load_average": [0, 0, 0],
-        "block_tokens": 32,
-        "kv_capacity_tokens": 23000,
-        "max_batch": 128,
-        "margin_prompt_tokens": 60,
-        "prefill": {"fixed_s": 0.02, "per_token_s": 3e-4, "per_token_context_s": 1e-8},
-        "decode": {"fixed_s": 0.02, "per_sequence_s": 1e-3, "per_context_token_s": 1e-7},
-        "query_extra_tokens": 50,
-    }
-)
 POLICIES = ("round_robin", "sticky", "expected_wait")
 
 
