@@ -143,6 +143,11 @@ class ApiKeys:
             if Capability.DOCUMENTS in t.allow and t.limits.open_documents > 0
         )
 
+    @property
+    def limits(self) -> dict[str, TenantLimits]:
+        """Each configured tenant's limits, by name."""
+        return {t.name: t.limits for t in self._by_hash.values()}
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> ApiKeys:
         if env.get(KEYS_FILE_ENV):

@@ -28,15 +28,19 @@ query of this router runs on it. When no replica has room for new work (a new se
 one-shot job), the copies no query of this router runs on are closed at once (`reclaim`,
 before the router answers 429): in `wim sim` of an overloaded document trace, new sessions
 otherwise queued behind copies that sat idle (docs/routing.md).
-(With several routers each one judges idleness by its own queries; a query that loses its
-copy to another router's retirement is failed over like one whose replica forgot the
-session.)
+Idleness is judged across routers: a query on a copy holds a lease on it in the session store
+(`lease`), and the store drops a copy only if no router's query holds it or used it within
+the idle time (`drop_copy(..., idle_s=...)`), so no router closes a copy another one is
+reading. A copy is on its document's tenant's books: it opens only within the tenant's
+session slots (`TenantGate.copy_slots`), and a reclaim for a tenant over its fair share closes
+only that tenant's copies (`TenantGate.reclaim_scope`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -51,6 +55,7 @@ from wim_service.serving.replica.contracts import DocumentOpened
 from wim_service.serving.replica.work import session_work
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.fleet import ReplicaFleet
+from wim_service.serving.routing.quotas import TenantGate
 from wim_service.serving.store import Holding, StoredSession
 from wim_service.wim.options import WiMOptions
 
@@ -95,11 +100,17 @@ class DocumentCopies:
         documents: DocumentTable,
         config: RouterConfig,
         metrics: WiMMetrics,
+        gate: TenantGate,
     ) -> None:
         self.client = client
         self.fleet = fleet
         self.documents = documents
         self.config = config
+        self.gate = gate  # the tenants' books: copies' slots, and whose copies a reclaim takes
+        # Each listed or opened document's tenant, and each tenant's session slots (sessions
+        # and their copies) as of the last listing of the store.
+        self._tenants: dict[str, str] = {}
+        self._slots: dict[str, int] = {}
         self.metrics = metrics
         # This router's queries running on each holder, and when one last ran on each copy.
         self.book = CopyBook()
@@ -192,7 +203,11 @@ class DocumentCopies:
         if not isinstance(opened, DocumentOpened):  # e.g. its KV filled meanwhile
             return False
         try:
-            added = await self.documents.add_copy(document_id, replica, self.config.max_copies)
+            # Its slot and KV are on the tenant's books: within the tenant's own slots.
+            slots = self.gate.copy_slots(session.tenant)
+            added = await self.documents.add_copy(
+                document_id, replica, self.config.max_copies, slots
+            )
         except ServiceError:
             await close_on(self.client, replica, document_id)
             raise
@@ -201,6 +216,7 @@ class DocumentCopies:
             return False
         self.metrics.copies_opened.inc()
         self.book.opened(document_id, replica, time.monotonic())
+        self._tenants[document_id] = session.tenant
         logger.info("a document session got a copy on %s", replica)
         return True
 
@@ -212,22 +228,45 @@ class DocumentCopies:
     def end(self, document_id: str, replica: str) -> None:
         self.book.end(document_id, replica, time.monotonic())
 
+    async def lease(self, session: StoredSession, replica: str) -> str | None:
+        """Hold the copy on `replica` in the store while a query of this router runs on it,
+        so that no router retires or reclaims it meanwhile: the lease to give back
+        (`release`), or None if `replica` holds the primary or no longer a copy."""
+        if replica == session.replica:
+            return None  # a primary is never retired
+        lease = secrets.token_hex(8)
+        held = await self.documents.lease_copy(session.session_id, replica, lease)
+        return lease if held else None
+
+    async def release(self, document_id: str, replica: str, lease: str) -> None:
+        await self.documents.release_copy(document_id, replica, lease)
+
     async def retire_idle(self, sessions: list[Holding]) -> None:
         """Close the copies idle for `copy_idle_s` among `sessions` (the store's listing)."""
+        self._tenants = {s.session_id: s.tenant for s in sessions}
+        self._slots = {}
+        for s in sessions:
+            self._slots[s.tenant] = self._slots.get(s.tenant, 0) + 1 + len(s.copies)
         # A copy first seen here (another router opened it) is idle from now on.
         self.book.listed([(s.session_id, r) for s in sessions for r in s.copies], time.monotonic())
         await self._retire(self.config.copy_idle_s)
 
-    async def reclaim(self) -> int:
-        """Close every copy no query of this router runs on, however recently used: no
-        replica has room for new work, and a spare copy's KV and session slot serve it
-        better than its document's next query (which its other holders take). The number
-        closed."""
-        return await self._retire(0.0)
+    async def reclaim(self, tenant: str | None = None) -> int:
+        """Close every copy no router's query holds, however recently used: no replica has
+        room for new work (of `tenant`, if known), and a spare copy's KV and session slot
+        serve it better than its document's next query (which its other holders take). For
+        a tenant over its fair share only its own copies: room for it is never taken from
+        another tenant. The number closed."""
+        only = self.gate.reclaim_scope(tenant, self._slots, self.fleet.session_capacity())
+        return await self._retire(0.0, only)
 
-    async def _retire(self, idle_s: float) -> int:
+    async def _retire(self, idle_s: float, only: str | None = None) -> int:
+        """Close the copies unused for `idle_s` by this router and, as the store judges, by
+        every router; only tenant `only`'s if given. The number closed."""
         retired = 0
         for document_id, replica in self.book.idle(time.monotonic(), idle_s):
+            if only is not None and self._tenants.get(document_id) != only:
+                continue
             lock = self.documents.lock(document_id)
             # A query of this router is starting on the session (or a failover rebuilding
             # it holds its lock while it places work, and may be what asked to reclaim).
@@ -238,7 +277,7 @@ class DocumentCopies:
                 key = (document_id, replica)
                 if self.book.running(document_id, replica) or key not in self.book:
                     continue
-                if await self.documents.drop_copy(document_id, replica):
+                if await self.documents.drop_copy(document_id, replica, idle_s=idle_s):
                     await close_on(self.client, replica, document_id)
                     self.metrics.copies_retired.inc()
                     self.book.closed(document_id, replica)  # a listing may have dropped it

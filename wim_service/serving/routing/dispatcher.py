@@ -31,6 +31,7 @@ from wim_service.serving.routing.failover import SessionFailover, SessionMissing
 from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.prefixes import prompt_blocks
 from wim_service.serving.routing.progress import StreamProgress
+from wim_service.serving.routing.quotas import TenantGate
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.routing.stored_kv import StoredKV
 from wim_service.serving.store import StoredSession
@@ -62,6 +63,7 @@ class _Job:
     exclude: set[str] = field(default_factory=set)  # replicas lost by this job
     failovers: int = 0
     transient_retries: int = 0
+    copy_lease: str | None = None  # held in the store while this attempt runs on a copy
 
 
 class Dispatcher:
@@ -73,6 +75,7 @@ class Dispatcher:
         sizer: JobSizer,
         config: RouterConfig,
         metrics: WiMMetrics,
+        gate: TenantGate,
     ) -> None:
         self.client = client
         self.fleet = fleet
@@ -80,7 +83,7 @@ class Dispatcher:
         self.sizer = sizer
         self.config = config
         self.metrics = metrics
-        self.copies = DocumentCopies(client, fleet, documents, config, metrics)
+        self.copies = DocumentCopies(client, fleet, documents, config, metrics, gate)
         self.failover = SessionFailover(
             client, fleet, documents, sizer, metrics, reclaim=self.copies.reclaim
         )
@@ -252,6 +255,9 @@ class Dispatcher:
                 ) from exc
             finally:
                 self._attempt_ended(job, replica)
+                if job.copy_lease is not None:
+                    lease, job.copy_lease = job.copy_lease, None
+                    await self.copies.release(job.session_id, replica, lease)
 
     def _attempt_ended(self, job: _Job, replica: str) -> None:
         if job.booking is not None:
@@ -272,6 +278,7 @@ class Dispatcher:
             if choice.copy_of is not None:
                 choice = await self.copies.read_copy(choice)
             replica, job.booking = choice.replica, choice.booking
+            job.copy_lease = await self.copies.lease(job.record, replica)
             events = self.client.replica(replica).query_document(job.session_id, query, options)
             return replica, events
         if job.replica is None:

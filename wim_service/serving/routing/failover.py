@@ -11,7 +11,9 @@ new session and a rebuild share (a read retried elsewhere if its replica dies).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from wim_service.serving.errors import ServiceError
@@ -22,7 +24,7 @@ from wim_service.serving.replica.work import session_work
 from wim_service.serving.routing.bindings import BindResult
 from wim_service.serving.routing.copies import close_on, close_unless_held
 from wim_service.serving.routing.documents import DocumentTable
-from wim_service.serving.routing.fleet import Reclaim, ReplicaFleet
+from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode
@@ -50,14 +52,14 @@ class SessionFailover:
         documents: DocumentTable,
         sizer: JobSizer,
         metrics: WiMMetrics,
-        reclaim: Reclaim,
+        reclaim: Callable[[str | None], Awaitable[int]],
     ) -> None:
         self.client = client
         self.fleet = fleet
         self.documents = documents
         self.sizer = sizer
         self.metrics = metrics
-        self.reclaim = reclaim  # closes spare copies when no replica has room for a read
+        self.reclaim = reclaim  # closes spare copies (of a tenant's, `DocumentCopies.reclaim`)
 
     async def read(
         self, session: StoredSession, text: str, exclude: set[str], *, fresh: bool = False
@@ -76,8 +78,10 @@ class SessionFailover:
         work = session_work(
             session.session_id, shape.context_tokens, blocks, session.options, restorable=not fresh
         )
+        # No room: spare copies are closed; only the tenant's own if it is over its fair share.
+        reclaim = functools.partial(self.reclaim, session.tenant)
         while True:
-            booking = await self.fleet.place(None, work, exclude, reclaim=self.reclaim)
+            booking = await self.fleet.place(None, work, exclude, reclaim=reclaim)
             replica = booking.replica
             try:
                 result = await self.client.replica(replica).open_document(

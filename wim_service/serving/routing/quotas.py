@@ -7,6 +7,11 @@
   (`opening`), before it is read, so that two concurrent creates cannot both pass it.
 * Fair share: when the fleet's session slots are nearly all taken, a tenant at its fair share
   gets no new session (`over_fair_share`), so that one tenant cannot hold them all.
+* Copies of a tenant's hot documents are on its books: each holds a session slot and the
+  document's KV, so a copy opens only while the tenant's sessions and copies are within its
+  `open_documents` (`copy_slots`; the copies never refuse the tenant a document), and a
+  reclaim asked for a tenant over its fair share closes only that tenant's own spare copies
+  (`reclaim_scope`): room for it is never taken from another tenant.
 
 A store that cannot be reached refuses new work (503 `unavailable`); a job that already runs
 keeps running, and its lease runs out if the store stays away.
@@ -26,7 +31,7 @@ from typing import TypeVar
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceCode, ServiceError
 from wim_service.serving.store import SessionStore, StoredSession, StoreUnavailable, reachable
-from wim_service.serving.tenants import Tenant
+from wim_service.serving.tenants import Tenant, TenantLimits
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,6 +64,22 @@ def over_fair_share(
     return share if held.get(asker, 0) >= share else None
 
 
+def reclaim_scope(
+    asker: str | None,
+    held: Mapping[str, int],
+    capacity: int,
+    *,
+    tenants: Set[str],
+    headroom: float,
+) -> str | None:
+    """Whose spare copies a reclaim for `asker`'s work may close: `asker`'s alone if it is
+    over its fair share (`over_fair_share` of the slots `held`), else anyone's (None)."""
+    if asker is None:
+        return None
+    over = over_fair_share(asker, held, capacity, tenants=tenants, headroom=headroom)
+    return asker if over is not None else None
+
+
 @dataclasses.dataclass
 class JobLease:
     """One running job of a tenant, counted in the store until it is given back."""
@@ -71,12 +92,31 @@ class JobLease:
 class TenantGate:
     """Each tenant's requests per minute, jobs at once and open documents, in the store."""
 
-    def __init__(self, store: SessionStore, config: RouterConfig, tenants: Set[str]) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        config: RouterConfig,
+        tenants: Set[str],
+        limits: Mapping[str, TenantLimits] | None = None,
+    ) -> None:
         self.store = store
         self.config = config
         self.tenants = tenants  # those that may open document sessions (for the fair share)
+        self.limits = limits or {}  # each configured tenant's (none in open mode)
         self._jobs: set[tuple[str, str]] = set()  # (tenant, job id) of this router's jobs
         self._renewing: asyncio.Task[None] | None = None
+
+    def copy_slots(self, tenant: str) -> int:
+        """The session slots `tenant`'s sessions and their copies may hold together: its
+        `open_documents` (the default limits' in open mode)."""
+        return self.limits.get(tenant, TenantLimits()).open_documents
+
+    def reclaim_scope(
+        self, asker: str | None, held: Mapping[str, int], capacity: int
+    ) -> str | None:
+        """`reclaim_scope` with this service's tenants and headroom."""
+        headroom = self.config.fair_share_headroom
+        return reclaim_scope(asker, held, capacity, tenants=self.tenants, headroom=headroom)
 
     async def _call(self, call: Awaitable[T]) -> T:
         return await reachable(call, "tenant limits are", self.config.retry_after_s)

@@ -94,7 +94,7 @@ class WiMRouter:
         router = self.config.router
         store = store or make_store(router.store)
         # Tenant limits are counted in the session store: with Redis, across every router.
-        self.gate = TenantGate(store, router, self.keys.document_tenants)
+        self.gate = TenantGate(store, router, self.keys.document_tenants, self.keys.limits)
         self.documents = DocumentTable(
             store, hold_s=router.request_timeout_s, retry_after_s=router.retry_after_s
         )
@@ -103,7 +103,13 @@ class WiMRouter:
         sizer.warm_up()
         # Its calls end when the fleet takes their replica for lost (`replica/watch.py`).
         self.dispatcher = Dispatcher(
-            self.fleet.watched, self.fleet, self.documents, sizer, self.config.router, self.metrics
+            self.fleet.watched,
+            self.fleet,
+            self.documents,
+            sizer,
+            self.config.router,
+            self.metrics,
+            self.gate,
         )
         self.pdf = PdfExtractor(self.config.router)
         self._background: asyncio.Task[None] | None = None
