@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -66,6 +68,7 @@ from local_service import (
 )
 from measure import output, port_taken
 
+from wim_service.cli.lifecycle import run_subprocess
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.policy import POLICIES, policy_name
 from wim_service.placement.profile import EngineProfile
@@ -84,6 +87,7 @@ ENGINE = {"cpu_threads_bind": "rank"}
 # The profile of one such engine, measured with `--calibrate` on the 2-core machine.
 ONE_CORE_PROFILE = ROOT / "wim_service" / "placement" / "profiles" / "one-core.json"
 REPLAY = Path(__file__).resolve().with_name("replay.py")
+WIM = Path(sys.executable).with_name("wim")
 # WiM's sizes, the same for the live replay and the simulator.
 SEGMENT_TOKENS = 512
 MARGIN_TOKENS = 16
@@ -299,15 +303,12 @@ def dtype_warning(profile: EngineProfile, engine: EngineConfig) -> str | None:
     )
 
 
-def calibrate_profile(path: Path) -> Path:
-    """Measure one engine with the live service's engine settings; write its profile."""
-    from wim_service.engine.calibration import calibrate, describe
-
+def calibrate_profile(path: Path) -> int:
+    """`wim calibrate` of one engine with the live service's engine settings, into `path`;
+    its status."""
+    flags = shlex.split(" ".join(live_engine().cli_argv()))
     print(f"calibrating one engine ({ENGINE}) into {path}", flush=True)
-    profile = calibrate(live_engine())
-    print("\n".join(describe(profile)), flush=True)
-    path.write_text(profile.model_dump_json(indent=2) + "\n", encoding="utf-8")
-    return path
+    return run_subprocess([str(WIM), "calibrate", "--out", str(path), *flags], os.environ)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -408,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare_sim: {exc}", file=sys.stderr)
         return 2
     if args.calibrate:
-        args.profile = calibrate_profile(args.out / "profile.json")
+        args.profile = args.out / "profile.json"
+        if status := calibrate_profile(args.profile):
+            return status
     elif not args.profile.is_file():
         print(f"compare_sim: no profile at {args.profile}; use --calibrate", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """What a copy of a document costs when the service restores its KV (`EngineProfile.restore`,
 docs/kv-store.md): the policy, the router's booking, the replicas' backlogs and `wim sim`
-charge a restore instead of a re-read, the calibration measures and fits it, and the profile
-bounds it. No engine, except the one restore-only calibration at the end (marker `engine`)."""
+charge a restore instead of a re-read, the calibration fits it, and the profile bounds it. No
+engine: a restore-only calibration on a real one is `tests/cli/test_calibrate.py`'s."""
 
 from __future__ import annotations
 
@@ -15,16 +15,14 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from tests.conftest import TEST_ENGINE
 from tests.fakes.replicas import FakeReplica
 from tests.serving.routing.test_router_logic import make_service
 from tests.sim.test_sim import PROFILE as SIM_PROFILE
 from tests.sim.test_sim import doc_row, document_trace
 from wim_service.cli import main
-from wim_service.engine.calibration import fit_errors, fit_restore, predicted, refit
-from wim_service.engine.restore_samples import RESTORE
+from wim_service.engine.calibration.fit import fit_errors, fit_restore, predicted, refit
 from wim_service.placement.policy import ExpectedWait, first_token_s
-from wim_service.placement.profile import EngineProfile, RestoreCost
+from wim_service.placement.profile import EngineProfile, RestoreCost, RestoreSample, Sample
 from wim_service.placement.state import ReplicaState, Work
 from wim_service.serving.replica.backlog import Backlog
 from wim_service.serving.replica.work import session_work
@@ -167,8 +165,8 @@ def test_both_shipped_profiles_carry_a_measured_restore_cost(name: str) -> None:
     path = resources.files("wim_service.placement").joinpath("profiles", name)
     profile = EngineProfile.load(Path(str(path)))
     assert profile.restore is not None
-    restores = [s for s in profile.samples if s["kind"] == RESTORE]
-    assert {s["tokens"] for s in restores} >= {1024, 2048, 4096}
+    restores = [s for s in profile.samples if isinstance(s, RestoreSample)]
+    assert {s.tokens for s in restores} >= {1024, 2048, 4096}
     assert profile.restore == fit_restore(profile.samples)
     # Measured: a restore of 4,096 tokens is a fraction of their re-read.
     assert profile.read_seconds(4096, saved=True) < profile.prefill.seconds(4096) / 5
@@ -206,15 +204,16 @@ def test_a_profile_without_a_restore_cost_loads_and_charges_re_reads() -> None:
 # -- calibration ----------------------------------------------------------------------------
 
 
-def restore_samples(noise: float = 0.0) -> list[dict[str, float]]:
+def restore_samples(noise: float = 0.0) -> list[Sample]:
     rng = np.random.default_rng(3)
     return [
-        {
-            "kind": RESTORE,
-            "tokens": tokens,
-            "computed": 32,
-            "seconds": RESTORE_COST.seconds(tokens) * (1 + noise * rng.standard_normal()),
-        }
+        RestoreSample(
+            tokens=tokens,
+            computed=32,
+            seconds=RESTORE_COST.seconds(tokens) * (1 + noise * rng.standard_normal()),
+            unix_time=0.0,
+            load_1min=0.0,
+        )
         for tokens in (1024, 2048, 4096, 1024, 2048, 4096)
     ]
 
@@ -225,35 +224,13 @@ def test_the_restore_fit_recovers_its_costs_and_reports_its_error() -> None:
     assert fitted.model_dump() == pytest.approx(RESTORE_COST.model_dump(), rel=1e-6)
     noisy = fit_restore(restore_samples(0.03))
     assert noisy is not None and noisy.per_token_s == pytest.approx(6e-5, rel=0.15)
-    others = [s for s in PROFILE.samples if s["kind"] != RESTORE]
+    others = [s for s in PROFILE.samples if not isinstance(s, RestoreSample)]
     samples = others + restore_samples()
     profile = refit(PROFILE.model_copy(update={"samples": samples, "restore": None}))
     assert profile.restore is not None
     assert profile.restore.model_dump() == pytest.approx(RESTORE_COST.model_dump(), rel=1e-6)
     assert fit_errors(profile)["restore"] == pytest.approx(0.0, abs=1e-9)
-    assert predicted(profile, samples[-1]) == pytest.approx(samples[-1]["seconds"])
+    assert predicted(profile, samples[-1]) == pytest.approx(samples[-1].seconds)
     # No restore samples: nothing to fit, and a refit keeps the profile's own.
     assert fit_restore(others) is None
     assert refit(PROFILE.model_copy(update={"samples": others})).restore == RESTORE_COST
-
-
-@pytest.mark.engine
-@pytest.mark.timeout(600)
-async def test_a_restore_only_calibration_measures_real_restores() -> None:
-    """One engine started with a temporary KV store (`temporary_kv_store`) reads and restores
-    the quick plan's documents; the profile gets their samples and their fit, the rest of it
-    unchanged, and nothing of the store or its key stays in the environment."""
-    from wim_service.engine.calibration import calibrate_async
-    from wim_service.engine.restore_samples import QUICK_RESTORE_TOKENS
-
-    before = {name: os.environ.get(name) for name in ("WIM_KV_STORE", "WIM_KV_MASTER_KEY")}
-    base = EngineProfile.load().model_copy(update={"dtype": "float32", "restore": None})
-    profile = await calibrate_async(TEST_ENGINE, quick=True, restore_into=base)
-    restores = [s for s in profile.samples if s["kind"] == RESTORE]
-    assert [s["tokens"] for s in restores] == list(QUICK_RESTORE_TOKENS)
-    # Loaded, not computed: at most one block and one token of each document.
-    assert all(0 < s["computed"] <= TEST_ENGINE.block_size + 1 for s in restores)
-    assert all(0 < s["seconds"] < 60 for s in restores)
-    assert profile.restore is not None and profile.restore == fit_restore(profile.samples)
-    assert profile.model_copy(update={"samples": base.samples, "restore": None}) == base
-    assert {name: os.environ.get(name) for name in before} == before

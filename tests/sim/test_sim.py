@@ -584,7 +584,6 @@ def test_the_command_prints_a_row_per_policy_and_writes_the_json(
         (["--trace", "{good}", "--replicas", "many"], "counts like 8"),
         (["--trace", "{good}", "--profile", "{tmp}/none.json"], "no profile file"),
         (["--generate", "{tmp}/g.jsonl", "--document-tokens", "9-x"], "LOW-HIGH"),
-        (["--calibrate"], "needs --out"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(

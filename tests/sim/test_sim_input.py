@@ -264,7 +264,7 @@ def test_a_profile_larger_than_its_bound_is_not_read_whole(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("name", ["default.json", "one-core.json"])
 def test_the_shipped_profiles_are_within_every_bound(name: str) -> None:
-    """Both calibrated (`wim sim --calibrate` wrote them), as the router and `wim sim` load
+    """Both calibrated (`wim calibrate` wrote them), as the router and `wim sim` load
     them."""
     path = resources.files("wim_service.placement").joinpath("profiles", name)
     assert EngineProfile.load(Path(str(path))).block_tokens == 32

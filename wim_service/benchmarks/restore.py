@@ -9,8 +9,8 @@
     both alike.
 
 The engine is started from the engine flags with a temporary directory KV store sealed with a
-random key (`restore_samples.temporary_kv_store`), removed afterwards: its files are in the
-page cache, as a document another engine saved moments before is.
+random key (`calibration.restores.temporary_kv_store`), removed afterwards: its files are in
+the page cache, as a document another engine saved moments before is.
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from wim_service.benchmarks.common import BenchSettings, line
 from wim_service.benchmarks.intervals import RoundsInterval, t_interval
-from wim_service.engine.restore_samples import read_document, restore_document, temporary_kv_store
+from wim_service.engine.calibration.restores import (
+    read_document,
+    restore_document,
+    temporary_kv_store,
+)
 from wim_service.wim.backend import StoredDocument
 
 if TYPE_CHECKING:

@@ -8,6 +8,7 @@ wim bench                      # the side-by-side benchmark of docs/benchmarks.m
 wim eval                       # answer quality: plain long context vs RAG vs WiM
 wim setup                      # convert the default model, write the punkt data
 wim sim --trace FILE           # replay a trace over simulated replicas, per placement policy
+wim calibrate --out FILE      # measure this machine's engine profile (what `wim sim` reads)
 
 Ctrl-C or SIGTERM stops a command together with every process it started, its vLLM engines and
 for `wim serve` its Ray cluster, within 7 s (status 130 / 143; see cli/lifecycle.py).
@@ -17,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 
-from wim_service.cli import bench, run, serve, setup, sim
+from wim_service.cli import bench, calibrate, run, serve, setup, sim
 from wim_service.cli import eval as evaluate
 
-SUBCOMMANDS = (run, serve, bench, evaluate, setup, sim)
+SUBCOMMANDS = (run, serve, bench, evaluate, setup, sim, calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:

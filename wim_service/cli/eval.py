@@ -19,7 +19,7 @@ from wim_service.engine.config import EngineConfig
 from wim_service.eval.methods import METHODS, MethodSettings
 from wim_service.eval.report import write_report
 from wim_service.eval.runner import RunRecord, evaluate
-from wim_service.eval.sizing import largest_length
+from wim_service.eval.sizing import WindowTooSmall, largest_length
 from wim_service.eval.tasks import TaskKind, generate_tasks
 from wim_service.wim.options import WiMOptions
 from wim_service.wim.tokenizer import HFTokenizer, Tokenizer
@@ -84,9 +84,9 @@ def _lengths(
     if args.lengths:
         too_long = [n for n in args.lengths if n > longest]
         if too_long:
-            raise SystemExit(
-                f"wim eval: lengths {too_long} do not fit a {max_model_len}-token window with "
-                f"WiM's margins; the longest that fits is {longest}"
+            raise WindowTooSmall(
+                f"lengths {too_long} do not fit a {max_model_len}-token window with WiM's "
+                f"margins; the longest that fits is {longest}"
             )
         return sorted(args.lengths)
     if args.full:
@@ -120,7 +120,10 @@ async def _run(args: argparse.Namespace) -> int:
 
     config = EngineConfig.from_cli_args(args)
     tokenizer = HFTokenizer(config.model or default_model_dir())
-    lengths = _lengths(args, config.max_model_len, options, tokenizer)
+    try:
+        lengths = _lengths(args, config.max_model_len, options, tokenizer)
+    except WindowTooSmall as exc:
+        return refused(exc)
     samples = args.samples or (FULL_SAMPLES if args.full else 1)
     seeds = args.seeds or (FULL_SEEDS if args.full else [0])
     settings = MethodSettings(options, args.rag_chunk_tokens, args.rag_top_k)

@@ -1,11 +1,10 @@
 """`wim sim`: replay a trace over simulated replicas through the placement policies
-(`wim_service.sim`), write a synthetic WiM document trace, or measure an engine profile.
+(`wim_service.sim`), or write a synthetic WiM document trace. The engine profile it reads by
+default ships with the project; `wim calibrate` measures one.
 
 wim sim --trace wim_service/sim/traces/mooncake_conversation_4000.jsonl.gz --replicas 64
 wim sim --trace docs.jsonl --replicas 1,2,4,8 --policies sticky,wim --json-out sim.json
 wim sim --generate docs.jsonl --requests 2000 --rate 2 --documents 20 --zipf-exponent 1.2
-wim sim --calibrate --out profile.json --kv-cache-gib 2
-wim sim --calibrate --restore-only --profile profile.json --out profile.json
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from wim_service.cli.lifecycle import refused
-from wim_service.engine.config import EngineConfig
 from wim_service.placement.policy import POLICIES, policy_name
 from wim_service.placement.profile import EngineProfile
 from wim_service.sim.floor import floor_line, ttft_floor
@@ -39,25 +37,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "sim",
         help="simulate placement policies over a trace",
         description="Replay a trace over simulated engine replicas through the placement "
-        "policies; or --generate a WiM document trace; or --calibrate an engine profile (the "
-        "engine flags apply to --calibrate only).",
+        "policies; or --generate a WiM document trace. `wim calibrate` measures the engine "
+        "profile a replay reads.",
     )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--trace", type=Path, help="Mooncake or WiM document trace (.jsonl[.gz])")
     mode.add_argument("--generate", type=Path, metavar="FILE", help="write a WiM document trace")
-    mode.add_argument(
-        "--calibrate", action="store_true", help="measure an engine profile; write it to --out"
-    )
     _add_replay_arguments(parser)
     _add_generator_arguments(parser)
-    parser.add_argument("--out", type=Path, help="where --calibrate writes the profile")
-    parser.add_argument(
-        "--restore-only",
-        action="store_true",
-        help="with --calibrate: measure only the restore cost (a temporary KV store) and write "
-        "--profile with it to --out (the engine flags must match the profile's engine)",
-    )
-    EngineConfig.add_cli_args(parser)
     parser.set_defaults(main=main)
 
 
@@ -202,8 +189,6 @@ def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        if args.calibrate:
-            return calibrate_profile(args)
         if args.generate is not None:
             return generate_trace(args)
         return replay(args)
@@ -315,23 +300,4 @@ def generate_trace(args: argparse.Namespace) -> int:
     write_trace(rows, args.generate)
     documents = len({row["document_id"] for row in rows})
     print(f"wrote {len(rows)} requests over {documents} documents to {args.generate}")
-    return 0
-
-
-def calibrate_profile(args: argparse.Namespace) -> int:
-    """Measure this machine's engine (`wim_service.engine.calibration`) and write its profile."""
-    if args.out is None:
-        raise ValueError("--calibrate needs --out FILE")
-    try:  # vLLM: imported only when calibrating
-        from wim_service.engine.calibration import calibrate, calibrate_restore
-    except ImportError as exc:  # a build without the engine's extras (vLLM)
-        raise ValueError(f"cannot calibrate here: {exc}") from None
-
-    config = EngineConfig.from_cli_args(args)
-    if args.restore_only:
-        profile = calibrate_restore(config, profile_from(args))
-    else:
-        profile = calibrate(config)
-    args.out.write_text(profile.model_dump_json(indent=2) + "\n", encoding="utf-8")
-    print(f"wrote the engine profile to {args.out}")
     return 0

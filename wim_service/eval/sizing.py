@@ -12,11 +12,16 @@ from wim_service.wim.tokenizer import Tokenizer
 LENGTH_STEP = 256
 
 
+class WindowTooSmall(ValueError):
+    """The model's window leaves no room for a document `wim eval` asks about (any, or one of
+    the lengths asked for)."""
+
+
 def largest_length(max_model_len: int, options: WiMOptions, tokenizer: Tokenizer) -> int:
     """The longest document (a multiple of 256 tokens) that a WiM job with `options` reads in a
     `max_model_len` window, with room for a query of the capacity model's reserved size."""
     builder = PromptBuilder(tokenizer, options.prompts)
     longest = largest_document(builder, options, max_model_len) // LENGTH_STEP * LENGTH_STEP
     if longest <= 0:
-        raise SystemExit(f"wim eval: a {max_model_len}-token window leaves no room for a document")
+        raise WindowTooSmall(f"a {max_model_len}-token window leaves no room for a document")
     return longest

@@ -1,7 +1,7 @@
 """What an engine's work costs in seconds: a profile measured on real engine runs.
 
 Both the expected-wait policy (live) and the simulator's engines read the same profile, so
-that the simulator replays what the policy believes. `wim sim --calibrate` measures one; the
+that the simulator replays what the policy believes. `wim calibrate` measures one; the
 profile measured on the development machine ships as `profiles/default.json`.
 
 Every number of a profile is finite and bounded, the bounds orders of magnitude above any
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -28,6 +28,9 @@ FixedCost = Annotated[float, Field(ge=0, le=600, allow_inf_nan=False)]
 TokenCost = Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)]
 ContextCost = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Measured = Annotated[float, Field(allow_inf_nan=False)]
+
+
+Count = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 
 
 class ProfileError(ValueError):
@@ -84,6 +87,62 @@ class RestoreCost(BaseModel):
         return self.fixed_s + tokens * self.per_token_s if tokens > 0 else 0.0
 
 
+# -- the measurements a profile's costs were fitted to: one type per kind, told apart by `kind`
+
+
+class _Sample(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seconds: Measured
+
+
+class PrefillSample(_Sample):
+    """The first token of one request: `new` tokens prefilled after `cached` ones the prefix
+    cache served."""
+
+    kind: Literal["prefill"] = "prefill"
+    new: Count
+    cached: Count
+
+
+class DecodeSample(_Sample):
+    """One decode step (`seconds`, averaged over `steps`) of `batch` sequences that attend to
+    `context` tokens in all."""
+
+    kind: Literal["decode"] = "decode"
+    batch: Count
+    context: Measured
+    steps: Count
+
+
+class QuerySample(_Sample):
+    """A WiM query on a read document of `document` tokens, alone on its engine: seconds to
+    its answer's first text, with the `margins` it wrote (`margin_tokens` each on average)."""
+
+    kind: Literal["query"] = "query"
+    document: Count
+    query: Count
+    margins: Count
+    margin_tokens: Measured
+
+
+class RestoreSample(_Sample):
+    """A restore of a saved document of `tokens` tokens (`computed` of them computed, not
+    restored), with when and under what load: a restore-only calibration adds these to a
+    profile measured at another time."""
+
+    kind: Literal["restore"] = "restore"
+    tokens: Count
+    computed: Count
+    unix_time: Measured
+    load_1min: Measured
+
+
+Sample = Annotated[
+    PrefillSample | DecodeSample | QuerySample | RestoreSample, Field(discriminator="kind")
+]
+
+
 class EngineProfile(BaseModel):
     """An engine's costs and sizes, with where and how they were measured."""
 
@@ -112,8 +171,9 @@ class EngineProfile(BaseModel):
     # store and restores it (`read_seconds`); None in a profile measured before restores
     # were, or for a service without a store (`for_store`): such a copy is charged a re-read.
     restore: RestoreCost | None = None
-    # The measurements the costs were fitted to, kept so that a fit can be checked.
-    samples: list[dict[str, Measured]] = Field(default_factory=list)
+    # The measurements the costs were fitted to (calibration's), kept so that a fit can be
+    # checked and refitted.
+    samples: list[Sample] = Field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path | None = None) -> EngineProfile:

@@ -111,7 +111,7 @@ class RouterConfig(BaseModel):
     # A copy no query used for this long is closed (never a session's last one).
     copy_idle_s: float = Field(DEFAULT_COPY_IDLE_S, gt=0)
     # The engine cost profile the `expected_wait` placement and the replicas' backlogs are
-    # computed with (`wim sim --calibrate` measures one); unset: the profile shipped with the
+    # computed with (`wim calibrate` measures one); unset: the profile shipped with the
     # service.
     cost_profile: str | None = None
     # Whether placement charges a copy or a rebuild of a document read before what restoring

@@ -132,7 +132,7 @@ class ReplicaFleet:
                 logger.warning(
                     "%s (replica %s): the router's wait estimates are in the profile's "
                     "seconds, not the engines'; set args.router.cost_profile to a profile "
-                    "measured where the engines run (wim sim --calibrate)",
+                    "measured where the engines run (wim calibrate)",
                     mismatch,
                     load.replica,
                 )

@@ -8,21 +8,30 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from tests.conftest import TEST_ENGINE
-from wim_service.engine.calibration import (
-    DECODE,
-    PREFILL,
+from wim_service.engine.calibration.fit import (
+    describe,
     fit_decode,
     fit_errors,
     fit_prefill,
-    margin_prompt_tokens,
     nonnegative_lstsq,
     predicted,
     refit,
 )
-from wim_service.engine.query_samples import QUERY, QUERY_PLACES, query_document
-from wim_service.placement.profile import DecodeCost, EngineProfile, PrefillCost
+from wim_service.engine.calibration.queries import QUERY_PLACES, query_document
+from wim_service.engine.calibration.run import margin_prompt_tokens
+from wim_service.placement.profile import (
+    DecodeCost,
+    DecodeSample,
+    EngineProfile,
+    PrefillCost,
+    PrefillSample,
+    QuerySample,
+    RestoreSample,
+    Sample,
+)
 from wim_service.wim.capacity import JobShape
 from wim_service.wim.options import WiMOptions
 from wim_service.wim.prompts import PromptBuilder
@@ -31,30 +40,29 @@ PREFILL_COST = PrefillCost(fixed_s=0.03, per_token_s=0.0024, per_token_context_s
 DECODE_COST = DecodeCost(fixed_s=0.045, per_sequence_s=0.0012, per_context_token_s=3e-6)
 
 
-def prefill_samples(noise: float = 0.0) -> list[dict[str, float]]:
+def prefill_samples(noise: float = 0.0) -> list[Sample]:
     rng = np.random.default_rng(1)
     return [
-        {
-            "kind": PREFILL,
-            "new": new,
-            "cached": cached,
-            "seconds": PREFILL_COST.seconds(new, cached) * (1 + noise * rng.standard_normal()),
-        }
+        PrefillSample(
+            new=new,
+            cached=cached,
+            seconds=PREFILL_COST.seconds(new, cached) * (1 + noise * rng.standard_normal()),
+        )
         for new in (256, 1024, 2048, 4096, 6000)
         for cached in (0, 3072)
     ]
 
 
-def decode_samples(noise: float = 0.0) -> list[dict[str, float]]:
+def decode_samples(noise: float = 0.0) -> list[Sample]:
     rng = np.random.default_rng(2)
     return [
-        {
-            "kind": DECODE,
-            "batch": batch,
-            "context": batch * context,
-            "seconds": DECODE_COST.step_seconds(batch, batch * context)
+        DecodeSample(
+            batch=batch,
+            context=batch * context,
+            seconds=DECODE_COST.step_seconds(batch, batch * context)
             * (1 + noise * rng.standard_normal()),
-        }
+            steps=48,
+        )
         for batch in (1, 4, 16, 32)
         for context in (200, 3000)
     ]
@@ -91,15 +99,44 @@ def test_the_profile_reports_its_fit_over_its_samples() -> None:
         update={"prefill": PREFILL_COST, "decode": DECODE_COST, "samples": samples}
     )
     assert fit_errors(profile) == pytest.approx({"prefill": 0.0, "decode": 0.0}, abs=1e-12)
-    assert predicted(profile, samples[0]) == pytest.approx(samples[0]["seconds"])
+    assert predicted(profile, samples[0]) == pytest.approx(samples[0].seconds)
+    lines = describe(profile)
+    assert lines[0].startswith("prefill new=256 cached=0: measured ")
+    assert lines[-2] == "prefill MARE 0.0%, decode MARE 0.0%"
 
 
-def query_samples(profile: EngineProfile, scale: float = 1.0) -> list[dict[str, float]]:
+def test_samples_are_told_apart_by_their_kind_by_name() -> None:
+    """A profile's samples load as their own types, by a `kind` that names them; a kind of
+    none of them, or a sample with another kind's fields, is refused."""
+    profile = EngineProfile.load()
+    kinds = {type(s): s.kind for s in profile.samples}
+    assert kinds == {
+        PrefillSample: "prefill",
+        DecodeSample: "decode",
+        QuerySample: "query",
+        RestoreSample: "restore",
+    }
+    data = json.loads(profile.model_dump_json())
+    assert EngineProfile.model_validate(data) == profile
+    for bad in (
+        {"kind": 0.0, "new": 1, "cached": 0, "seconds": 1.0},
+        {**data["samples"][0], "batch": 4},
+    ):
+        with pytest.raises(ValidationError):
+            EngineProfile.model_validate(data | {"samples": [bad]})
+
+
+def query_samples(profile: EngineProfile, scale: float = 1.0) -> list[Sample]:
     """WiM query samples as `profile` predicts them, times `scale`."""
     shapes = [(1200, 12, 1, 16.0), (2400, 12, 1, 14.0), (3600, 13, 2, 15.5), (3600, 13, 0, 0)]
     return [
-        {"kind": QUERY, "document": d, "query": q, "margins": m, "margin_tokens": t}
-        | {"seconds": profile.lone_query_seconds(d, q, m, round(t)) * scale}
+        QuerySample(
+            document=d,
+            query=q,
+            margins=m,
+            margin_tokens=t,
+            seconds=profile.lone_query_seconds(d, q, m, round(t)) * scale,
+        )
         for d, q, m, t in shapes
     ]
 
@@ -160,27 +197,28 @@ async def test_quick_calibration_of_a_real_engine(engine, model_dir) -> None:
     runner once took 0.176 s for a decode step the fit put at 0.058 s, and once fitted both
     decode slopes to zero. So this checks what was measured (every sample of the plan, real
     cache hits, real decode steps, real margins) and that the profile is the fit of those
-    samples; how well a fit predicts its machine is what `wim sim --calibrate` prints (its
-    fit errors), measured on a quiet machine, not a test's assertion (docs/testing.md)."""
-    from wim_service.engine.calibration import QUICK, calibrate_on
+    samples; how well a fit predicts its machine is what `wim calibrate` prints (its fit
+    errors), measured on a quiet machine, not a test's assertion (docs/testing.md)."""
+    from wim_service.engine.calibration.probe import QUICK
+    from wim_service.engine.calibration.run import calibrate_on
 
     profile = await calibrate_on(engine, quick=True)
     samples = profile.samples
-    assert all(0 < s["seconds"] < 300 for s in samples)
+    assert all(0 < s.seconds < 300 for s in samples)
     # Every prefill of the plan, the cached ones served from the engine's cache (the engine's
     # own count: block-aligned prefixes).
-    prefills = {(s["new"], s["cached"]) for s in samples if s["kind"] == PREFILL}
+    prefills = {(s.new, s.cached) for s in samples if isinstance(s, PrefillSample)}
     assert prefills == {(n, c) for n in QUICK.prefill_new for c in QUICK.prefill_cached}
     # Every decode batch of the plan, timed over steps every sequence took part in.
-    decodes = [s for s in samples if s["kind"] == DECODE]
-    shapes = {(s["batch"], s["context"] / s["batch"]) for s in decodes}
+    decodes = [s for s in samples if isinstance(s, DecodeSample)]
+    shapes = {(s.batch, s.context / s.batch) for s in decodes}
     lengths = [c + QUICK.decode_tokens / 2 for c in QUICK.decode_contexts]
     assert shapes == {(b, n) for b in QUICK.decode_batches for n in lengths}
-    assert all(0 < s["steps"] <= QUICK.decode_tokens for s in decodes)
+    assert all(0 < s.steps <= QUICK.decode_tokens for s in decodes)
     # Each calibration query asked for one place's code: one margin written, the rest skipped.
-    queries = [s for s in samples if s["kind"] == QUERY]
-    assert [s["margins"] for s in queries] == [1, 1]
-    assert all(0 < s["margin_tokens"] <= 16 and s["document"] > 1000 for s in queries)
+    queries = [s for s in samples if isinstance(s, QuerySample)]
+    assert [s.margins for s in queries] == [1, 1]
+    assert all(0 < s.margin_tokens <= 16 and s.document > 1000 for s in queries)
     # The costs are the fit of those samples (the fits' own tests are above).
     assert refit(profile) == profile
     assert profile.kv_capacity_tokens == kv_tokens(model_dir, TEST_ENGINE.kv_cache_gib, 32)

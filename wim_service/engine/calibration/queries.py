@@ -1,5 +1,6 @@
-"""WiM query samples for calibration: real queries on a document session, and the cost they
-add to a profile (`EngineProfile.query_extra_tokens`).
+"""WiM query samples for calibration: real queries on a document session, and what they
+take beyond the profile's prefill and decode costs (`EngineProfile.query_extra_tokens`,
+fitted by `fit.fit_query_extra`).
 
 A document of filler sentences holds an access code for each of three places, each in a
 segment of its own (`query_document`); it is read into a document session, and one query per
@@ -20,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from wim_service.placement.profile import EngineProfile
+from wim_service.placement.profile import QuerySample
 from wim_service.wim.options import WiMOptions
 
 if TYPE_CHECKING:
@@ -28,9 +29,6 @@ if TYPE_CHECKING:
     from wim_service.wim.orchestrator import WiMSession
     from wim_service.wim.tokenizer import Tokenizer
 
-# The sample kind (`EngineProfile.samples` holds dicts of floats; 0 and 1 are calibration's
-# prefill and decode).
-QUERY = 2.0
 # One query per place, each place's code in a segment of its own.
 QUERY_PLACES = ("north gate", "river mill", "old tower")
 QUERY_CODES = ("4821", "3907", "6154")
@@ -39,8 +37,6 @@ QUERY_MARGIN_TOKENS = 16
 # Filler that shares no content word with the queries, so no margin is written for it.
 _FILLER = "Crate {n} of the morning shipment was stacked beside the {colour} wall by noon."
 _COLOURS = ("red", "blue", "green", "white", "grey")
-# The fit's search range: a few early answers' prompts (each a query, notes and a template).
-MAX_EXTRA_TOKENS = 2048
 
 
 def query_document(tokenizer: Tokenizer, tokens: int) -> str:
@@ -56,7 +52,7 @@ def query_document(tokenizer: Tokenizer, tokens: int) -> str:
     return " ".join(sentences)
 
 
-async def time_query(session: WiMSession, query: str, options: WiMOptions) -> dict[str, float]:
+async def time_query(session: WiMSession, query: str, options: WiMOptions) -> QuerySample:
     """One WiM query on a read document: seconds to its answer's first text, its shape."""
     started = time.perf_counter()
     first: float | None = None
@@ -72,19 +68,18 @@ async def time_query(session: WiMSession, query: str, options: WiMOptions) -> di
         elif event.type == "error":
             raise RuntimeError(f"a calibration query failed: {event.message}")
     assert first is not None
-    return {
-        "kind": QUERY,
-        "document": len(session.plan.encoded.ids),
-        "query": len(session.builder.tokenizer.encode_user_text(query).ids),
-        "margins": margins,
-        "margin_tokens": margin_tokens / margins if margins else 0,
-        "seconds": first,
-    }
+    return QuerySample(
+        document=len(session.plan.encoded.ids),
+        query=len(session.builder.tokenizer.encode_user_text(query).ids),
+        margins=margins,
+        margin_tokens=margin_tokens / margins if margins else 0,
+        seconds=first,
+    )
 
 
 async def measure_queries(
     backend: VLLMBackend, documents: Sequence[int], queries_per_document: int
-) -> list[dict[str, float]]:
+) -> list[QuerySample]:
     """WiM query samples: a `query_document` of each size in `documents` read into a
     document session, then `queries_per_document` queries asked of it one at a time."""
     from wim_service.wim.orchestrator import open_document
@@ -103,26 +98,3 @@ async def measure_queries(
         finally:
             await session.close()
     return samples
-
-
-def lone_query_seconds(profile: EngineProfile, sample: dict[str, float]) -> float:
-    """What `profile` predicts for a WiM query sample."""
-    return profile.lone_query_seconds(
-        int(sample["document"]),
-        int(sample["query"]),
-        int(sample["margins"]),
-        round(sample["margin_tokens"]),
-    )
-
-
-def fit_query_extra(profile: EngineProfile) -> int:
-    """`query_extra_tokens`: the count (0 to `MAX_EXTRA_TOKENS`) with which `profile`
-    predicts the WiM query samples that wrote margins with the least squared relative error
-    (0 without such samples)."""
-    rows = [s for s in profile.samples if s["kind"] == QUERY and s["margins"] > 0]
-
-    def error(tokens: int) -> float:
-        trial = profile.model_copy(update={"query_extra_tokens": tokens})
-        return sum((lone_query_seconds(trial, s) / s["seconds"] - 1) ** 2 for s in rows)
-
-    return min(range(MAX_EXTRA_TOKENS + 1), key=error) if rows else 0

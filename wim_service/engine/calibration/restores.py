@@ -17,23 +17,20 @@ import contextlib
 import math
 import os
 import secrets
-import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from wim_service.engine.config import EngineConfig
 from wim_service.engine.kv_transfer.documents import STORE_ENV
 from wim_service.engine.kv_transfer.keys import MASTER_KEY_ENV
+from wim_service.placement.profile import RestoreSample
 from wim_service.wim.backend import KVRestore, StoredDocument
 
 if TYPE_CHECKING:
     from wim_service.engine.vllm_engine import VLLMBackend
 
-# The sample kind (`EngineProfile.samples` holds dicts of floats; 0-2 are calibration's
-# prefill, decode and WiM query).
-RESTORE = 3.0
 # Tokens of one push of the read, as `WiMOptions.segment_tokens` reads a document.
 READ_PUSH_TOKENS = 1024
 # The tenant the samples are saved under (a temporary store only this run uses).
@@ -60,18 +57,6 @@ def temporary_kv_store(config: EngineConfig) -> Iterator[EngineConfig]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def restore_medians(samples: Iterable[dict[str, float]]) -> dict[float, float]:
-    """The median seconds of the restore samples of each document size, by size: what the
-    restore cost is fitted to. A restore is one engine step, so a burst of other work on a
-    shared machine slows one sample severalfold, where a prefill's many steps average it
-    out (docs/kv-store.md)."""
-    sizes: dict[float, list[float]] = {}
-    for sample in samples:
-        if sample["kind"] == RESTORE:
-            sizes.setdefault(sample["tokens"], []).append(sample["seconds"])
-    return {tokens: statistics.median(seconds) for tokens, seconds in sorted(sizes.items())}
 
 
 async def read_document(
@@ -122,7 +107,7 @@ def _blocks(backend: VLLMBackend, tokens: int) -> int:
 
 async def measure_restores(
     backend: VLLMBackend, tokens: Callable[[int], list[int]], *, quick: bool = False
-) -> list[dict[str, float]]:
+) -> list[RestoreSample]:
     """Restore samples of documents of `tokens(n)` (sizes past the engine's window left out);
     none on an engine without a KV store. Each document is deleted after its sample."""
     if backend.kv_store is None:  # `calibrate_async` gives its engine a temporary one
@@ -137,15 +122,12 @@ async def measure_restores(
         for size in (s for s in sizes if s <= limit):
             restore = await _restored(backend, tokens(size), f"restore-{size}-{repeat}")
             samples.append(
-                {
-                    "kind": RESTORE,
-                    "tokens": size,
-                    "computed": restore.computed_tokens,
-                    "seconds": restore.seconds,
-                    # When and under what load, as a restore-only calibration adds these
-                    # samples to a profile measured at another time.
-                    "unix_time": time.time(),
-                    "load_1min": os.getloadavg()[0],
-                }
+                RestoreSample(
+                    tokens=size,
+                    computed=restore.computed_tokens,
+                    seconds=restore.seconds,
+                    unix_time=time.time(),
+                    load_1min=os.getloadavg()[0],
+                )
             )
     return samples
