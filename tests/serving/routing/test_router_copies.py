@@ -25,7 +25,12 @@ QUERY = "What is the night gate code?"
 
 
 async def router_over(*replicas: ScriptedReplica, **config: Any) -> WiMRouter:
-    settings = {"replica_wait_s": 0, "load_poll_interval_s": 3600, "placement": "wim", **config}
+    settings = {
+        "replica_wait_s": 0,
+        "load_poll_interval_s": 3600,
+        "placement": "expected_wait",
+        **config,
+    }
     router = WiMRouter(
         None,
         {"router": settings},
@@ -307,8 +312,8 @@ async def test_a_copy_opened_through_one_router_is_closed_by_a_delete_through_an
 ) -> None:
     a, b = ScriptedReplica("a"), ScriptedReplica("b")
     client = ScriptedClient(a, b, delay_s=0.005)
-    first, router = await routers.new(client=client, placement="wim")
-    second, _ = await routers.new(client=client, placement="wim")
+    first, router = await routers.new(client=client, placement="expected_wait")
+    second, _ = await routers.new(client=client, placement="expected_wait")
     document_id = (await open_document(first, context=TEXT))["document_id"]
     answers = await asyncio.gather(*(query(first, document_id) for _ in range(6)))
     assert all(r.status_code == 200 for r in answers)
@@ -327,8 +332,8 @@ async def test_two_routers_copying_a_document_onto_one_replica_leave_it_open(
     (it is the copy the first one sends queries to)."""
     a, b = ScriptedReplica("a"), ScriptedReplica("b")
     client = ScriptedClient(a, b, delay_s=0.005)
-    first, one = await routers.new(client=client, placement="wim")
-    _, two = await routers.new(client=client, placement="wim")
+    first, one = await routers.new(client=client, placement="expected_wait")
+    _, two = await routers.new(client=client, placement="expected_wait")
     await one.fleet.refresh_loads()
     await two.fleet.refresh_loads()
     document_id = (await open_document(first, context=TEXT))["document_id"]

@@ -139,7 +139,7 @@ async def sent_to(router: WiMRouter, prompt: list[int], params: PlainParams) -> 
 
 async def test_a_repeated_long_prefix_goes_back_to_its_replica_unless_it_is_busier() -> None:
     a, b = ScriptedReplica("a"), ScriptedReplica("b")
-    router = await router_over(a, b, placement="wim")
+    router = await router_over(a, b, placement="expected_wait")
     assert await sent_to(router, LONG_PROMPT, PARAMS) == "a"  # both idle: the first by name
     a.backlog_s = 0.05  # a little busy: fresh work would start sooner on b
     assert await sent_to(router, list(range(5000, 5200)), PARAMS) == "b"  # another prompt
