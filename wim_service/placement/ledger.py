@@ -159,11 +159,13 @@ class Ledger:
                 entry.bookings = {n: b for n, b in old.bookings.items() if n >= mark}
                 entry.lost = old.lost if old.lost is not None and old.lost >= mark else None
             self._replicas[report.replica] = entry
-        self._replicas = {r: e for r, e in self._replicas.items() if r in self.live}
-        self.prefixes = {
-            r: self.prefixes.get(r) or PrefixCache(e.report.capacity_blocks)
-            for r, e in self._replicas.items()
-        }
+        if self._replicas.keys() - self.live:
+            self._replicas = {r: e for r, e in self._replicas.items() if r in self.live}
+        if self.prefixes.keys() != self._replicas.keys():
+            self.prefixes = {
+                r: self.prefixes[r] if r in self.prefixes else PrefixCache(e.report.capacity_blocks)
+                for r, e in self._replicas.items()
+            }
 
     def load(self, replica: str) -> LoadReport | None:
         """`replica`'s report with the work booked and ended since (None: never reported)."""
@@ -172,6 +174,8 @@ class Ledger:
             return None
         counted = entry.bookings.values()
         report = entry.report
+        if not counted and not entry.ended_s and not entry.ended_running and entry.lost is None:
+            return report  # nothing since: as reported (`wim sim` asks this at every placement)
         return replace(
             report,
             reserved_blocks=report.reserved_blocks + sum(b.blocks for b in counted),

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from wim_service.placement.ledger import LoadReport
 from wim_service.placement.profile import EngineProfile
-from wim_service.placement.state import PrefixCache, ReplicaState
+from wim_service.placement.state import PrefixCache
 from wim_service.sim.traces import MOONCAKE_BLOCK_TOKENS
 
 
@@ -131,7 +132,6 @@ class Engine:
     _busy_until: float = 0.0
     _queued_s: float = 0.0  # estimates of the queued prefills and of booked jobs' later ones
     _decode_s: float = 0.0  # expected seconds to decode the batch, as of the last change
-    _documents: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.capacity_blocks = self.profile.kv_capacity_tokens // self.profile.block_tokens
@@ -140,15 +140,20 @@ class Engine:
 
     # -- what placement sees ------------------------------------------------------------
 
-    def state(self, now: float) -> ReplicaState:
-        return ReplicaState(
-            replica=f"r{self.index:02d}",
-            free_blocks=self.free_blocks,
-            free_sessions=self.slots - len(self.copies),
+    @property
+    def name(self) -> str:
+        return f"r{self.index:02d}"
+
+    def report(self, now: float) -> LoadReport:
+        """Its load as a live replica reports it (`ReplicaLoad`), exact as of `now`."""
+        return LoadReport(
+            self.name,
+            capacity_blocks=self.capacity_blocks,
+            reserved_blocks=self.capacity_blocks - self.free_blocks,
+            sessions=len(self.copies),
+            max_sessions=self.slots,
             backlog_s=self.backlog_s(now),
             running=len(self.batch),
-            documents=self._documents,
-            prefix_cache=self.cache,
         )
 
     def backlog_s(self, now: float) -> float:
@@ -179,7 +184,6 @@ class Engine:
             return None
         if copy_blocks:
             self.copies[document] = Copy(blocks=copy_blocks)
-            self._documents = frozenset(self.copies)
             self.free_blocks -= copy_blocks
             self._resize_cache()
         copy = self.copies[document]
@@ -216,7 +220,6 @@ class Engine:
         if copy is None or copy.active or now - copy.last_used_s < idle_s:
             return False
         del self.copies[document]
-        self._documents = frozenset(self.copies)
         self.free_blocks += copy.blocks
         self._resize_cache()
         return True

@@ -18,9 +18,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.policy import PlacementPolicy, make_policy
 from wim_service.placement.profile import EngineProfile
-from wim_service.placement.state import NoRoom
+from wim_service.placement.state import NoRoom, Work
 from wim_service.sim.engine import Engine
 from wim_service.sim.jobs import Job, read_work, work_for
 from wim_service.sim.settings import SimSettings
@@ -77,6 +78,10 @@ class Replay:
         profile = profile.for_store(settings.restore_copies)
         self.trace, self.profile, self.settings = trace, profile, settings
         self.policy: PlacementPolicy = make_policy(policy, profile, max_copies=settings.max_copies)
+        # Placement reads and books through the router's ledger; every engine reports before
+        # each placement, so nothing booked there outlives it, and the engines' own prefix
+        # caches, exact, stand for the router's estimates.
+        self.ledger = Ledger(self.policy, profile, estimate_prefixes=False)
         self.engines = [
             Engine(
                 i,
@@ -88,7 +93,8 @@ class Replay:
             )
             for i in range(replicas)
         ]
-        self.by_name = {f"r{i:02d}": engine for i, engine in enumerate(self.engines)}
+        self.by_name = {engine.name: engine for engine in self.engines}
+        self.ledger.prefixes = {engine.name: engine.cache for engine in self.engines}
         self.result = RunResult(
             policy, replicas, len(trace.requests), deadline_s=settings.deadline_s
         )
@@ -189,7 +195,7 @@ class Replay:
 
     def _place(self, job: Job, now: float) -> bool:
         try:
-            placement = self.policy.place(job.work, [e.state(now) for e in self.engines])
+            placement = self._booked(job.work, now).placement
         except NoRoom:
             if not self._reclaim(now):
                 return False
@@ -202,6 +208,13 @@ class Replay:
         self.result.copies_opened += placement.open_copy
         job.start(engine, now)
         return True
+
+    def _booked(self, work: Work, now: float) -> Booking:
+        """Where `work` runs, by the policy over every engine's report as of `now`."""
+        self.ledger.take_reports(self.by_name, [e.report(now) for e in self.engines])
+        document = work.document
+        holders = [e.name for e in self.engines if document is not None and document in e.copies]
+        return self.ledger.place(work, holders=holders)
 
     def _reclaim(self, now: float) -> int:
         """Retire every idle copy of a document that has another copy (the live router's
