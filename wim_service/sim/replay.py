@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from wim_service.placement.copies import CopyBook
 from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.policy import PlacementPolicy, make_policy
 from wim_service.placement.profile import EngineProfile
@@ -82,6 +83,9 @@ class Replay:
         # each placement, so nothing booked there outlives it, and the engines' own prefix
         # caches, exact, stand for the router's estimates.
         self.ledger = Ledger(self.policy, profile, estimate_prefixes=False)
+        # The copies opened beside sessions' primaries and the queries on each holder, kept as
+        # the router keeps its own (`DocumentCopies`): what a reclaim may close.
+        self.copies = CopyBook()
         self.engines = [
             Engine(
                 i,
@@ -125,6 +129,7 @@ class Replay:
             elif kind == RETRY:
                 self._submit(subject, now)
             elif subject.retire_if_idle(detail, now, self.settings.copy_idle_s - IDLE_SLACK_S):
+                self.copies.closed(detail, subject.name)
                 self.result.copies_retired += 1
         return self.result
 
@@ -206,6 +211,11 @@ class Replay:
         self._calls[engine.index] += 1
         job.copy = placement.open_copy
         self.result.copies_opened += placement.open_copy
+        document = job.work.document
+        if document is not None and not job.work.reads_only:  # a query, on a holder
+            if placement.open_copy:  # beside the session's primary, as the router's copies
+                self.copies.opened(document, engine.name, now)
+            self.copies.begin(document, engine.name)
         job.start(engine, now)
         return True
 
@@ -217,16 +227,18 @@ class Replay:
         return self.ledger.place(work, holders=holders)
 
     def _reclaim(self, now: float) -> int:
-        """Retire every idle copy of a document that has another copy (the live router's
-        `DocumentCopies.reclaim`): when no replica has room, a spare copy's KV and session
-        slot serve new work better than its document's next query would."""
+        """Retire every idle copy opened beside a session's primary (the live router's
+        `DocumentCopies.reclaim`, from the same book of copies): when no replica has room, a
+        spare copy's KV and session slot serve new work better than its document's next
+        query would."""
         holders = Counter(document for engine in self.engines for document in engine.copies)
         retired = 0
-        for engine in self.engines:
-            for document in list(engine.copies):
-                if holders[document] > 1 and engine.retire_if_idle(document, now, 0.0):
-                    holders[document] -= 1
-                    retired += 1
+        for document, name in self.copies.idle(now, 0.0):
+            # Never a document's last holder: one whose primary went idle keeps a copy.
+            if holders[document] > 1 and self.by_name[name].retire_if_idle(document, now, 0.0):
+                self.copies.closed(document, name)
+                holders[document] -= 1
+                retired += 1
         self.result.copies_retired += retired
         self.result.copies_reclaimed += retired
         return retired
@@ -247,6 +259,8 @@ class Replay:
         )
         self._calls[engine.index] -= 1
         document = job.work.document
+        if document is not None:
+            self.copies.end(document, engine.name, now)
         if document is not None and not engine.copies[document].active:
             self._push(now + self.settings.copy_idle_s, RETIRE, engine, document)
 
