@@ -35,17 +35,18 @@ class WatchedClient(CallsByName):
     def __init__(self, inner: ReplicaClient) -> None:
         self.inner = inner
         self.in_flight = inner.in_flight
-        # replica -> set when the calls open on it now are to end (a new one for later calls)
-        self._verdicts: dict[str, asyncio.Event] = {}
+        # replica -> the verdicts its open calls wait on, one per call, made on the call's own
+        # event loop (an Event kept across calls binds to the loop that first waits on it)
+        self._verdicts: dict[str, set[asyncio.Future[None]]] = {}
 
     async def live_replicas(self) -> frozenset[str]:
         return await self.inner.live_replicas()
 
     def condemn(self, replica: str) -> None:
         """End every call open on `replica` with `ReplicaSilent`; calls made later run."""
-        verdict = self._verdicts.pop(replica, None)
-        if verdict is not None:
-            verdict.set()
+        for verdict in self._verdicts.pop(replica, set()):
+            if not verdict.done():
+                verdict.set_result(None)
 
     async def call(self, replica: str, method: str, *args: Any) -> Any:
         return await self._watched(replica, getattr(self.inner.replica(replica), method)(*args))
@@ -64,19 +65,19 @@ class WatchedClient(CallsByName):
                 await aclose()
 
     async def _watched(self, replica: str, awaitable: Awaitable[T]) -> T:
-        verdict = self._verdicts.setdefault(replica, asyncio.Event())
+        verdict: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._verdicts.setdefault(replica, set()).add(verdict)
         call = asyncio.ensure_future(awaitable)
-        condemned = asyncio.ensure_future(verdict.wait())
         try:
-            await asyncio.wait((call, condemned), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((call, verdict), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            condemned.cancel()
+            self._verdicts.get(replica, set()).discard(verdict)
             if not call.done():
                 call.cancel()
                 # Its cleanup runs first (a stream's generator is idle again, a Serve call is
                 # cancelled on its replica), whether the verdict or our own caller ended it.
                 await asyncio.wait((call,))
-        if call.cancelled() and verdict.is_set():
+        if call.cancelled() and verdict.done() and not verdict.cancelled():
             silent = TimeoutError(f"engine replica {replica} stopped answering its load calls")
             raise ReplicaSilent(replica, silent) from silent
         return call.result()
