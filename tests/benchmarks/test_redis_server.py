@@ -40,3 +40,18 @@ def test_a_given_redis_is_used_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None
     with redis_url() as url:
         assert url == "redis://example.invalid:6379/3"
         assert {p.pid for p in _redis_children()} == before
+
+
+def test_without_any_redis_the_store_benchmark_says_what_to_set(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No `WIM_REDIS_URL` and no redis-server to start: `wim bench --store` says what to set,
+    one line on stderr and status 1, after the in-process store's figures."""
+    from wim_service.cli import main
+
+    monkeypatch.delenv("WIM_REDIS_URL", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert main(["bench", "--store"]) == 1
+    out, err = capsys.readouterr()
+    assert "in-process store p50 / p99" in out
+    assert err == "wim bench: set WIM_REDIS_URL or install redis-server\n"

@@ -73,6 +73,10 @@ class StandInReplicas(CallsByName):
         yield  # pragma: no cover
 
 
+class NoRedis(RuntimeError):
+    """Neither `WIM_REDIS_URL` nor a redis-server binary to start one: no Redis to measure."""
+
+
 @contextlib.contextmanager
 def redis_url() -> Iterator[str]:
     """`WIM_REDIS_URL`, or a redis-server of our own on a free loopback port."""
@@ -81,7 +85,7 @@ def redis_url() -> Iterator[str]:
         return
     binary = shutil.which("redis-server")
     if binary is None:
-        raise SystemExit("wim bench: set WIM_REDIS_URL or install redis-server")
+        raise NoRedis("set WIM_REDIS_URL or install redis-server")
     with tempfile.TemporaryDirectory(prefix="wim-bench-redis-") as workdir:
         server = RedisServer(binary, Path(workdir)).start()
         try:

@@ -5,6 +5,7 @@ session store's, `--kv-restore` a restore against a re-read (docs/benchmarks.md)
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from wim_service.benchmarks.common import DEFAULT_DOCUMENT, BenchSettings
@@ -88,9 +89,13 @@ def main(args: argparse.Namespace) -> int:
 
         return run_command(run_restore_bench(settings))
     if args.store:
-        from wim_service.benchmarks.store import run_store_bench
+        from wim_service.benchmarks.store import NoRedis, run_store_bench
 
-        return run_command(run_store_bench())
+        try:
+            return run_command(run_store_bench())
+        except NoRedis as exc:
+            print(f"wim bench: {exc}", file=sys.stderr)
+            return 1
     if args.serving:
         from wim_service.benchmarks.service import run_serving_bench
 
