@@ -52,7 +52,7 @@ def _sha256(path: Path) -> str:
 def default_model_dir() -> Path:
     """Return the converted default model folder, converting it first if needed."""
     source = gguf_path()
-    # Hashing 98 MB costs ~0.2 s; keyed on size+mtime so repeated starts skip it.
+    # Keyed on size+mtime so that repeated starts skip hashing the whole file again.
     stat = source.stat()
     stamp = cache_dir() / f"gguf-{stat.st_size}-{int(stat.st_mtime)}.sha256"
     if stamp.is_file():

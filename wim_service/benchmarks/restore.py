@@ -32,7 +32,8 @@ from wim_service.wim.backend import StoredDocument
 if TYPE_CHECKING:
     from wim_service.engine.vllm_engine import VLLMBackend
 
-# The document: a 4,096-token re-read is what the shipped profile puts at 6.4 s.
+# The document: a re-read of 4,096 tokens takes seconds in the shipped profile
+# (docs/kv-store.md).
 DOCUMENT_TOKENS = 4096
 
 

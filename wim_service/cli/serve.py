@@ -39,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     """Run `serve run CONFIG` (so the config's deployments apply) until a signal stops it.
 
     A child rather than an `exec`: `serve run` ended by SIGTERM leaves Ray's processes and
-    the replicas' engines behind, and on Ctrl-C takes ~10 s to shut down; `run_subprocess`
+    the replicas' engines behind, and on Ctrl-C takes seconds to shut down; `run_subprocess`
     turns either signal into its Ctrl-C and kills whatever it has not ended in time."""
     from wim_service.assets.default_model import default_model_dir
     from wim_service.assets.punkt import punkt_data_dir

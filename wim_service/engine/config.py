@@ -19,8 +19,8 @@ from pydantic.fields import FieldInfo
 
 Dtype = Literal["bfloat16", "float32", "float16", "auto"]
 # CPU features that compute bfloat16 in hardware (Linux /proc/cpuinfo flag names). Without them
-# PyTorch emulates bfloat16 matrix products: a WiM job on a 2-core AVX2-only AMD EPYC took 6x as
-# long in bfloat16 as in float32 (38.8 s against 6.4 s).
+# PyTorch emulates bfloat16 matrix products, several times slower than float32 (the run that
+# measured it: docs/deploy.md, "On one machine").
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
@@ -98,8 +98,8 @@ class EngineConfig(BaseModel):
     zero_purged_blocks: bool = Field(
         True,
         description="overwrite a closed session's KV blocks with zeros when they are purged, so "
-        "no document data stays in KV memory (measured on a 2-core CPU: +20 ms to close a "
-        "3,000-token session, reading it took 15-30 s; docs/security.md)",
+        "no document data stays in KV memory (its cost, measured: docs/security.md, "
+        '"Data retention")',
     )
     kv_store: str | None = Field(
         None,

@@ -84,7 +84,7 @@ def split_document(text: str) -> tuple[str, str]:
     """(the text between `<document>` delimiters, the rest of `text`).
 
     One left-to-right scan, linear in the text: it runs on the router's event loop, where a
-    backtracking regex was quadratic on repeated openings (80 KB of `<document>` took 5.4 s).
+    backtracking regex was quadratic on repeated openings (seconds for a long run of them).
     Each opening pairs with the first closing after it; an opening without one is text.
     """
     blocks: list[str] = []

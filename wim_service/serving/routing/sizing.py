@@ -36,8 +36,8 @@ class JobSizer:
         return _tokenizer(Path(self.engine.model or default_model_dir()))
 
     def warm_up(self) -> None:
-        """Load what the first job would (the tokenizer, the sentence splitter): 7 s of CPU
-        on the development machine, which the first request after a start waited for."""
+        """Load what the first job would (the tokenizer, the sentence splitter): seconds of
+        CPU, which the first request after a start would otherwise wait for."""
         self._shape("A first sentence. A second one.", WiMOptions(), "What is said?")
 
     def _shape(self, text: str, options: WiMOptions, query: str | None) -> JobShape:
