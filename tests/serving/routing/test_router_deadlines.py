@@ -53,6 +53,10 @@ class Silent(FakeReplica):
         await self.answering.wait()
         return await super().load()
 
+    async def claim(self, document_ids: list[str], orphan_timeout_s: float) -> int:
+        await self.answering.wait()
+        return await super().claim(document_ids, orphan_timeout_s)
+
     async def query_document(
         self, document_id: str, query: str, options: WiMOptions
     ) -> AsyncIterator[WiMEvent]:
@@ -147,8 +151,10 @@ async def test_a_condemned_replica_ends_the_calls_open_on_it_and_no_later_one() 
 
 def test_a_query_with_no_replica_left_is_503_with_retry_after_in_the_routes_shape() -> None:
     a = Silent("a")
-    # Polled often, so that the silence is found while the request waits.
-    router = router_over(a, load_poll_interval_s=0.05)
+    # Polled often, so that the silence is found while the request waits. Past the first
+    # poll's wait (1 s), so that the maintenance loop's claim waits on the silent replica
+    # before the silence is found: it must not hold the polls back.
+    router = router_over(a, load_poll_interval_s=0.05, replica_silence_s=1.5)
     client = TestClient(build_http_app(router))
     with client:
         opened = client.post("/documents", json={"context": DOCUMENT})

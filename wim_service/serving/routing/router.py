@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 # more is usual; faster scrapes share one fetch).
 METRICS_MAX_AGE_S = 5.0
 KV_STORE_MEASURE_S = 15.0
+# A replica's claim call is given up after this long (`_claim_documents`).
+CLAIM_TIMEOUT_S = 5.0
 
 
 class WiMRouter:
@@ -173,7 +175,18 @@ class WiMRouter:
 
     async def _maintain(self) -> None:
         # Each step on its own: a store that is down must not stop the claims (or the loads).
+        # The loads poll on a turn of their own: the other steps call replicas, and a call to
+        # an engine that died while the GCS is down waits until a poll takes it for lost
+        # (`ReplicaFleet._condemn_silent`), which a turn shared with it would never reach.
         steps = self._maintenance_steps()
+        loads = {"loads": steps.pop("loads")}
+        polls = asyncio.get_running_loop().create_task(self._maintenance_turns(loads))
+        try:
+            await self._maintenance_turns(steps)
+        finally:
+            polls.cancel()
+
+    async def _maintenance_turns(self, steps: dict[str, Callable[[], Awaitable[object]]]) -> None:
         while True:
             for name, step in steps.items():
                 await self._maintenance_step(name, step)
@@ -208,8 +221,13 @@ class WiMRouter:
                 if replica in held:
                     held[replica].append(session.session_id)
         timeout = self.config.router.orphan_timeout_s
+        # A claim is answered from memory; one that does not come is retried next turn (a
+        # replica reaps only after `orphan_timeout_s`), not waited for.
         await asyncio.gather(
-            *(self.client.replica(r).claim(ids, timeout) for r, ids in held.items()),
+            *(
+                asyncio.wait_for(self.client.replica(r).claim(ids, timeout), CLAIM_TIMEOUT_S)
+                for r, ids in held.items()
+            ),
             return_exceptions=True,
         )
 
