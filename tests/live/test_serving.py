@@ -43,6 +43,7 @@ from tests.harness.live_stack import (
 pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800)]
 
 LIVE_APP = MAIN
+MAINTENANCE = "wim_maintenance_failures_total"
 MARKER = "Zebulon Quartermaine hid the brass key under the ninth flagstone."
 
 
@@ -145,7 +146,7 @@ def test_document_session_is_pinned_and_reuses_its_kv(client: httpx.Client, repo
 def test_a_hot_document_is_copied_to_the_second_replica_and_both_answer(
     client: httpx.Client, report: str
 ) -> None:
-    """`placement: wim` (the default): queries at once on one document make
+    """`placement: expected_wait` (the default): queries at once on one document make
     its replica busier than reading a copy on the other; both then answer its queries, and
     DELETE closes both copies."""
     opened = metric(client, "wim_document_copies_opened_total")
@@ -255,12 +256,17 @@ def test_a_full_service_answers_429_then_recovers(client: httpx.Client, short_re
 
 
 def test_metrics_are_exported_and_move(client: httpx.Client, report: str) -> None:
-    from wim_service.serving.observability.metrics import METRIC_NAMES
+    from wim_service.serving.observability.metrics import MAINTENANCE_STEPS, METRIC_NAMES
 
     text = client.get("/metrics").text
     for name in METRIC_NAMES:
         assert f"# TYPE {name.removesuffix('_total')} " in text or f"# TYPE {name} " in text, name
     assert "doc-" not in text  # no document ids in metrics
+    # Each maintenance step's failures are counted from 0, so an alert's increase() sees the
+    # first one (serving/observability/metrics.py).
+    maintenance = [line for line in text.splitlines() if line.startswith(MAINTENANCE + "{")]
+    for step in MAINTENANCE_STEPS:
+        assert any(f'step="{step}"' in line for line in maintenance), step
     moving = {
         ("wim_requests_total", (("status", "200"),)): 1,
         ("wim_session_binding_total", (("result", "new"),)): 1,
