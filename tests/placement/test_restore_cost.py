@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests.fakes.replicas import FakeReplica
-from tests.serving.routing.test_router_logic import make_service
+from tests.fakes.router import make_service
 from tests.sim.test_sim import PROFILE as SIM_PROFILE
 from tests.sim.test_sim import doc_row, document_trace
 from wim_service.cli import main

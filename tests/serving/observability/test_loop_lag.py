@@ -10,7 +10,7 @@ import time
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.fakes.replicas import FakeReplica
-from tests.serving.routing.test_router_logic import make_service, metric
+from tests.fakes.router import make_service, metric
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
 from wim_service.serving.observability.metrics import event_loop_lag
 

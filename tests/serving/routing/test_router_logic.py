@@ -20,6 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica, job_events
+from tests.fakes.router import UnnoticedDeaths, make_service, metric
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.state import Work
 from wim_service.serving.errors import ServiceError
@@ -30,7 +31,6 @@ from wim_service.serving.replica.protocol import NamedReplica, ReplicaProtocol
 from wim_service.serving.routing.progress import StreamProgress
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.routing.sizing import JobSizer
-from wim_service.serving.store import StoredSession
 from wim_service.wim.events import (
     AnswerEvent,
     DoneEvent,
@@ -121,23 +121,6 @@ async def test_a_named_replica_sends_each_call_by_its_own_name() -> None:
         ("a", "complete", ([1, 2], params)),
         ("a", "query_document", ("d", "q?", options)),
     ]
-
-
-def make_service(*replicas: FakeReplica, **router: Any) -> tuple[TestClient, WiMRouter]:
-    # Every scrape renders at once: the tests read the metrics right after what moves them.
-    config = {"router": {"replica_wait_s": 0, "metrics_interval_s": 0, **router}}
-    wim_router = WiMRouter(None, config, client=FakeClient(*replicas), http_host="127.0.0.1")
-    return TestClient(build_http_app(wim_router)), wim_router
-
-
-def metric(client: TestClient, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_one_shot_job_answers_with_margins_and_unbinds() -> None:
@@ -251,57 +234,6 @@ def test_sessions_go_where_they_start_soonest_under_expected_wait() -> None:
     assert replicas == ["b", "b"]
 
 
-def test_losing_the_pinned_replica_mid_query_rebuilds_the_session_elsewhere() -> None:
-    a, b = FakeReplica("a"), FakeReplica("b", capacity=1_000)
-    client, router = make_service(a, b)
-    document = client.post("/documents", json={"context": DOCUMENT}).json()
-    assert document["replica"] == "a"
-    a.die_after = 4  # two segments and two margins streamed, then the actor dies
-    body = {"document_id": document["document_id"], "query": "q", "stream": True}
-    with client.stream("POST", "/wim", json=body) as response:
-        assert response.status_code == 200
-        text = "".join(response.iter_text())
-    events = [(k, json.loads(d)) for k, d in re.findall(r"event: (\w+)\ndata: (.*)\n\n", text)]
-    kinds = [k for k, _ in events]
-    # No segment or margin is sent twice, nothing is lost, and the answer is whole.
-    assert [d["segment"] for k, d in events if k == "segment"] == [0, 1, 2]
-    assert [d["segment"] for k, d in events if k == "margin"] == [0, 1, 2]
-    assert "".join(d["text"] for k, d in events if k == "answer") == "The code is 4417."
-    assert kinds[-1] == "done" and events[-1][1]["replica"] == "b"
-    work = [call for call in b.calls if call not in ("load", "claim")]
-    assert work[:2] == ["open_document", "query_document"]  # rebuilt, then asked
-    moved = asyncio.run(router.documents.get(document["document_id"]))
-    assert moved is not None and moved.replica == "b"
-    assert metric(client, "wim_session_failover_total", reason="replica_lost") == 1
-    assert metric(client, "wim_reprefill_tokens_total") == len(DOCUMENT) // 4
-    again = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
-    assert again.json()["replica"] == "b"
-
-
-class UnnoticedDeaths(FakeClient):
-    """Serve still routes to a dead replica (its controller has not noticed yet)."""
-
-    async def live_replicas(self) -> frozenset[str]:
-        return frozenset(self.replicas)
-
-
-def test_a_replica_lost_mid_query_takes_no_new_session_while_serve_still_lists_it() -> None:
-    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
-    router = WiMRouter(
-        None, {"router": {"replica_wait_s": 0}}, client=UnnoticedDeaths(a, b), http_host="::1"
-    )
-    client = TestClient(build_http_app(router))
-    document_id = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
-    a.dead = True
-    moved = client.post("/wim", json={"document_id": document_id, "query": "q"})
-    assert moved.json()["replica"] == "b"
-    # a's load polls fail now and its last report stays: only the failover condemned it.
-    assert client.post("/documents", json={"context": DOCUMENT}).json()["replica"] == "b"
-    assert client.post("/wim", json={"context": DOCUMENT, "query": "q"}).json()["replica"] == "b"
-    assert metric(client, "wim_session_failover_total", reason="replica_lost") == 1
-    assert router.fleet.ready() == ["b"]
-
-
 async def test_a_replica_that_does_not_answer_holds_back_no_other_replicas_report() -> None:
     """A node that is gone leaves its replica's load call hanging (until LOAD_TIMEOUT_S): a
     poll takes the others' reports within POLL_WAIT_S meanwhile, keeps the silent replica's
@@ -350,108 +282,6 @@ async def test_a_router_says_when_its_cost_profile_is_not_of_its_engines_dtype(
     (warning,) = warnings
     assert "measured in bfloat16, the engines run float32 (replica a)" in warning
     router.shutdown()
-
-
-def moves(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage() for r in caplog.records if r.name == "wim_service.serving.routing.failover"
-    ]
-
-
-def test_a_session_whose_replica_left_is_rebuilt_before_its_query(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
-    client, router = make_service(a, b)
-    document_id = client.post("/documents", json={"context": DOCUMENT}).json()["document_id"]
-    a.dead = True
-    asyncio.run(router.fleet.refresh_loads())  # Serve no longer routes to a
-    caplog.set_level(logging.INFO, logger="wim_service.serving.routing.failover")
-    answer = client.post("/wim", json={"document_id": document_id, "query": "q"})
-    assert answer.status_code == 200 and answer.json()["replica"] == "b"
-    assert [c for c in b.calls if c not in ("load", "claim")] == [
-        "open_document",
-        "query_document",
-    ]
-    moved = asyncio.run(router.documents.get(document_id))
-    assert moved is not None and moved.replica == "b"
-    assert metric(client, "wim_session_failover_total", reason="replica_left") == 1
-    assert metric(client, "wim_session_failover_total", reason="replica_lost") == 0
-    assert metric(client, "wim_session_binding_total", result="repin") == 1
-    assert metric(client, "wim_session_binding_total", result="hit") == 0
-    assert metric(client, "wim_reprefill_tokens_total") == len(DOCUMENT) // 4
-    # The move is logged with its replicas and reason, never with the document's id.
-    assert moves(caplog) == ["a document session moved a -> b (replica_left)"]
-    assert document_id not in caplog.text
-
-
-def test_a_session_bound_to_no_replica_is_read_on_its_first_query(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    client, router = make_service(FakeReplica("a"))
-    # Stored unbound (as another router's store may hold it): no replica was lost.
-    unbound = StoredSession("doc-unbound", WiMOptions(), ttl_s=600.0)
-    asyncio.run(router.documents.add(unbound, DOCUMENT))
-    caplog.set_level(logging.INFO, logger="wim_service.serving.routing.failover")
-    answer = client.post("/wim", json={"document_id": "doc-unbound", "query": "q"})
-    assert answer.status_code == 200 and answer.json()["replica"] == "a"
-    bound = asyncio.run(router.documents.get("doc-unbound"))
-    assert bound is not None and bound.replica == "a"
-    assert metric(client, "wim_session_failover_total") == 0
-    assert metric(client, "wim_session_binding_total", result="repin") == 1
-    assert moves(caplog) == ["a document session moved None -> a (session_lost)"]
-
-
-def test_a_replica_that_forgot_the_session_gets_it_rebuilt() -> None:
-    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
-    client, _ = make_service(a, b)
-    document = client.post("/documents", json={"context": DOCUMENT}).json()
-    a.documents.clear()  # the replica restarted
-    response = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
-    assert response.status_code == 200
-    assert a.calls.count("open_document") + b.calls.count("open_document") == 2
-
-
-def test_a_sole_replica_that_forgot_the_session_rebuilds_it_at_once() -> None:
-    """A replica that answers "not here" (restarted, or another router closed that copy) is
-    alive: the session is read again, there if need be, and the replica keeps taking work.
-    Taken for lost, it was excluded from the rebuild: with no other replica up, the query
-    waited `replica_wait_s` (0 here) for one and then answered 503."""
-    a = FakeReplica("a")
-    client, router = make_service(a)
-    document = client.post("/documents", json={"context": DOCUMENT}).json()
-    a.documents.clear()
-    response = client.post("/wim", json={"document_id": document["document_id"], "query": "q"})
-    assert response.status_code == 200, response.text
-    assert response.json()["replica"] == "a" and a.calls.count("open_document") == 2
-    assert router.fleet.ledger.is_live("a") and router.fleet.ready() == ["a"]
-    assert metric(client, "wim_session_failover_total", reason="session_missing") == 1
-    assert metric(client, "wim_session_failover_total", reason="replica_lost") == 0
-
-
-def test_one_shot_job_fails_over_and_gives_up_after_max_failovers() -> None:
-    a, b = FakeReplica("a", capacity=100_000), FakeReplica("b")
-    a.die_after = 1
-    client, _ = make_service(a, b)
-    moved = client.post("/wim", json={"context": DOCUMENT, "query": "q"})
-    assert moved.status_code == 200 and moved.json()["replica"] == "b"
-    assert metric(client, "wim_session_binding_total", result="repin") == 1
-
-    # Two losses with max_failovers 1: the job gives up, though a healthy replica is left.
-    c, d, e = (
-        FakeReplica("c", capacity=100_000),
-        FakeReplica("d", capacity=50_000),
-        FakeReplica("e"),
-    )
-    c.die_after = d.die_after = 0
-    failing, _ = make_service(c, d, e, max_failovers=1)
-    response = failing.post("/wim", json={"context": DOCUMENT, "query": "q"})
-    # Replicas lost, not a bad request: retryable.
-    assert response.status_code == 503 and response.headers["retry-after"] == "5", response.text
-    message = response.json()["message"]
-    assert message.startswith("engine replicas kept failing") and "RuntimeError" not in message
-    assert [r.calls.count("run") for r in (c, d, e)] == [1, 1, 0]
-    assert metric(failing, "wim_session_binding_total", result="repin") == 1
 
 
 class ScriptedClient(FakeClient):

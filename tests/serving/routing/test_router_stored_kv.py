@@ -11,7 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.fakes.replicas import DOCUMENT, FakeReplica
-from tests.serving.routing.test_router_logic import make_service, metric
+from tests.fakes.router import make_service, metric
 from wim_service.engine.kv_transfer.documents import DocumentKV
 from wim_service.engine.kv_transfer.keys import KVCipher
 from wim_service.engine.kv_transfer.store import DirectoryKVStore
