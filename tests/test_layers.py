@@ -251,3 +251,17 @@ def test_modules_and_functions_stay_small() -> None:
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{where}:{node.lineno} {node.name}: {length} lines")
     assert too_long == []
+
+
+MAX_TEST_MODULE_LINES = 600
+
+
+def test_test_modules_stay_small() -> None:
+    """A test module past 600 lines tests more than one behaviour: split it by behaviour, in
+    the directory of the package whose code it tests (docs/testing.md)."""
+    too_long = [
+        f"{path.relative_to(ROOT)}: {lines} lines"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_TEST_MODULE_LINES
+    ]
+    assert too_long == []
