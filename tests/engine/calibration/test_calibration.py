@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from wim_service.engine.calibration.fit import (
     predicted,
     refit,
 )
+from wim_service.engine.calibration.probe import Probe
 from wim_service.engine.calibration.queries import QUERY_PLACES, query_document
 from wim_service.engine.calibration.run import margin_prompt_tokens
 from wim_service.placement.profile import (
@@ -226,3 +229,17 @@ async def test_quick_calibration_of_a_real_engine(engine, model_dir) -> None:
     assert profile.max_batch == TEST_ENGINE.max_num_seqs
     assert profile.dtype == "float32" and 0 < profile.margin_prompt_tokens < 200
     assert EngineProfile.model_validate_json(profile.model_dump_json()) == profile
+
+
+async def test_a_decode_batch_without_a_shared_step_is_no_sample() -> None:
+    """A batch whose sequences never decode side by side (one ended before the last one
+    started, as on a loaded machine) gives no step time to record: no sample, not a NaN."""
+    vocab = SimpleNamespace(get_vocab_size=lambda: 50_000)
+    probe = Probe(cast(Any, SimpleNamespace(engine=SimpleNamespace(model_config=vocab))))
+    turns = iter([(0.1, [0.1], 0), (0.5, [1.0, 2.0], 0), (2.5, [3.0, 4.0], 0)])
+
+    async def run(prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+        return next(turns)
+
+    probe.run = run  # type: ignore[method-assign]
+    assert await probe.decode(2, 200, 2) is None

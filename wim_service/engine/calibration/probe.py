@@ -121,8 +121,9 @@ class Probe:
         seconds, _, hit = await self.run(prefix + self.tokens(new), 1)
         return PrefillSample(new=len(prefix) + new - hit, cached=hit, seconds=seconds)
 
-    async def decode(self, batch: int, context: int, tokens: int) -> DecodeSample:
-        """One decode sample: `batch` sequences over a shared `context`-token prefix."""
+    async def decode(self, batch: int, context: int, tokens: int) -> DecodeSample | None:
+        """One decode sample: `batch` sequences over a shared `context`-token prefix; None
+        when no step had every sequence decoding (nothing to time)."""
         prefix = self.tokens(max(0, context - DECODE_SUFFIX))
         if prefix:
             await self.run(prefix, 1)
@@ -133,9 +134,11 @@ class Probe:
         # Every sequence decodes between the last one's first token and the first one's end.
         start, end = max(t[0] for t in arrivals), min(t[-1] for t in arrivals)
         steps = sum(start < t <= end for t in arrivals[0])
-        step = (end - start) / steps if steps else float("nan")
+        if not steps:
+            return None
         mean_length = len(prefix) + DECODE_SUFFIX + tokens / 2
-        return DecodeSample(batch=batch, context=batch * mean_length, seconds=step, steps=steps)
+        seconds = (end - start) / steps
+        return DecodeSample(batch=batch, context=batch * mean_length, seconds=seconds, steps=steps)
 
 
 async def measure(backend: VLLMBackend, plan: Plan) -> list[Sample]:
@@ -155,6 +158,6 @@ async def measure(backend: VLLMBackend, plan: Plan) -> list[Sample]:
             for batch in plan.decode_batches:
                 if context + plan.decode_tokens <= limit:
                     sample = await probe.decode(batch, context, plan.decode_tokens)
-                    if sample.steps > 0:
+                    if sample is not None:
                         samples.append(sample)
     return samples
