@@ -12,7 +12,7 @@ the scheduler can hand them to another request.
 It runs inside the engine-core process (vLLM loads it by name from `scheduler_cls`); importing
 this module also registers utility methods (`wim_*`) on `EngineCore`, callable from the front end
 with `engine_core.call_utility_async(name, ...)`. These use private vLLM members; the vLLM
-version is pinned and `tests/engine/test_vllm_engine.py` and `tests/wim/test_trust_engine.py`
+version is pinned and `tests/engine/test_vllm_engine.py` and `tests/wim/test_jobs_give_back.py`
 exercise every one of them.
 """
 

@@ -1,5 +1,5 @@
 """An engine replica's document sessions: which are reaped as orphans, and what closing one
-under a running query does (fake backend, no engine; `tests/wim/test_trust_engine.py` closes one
+under a running query does (fake backend, no engine; `tests/wim/test_jobs_give_back.py` closes one
 on the real engine)."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 from tests.fakes.replicas import FakeReplica
 from tests.fakes.router import metric
 from tests.serving.routing.test_recent import Counting
-from tests.serving.routing.test_router_trust import ACME, service
+from tests.serving.routing.test_router_access import ACME, service
 from wim_service.serving.observability.metrics import BINDING_RESULTS
 from wim_service.serving.routing import router as router_module
 from wim_service.serving.routing.bindings import BindResult

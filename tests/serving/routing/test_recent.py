@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from tests.fakes.replicas import FakeReplica
-from tests.serving.routing.test_router_trust import service
+from tests.serving.routing.test_router_access import service
 from wim_service.serving.routing.recent import Recent
 
 

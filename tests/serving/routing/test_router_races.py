@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica, SlowReader, job_events
 from tests.fakes.router import metric
-from tests.serving.routing.test_router_trust import service
+from tests.serving.routing.test_router_access import service
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.replica.client import ReplicaLost

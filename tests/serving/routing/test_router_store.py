@@ -23,7 +23,7 @@ import pytest
 
 from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica
 from tests.harness.redis_server import RedisServer, redis_binary
-from tests.serving.routing.test_router_trust import ACME, KEYS
+from tests.serving.routing.test_router_access import ACME, KEYS
 from wim_service.engine.config import EngineConfig
 from wim_service.serving.config import StoreConfig
 from wim_service.serving.ingress import build_http_app

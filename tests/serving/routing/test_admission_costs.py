@@ -26,7 +26,7 @@ from redis._parsers.base import BaseParser as _Parser
 from tests.fakes.fake_service import ScriptedClient, ScriptedReplica
 from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica
 from tests.harness.redis_server import RedisServer, redis_binary
-from tests.serving.routing.test_router_trust import service
+from tests.serving.routing.test_router_access import service
 from tests.serving.store.test_session_store import TEXT, redis_config, session
 from wim_service.engine.admission import AdmissionLoad
 from wim_service.engine.config import EngineConfig
