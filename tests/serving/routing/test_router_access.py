@@ -1,5 +1,6 @@
-"""Access control, tenant limits, edge limits, deadlines and races of the router, over fake
-replicas (no Ray, no engine). The real-stack versions are in tests/test_serving_faults.py."""
+"""Access control, tenant limits and edge limits of the router, over fake replicas (no Ray,
+no engine). Its deadlines and races are in test_router_races.py; the real-stack versions of
+both in tests/live/ (test_hostile.py, test_serving.py)."""
 
 from __future__ import annotations
 
