@@ -75,6 +75,19 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="KV tokens per replica instead of the profile's (what a bigger KV cache would do)",
     )
+    _add_session_arguments(group)
+    _add_copy_arguments(group)
+    _add_admission_arguments(group)
+    group.add_argument(
+        "--backlog",
+        choices=["prefill+decode", "prefill"],
+        default="prefill+decode",
+        help="what a replica's backlog counts for placement: booked prefills and the batch's "
+        "decode left, or the prefills only (%(default)s)",
+    )
+
+
+def _add_session_arguments(group: argparse._ArgumentGroup) -> None:
     d = SIM_DEFAULTS
     group.add_argument(
         "--slots", type=int, default=d.slots, help="session slots per replica (%(default)s)"
@@ -96,15 +109,6 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.margin_tokens,
         help="tokens decoded per margin (%(default)s)",
-    )
-    _add_copy_arguments(group)
-    _add_admission_arguments(group)
-    group.add_argument(
-        "--backlog",
-        choices=["prefill+decode", "prefill"],
-        default="prefill+decode",
-        help="what a replica's backlog counts for placement: booked prefills and the batch's "
-        "decode left, or the prefills only (%(default)s)",
     )
 
 

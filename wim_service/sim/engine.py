@@ -13,7 +13,6 @@ steps' costs sum in closed form, so one heap event covers many steps.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -306,7 +305,3 @@ class Engine:
     def _at(self, time: float) -> None:
         self.version += 1
         self.schedule(self, time)
-
-
-def blocks_for(tokens: int, block_tokens: int) -> int:
-    return math.ceil(tokens / block_tokens)
