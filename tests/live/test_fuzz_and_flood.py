@@ -22,7 +22,11 @@ from tests.harness.live_stack import (
     auth,
     serve_log_failures,
 )
-from tests.live.test_hostile import assert_recovered, problems_of
+from tests.live.test_hostile import (
+    assert_recovered,
+    client,  # noqa: F401
+    problems_of,
+)
 
 pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800)]
 LIVE_APP = MAIN
@@ -55,7 +59,7 @@ def tame(body: Any) -> None:
 
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(
-    client: httpx.Client,
+    client: httpx.Client,  # noqa: F811
 ) -> None:
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
@@ -132,7 +136,10 @@ FLOOD_JOBS = 60
 FLOOD_CLIENT_DEADLINE_S = 45
 
 
-def test_a_flood_beyond_capacity_gets_only_2xx_429_503(client: httpx.Client, report: str) -> None:
+def test_a_flood_beyond_capacity_gets_only_2xx_429_503(
+    client: httpx.Client,  # noqa: F811
+    report: str,
+) -> None:
     """60 concurrent one-shot jobs on the report (a replica holds 4 sessions): each is
     answered, refused for capacity (429) or for waiting too long (503), or given up by its
     client; nothing else, and nothing stays reserved."""

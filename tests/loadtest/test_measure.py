@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.loadtest.test_deploy_loadtest import LOADTEST, ROOT, StubService, serve
+from tests.loadtest.test_deploy_loadtest import (
+    LOADTEST,
+    ROOT,
+    StubService,
+    serve,
+    stub,  # noqa: F401
+)
 
 FIXTURES = ROOT / "tests" / "data" / "loadtest"
 
@@ -104,7 +110,9 @@ def test_measure_refuses_bad_options_before_starting_anything(
 
 
 def test_measure_refuses_a_port_in_use(
-    measure: Any, stub: tuple[str, type[StubService]], capsys: pytest.CaptureFixture[str]
+    measure: Any,
+    stub: tuple[str, type[StubService]],  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     port = stub[0].rsplit(":", 1)[1]
     with pytest.raises(SystemExit):
