@@ -474,6 +474,7 @@ def test_without_room_an_idle_spare_copy_makes_room(tmp_path: Path) -> None:
     # a kept one copy, and b's session took the other's place: a's next query reads none.
     assert result.copies_opened == 3
     assert a_again.first_token_s - 61 < b.first_token_s - 60
+    assert result.copies_retired == 3  # the reclaimed one, and the two idle at the end
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "sticky", "expected_wait"])
