@@ -24,7 +24,7 @@ FAILOVER_REASONS = ("replica_lost", "replica_left", "replica_silent", "session_m
 BINDING_RESULTS = ("hit", "new", "repin", "rejected")  # routing.bindings.BindResult's
 COPY_ROLES = ("primary", "copy")
 # The router's maintenance loop's steps (`WiMRouter._maintain`).
-MAINTENANCE_STEPS = ("loads", "expiry", "holds", "claims", "idle_copies", "kv_store_size")
+MAINTENANCE_STEPS = ("loads", "expiry", "holds", "claims", "idle_copies", "kv_store")
 
 
 # Why a restore loaded nothing (`engine/kv_transfer`); the document was read instead.

@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 # The engine replicas' metrics in `/metrics` are at most this old (a scrape every 15 s or
 # more is usual; faster scrapes share one fetch).
 METRICS_MAX_AGE_S = 5.0
-KV_STORE_MEASURE_S = 15.0
+KV_STORE_UPKEEP_S = 15.0
 # A replica's claim call is given up after this long (`_claim_documents`).
 CLAIM_TIMEOUT_S = 5.0
 
@@ -120,8 +120,9 @@ class WiMRouter:
         # (`serving/routing/recent.py`).
         self._loads = Recent(self.fleet.refresh_loads, router.load_poll_interval_s)
         self._replica_metrics = Recent(self._fetch_replica_metrics, METRICS_MAX_AGE_S)
-        # The KV store's size (`wim_kv_store_bytes`): a directory store is walked to measure.
-        self._kv_store_size = Recent(self.dispatcher.stored_kv.maintain, KV_STORE_MEASURE_S)
+        # The KV store's upkeep: what is past its age deleted, its size measured
+        # (`wim_kv_store_bytes`; a directory store is walked to measure).
+        self._kv_store_upkeep = Recent(self.dispatcher.stored_kv.maintain, KV_STORE_UPKEEP_S)
         self._metrics_page = Paced(self._render_metrics, router.metrics_interval_s)
         # The document sessions as last listed from the store (claimed while it is down).
         self._listed: list[Holding] = []
@@ -170,7 +171,7 @@ class WiMRouter:
             "holds": self.documents.renew_held,
             "claims": self._claim_documents,
             "idle_copies": self._retire_copies,
-            "kv_store_size": self._kv_store_size.get,
+            "kv_store": self._kv_store_upkeep.get,
         }
 
     async def _maintain(self) -> None:
