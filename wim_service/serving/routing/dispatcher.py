@@ -11,6 +11,7 @@ call is retried. A streamed job does not repeat what it already delivered (`Stre
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,7 @@ class _Job:
     failovers: int = 0
     transient_retries: int = 0
     copy_lease: str | None = None  # held in the store while this attempt runs on a copy
+    tenant: str | None = None  # whose job: a reclaim for it closes only its copies if over
 
 
 class Dispatcher:
@@ -172,17 +174,25 @@ class Dispatcher:
         *,
         context: str | None = None,
         record: StoredSession | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[Item]:
         """Events of one job as (replica, event), failing over when its replica is lost.
 
-        A one-shot job (`context`) is placed under `session_id` and unbound when it ends; a
-        query on a document session (`record`) goes to the session's replica, and holds the
-        session (no TTL ends it) while it runs.
+        A one-shot job (`context`, of `tenant` if known) is placed under `session_id` and
+        unbound when it ends; a query on a document session (`record`) goes to the session's
+        replica, and holds the session (no TTL ends it) while it runs.
         """
         if record is not None:
             await self.documents.hold(record.session_id)
+        job = _Job(
+            session_id,
+            record,
+            # What log lines name the job by: a document id stays out of logs (docs/security.md).
+            session_id if record is None else "a document query",
+            tenant=record.tenant if record is not None else tenant,
+        )
         try:
-            async for item in self._attempts(session_id, query, options, context, record):
+            async for item in self._attempts(job, query, options, context):
                 yield item
         finally:
             if record is None:
@@ -191,11 +201,16 @@ class Dispatcher:
                 await self.documents.release(record.session_id)
 
     async def plain(
-        self, session_id: str, prompt_ids: list[int], params: PlainParams
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params: PlainParams,
+        tenant: str | None = None,
     ) -> AsyncIterator[Item]:
-        """Events of one plain engine request (`serving/replica/plain.py`), placed like a
-        one-shot job under `session_id` and unbound when it ends. Not failed over: a short prompt
-        is cheap for its client to send again, and part of its answer may be out already."""
+        """Events of one plain engine request (`serving/replica/plain.py`) of `tenant` (if
+        known), placed like a one-shot job under `session_id` and unbound when it ends. Not
+        failed over: a short prompt is cheap for its client to send again, and part of its
+        answer may be out already."""
         block = self.sizer.limits.block_size
         needed = plain_blocks(len(prompt_ids), params, block)
         # Its prefix as the engine caches it: the policy sends a repeated long prefix back to
@@ -204,7 +219,8 @@ class Dispatcher:
         work = plain_work(
             len(prompt_ids), params.max_tokens, needed, prefix=prefix, block_tokens=block
         )
-        booking = await self.fleet.place(session_id, work, reclaim=self.copies.reclaim)
+        reclaim = functools.partial(self.copies.reclaim, tenant)
+        booking = await self.fleet.place(session_id, work, reclaim=reclaim)
         replica = booking.replica
         self.metrics.binding.labels(BindResult.NEW).inc()
         try:
@@ -224,15 +240,8 @@ class Dispatcher:
             self.fleet.ledger.unbind(session_id)
 
     async def _attempts(
-        self,
-        session_id: str,
-        query: str,
-        options: WiMOptions,
-        context: str | None,
-        record: StoredSession | None,
+        self, job: _Job, query: str, options: WiMOptions, context: str | None
     ) -> AsyncIterator[Item]:
-        # What log lines name the job by: a document id stays out of logs (docs/security.md).
-        job = _Job(session_id, record, session_id if record is None else "a document query")
         while True:
             job.progress.new_attempt()
             replica, events = await self._start_attempt(job, query, options, context)
@@ -285,9 +294,9 @@ class Dispatcher:
             shape = await self.sizer.shape(context or "", options, query)
             blocks = self.sizer.blocks(shape, one_shot=True)
             work = one_shot_work(shape.context_tokens, shape.segments, blocks, options, query)
-            job.booking = await self.fleet.place(
-                job.session_id, work, job.exclude, reclaim=self.copies.reclaim
-            )
+            # No room: spare copies are closed; only the tenant's own if it is over its share.
+            reclaim = functools.partial(self.copies.reclaim, job.tenant)
+            job.booking = await self.fleet.place(job.session_id, work, job.exclude, reclaim=reclaim)
             job.replica = job.booking.replica
             self.metrics.binding.labels(BindResult.REPIN if job.failovers else BindResult.NEW).inc()
         return job.replica, self.client.replica(job.replica).run(context or "", query, options)

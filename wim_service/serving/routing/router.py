@@ -321,7 +321,12 @@ class WiMRouter:
         await self._started()
         events = self._observed(
             self.dispatcher.job(
-                session_id, body.query, body.options, context=body.context, record=record
+                session_id,
+                body.query,
+                body.options,
+                context=body.context,
+                record=record,
+                tenant=tenant.name,
             ),
             tenant,
             lease,
@@ -342,7 +347,7 @@ class WiMRouter:
         await self._started()
         session_id = "plain-" + secrets.token_hex(8)
         events = self._observed(
-            self.dispatcher.plain(session_id, prompt_ids, params), tenant, lease
+            self.dispatcher.plain(session_id, prompt_ids, params, tenant.name), tenant, lease
         )
         return with_late_errors(await first_item(events), events)
 
