@@ -26,6 +26,11 @@ class StoreConfig(BaseModel):
     # A Redis that does not connect or answer within these is unavailable (HTTP 503).
     connect_timeout_s: float = Field(1.0, gt=0)
     timeout_s: float = Field(2.0, gt=0)
+    # A call that Redis did not run because it refused the connection or was still loading its
+    # data (a restart) is tried again for up to this long, so that a supervisor's restart of
+    # Redis holds requests instead of refusing them. A Redis that stays away costs each new
+    # request this long before its 503; 0 refuses at once.
+    outage_wait_s: float = Field(10.0, ge=0, le=120)
     # An expired session's keys stay this long after its expiry, so that a router can still
     # close its KV on the bound replica; Redis drops them after that anyway.
     expiry_grace_s: float = Field(60.0, ge=0)

@@ -229,7 +229,7 @@ async def test_a_tenants_open_document_limit_counts_its_sessions_on_every_router
 async def outage(tmp_path: Path) -> AsyncIterator[tuple[RedisServer, Routers]]:
     """Routers on their own redis-server, which the test may stop."""
     server = RedisServer(redis_binary(), tmp_path).start()
-    config = StoreConfig(backend="redis", timeout_s=0.5, connect_timeout_s=0.5)
+    config = StoreConfig(backend="redis", timeout_s=0.5, connect_timeout_s=0.5, outage_wait_s=0)
     async with AsyncExitStack() as stack:
         stack.callback(server.stop)
         yield server, Routers(lambda: RedisSessionStore(connect(server.url, config), config), stack)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from cryptography.exceptions import InvalidTag
+from redis import exceptions as redis_errors
 
 from tests.harness.redis_server import RedisServer, redis_binary
 from tests.serving.store.test_session_store import (
@@ -26,7 +27,7 @@ from wim_service.serving.store import (
     StoreUnavailable,
 )
 from wim_service.serving.store.cipher import ENCRYPTION_KEY_ENV, DocumentCipher
-from wim_service.serving.store.redis_store import RedisSessionStore, connect
+from wim_service.serving.store.redis_store import RedisSessionStore, connect, not_run
 
 
 async def test_redis_drops_the_keys_by_ttl_and_delete_removes_the_document(
@@ -125,7 +126,7 @@ async def test_redis_stores_options_sealed_like_the_text(redis_server: RedisServ
 
 async def test_redis_outage_raises_store_unavailable_and_recovers(tmp_path: Path) -> None:
     server = RedisServer(redis_binary(), tmp_path).start()
-    config = redis_config(timeout_s=0.5, connect_timeout_s=0.5)
+    config = redis_config(timeout_s=0.5, connect_timeout_s=0.5, outage_wait_s=0)
     store = RedisSessionStore(connect(server.url, config), config)
     try:
         new = session()
@@ -162,3 +163,45 @@ async def test_redis_outage_raises_store_unavailable_and_recovers(tmp_path: Path
     finally:
         server.stop()
         await store.close()
+
+
+async def test_a_restarting_redis_holds_calls_instead_of_refusing_them(tmp_path: Path) -> None:
+    """A call that finds Redis down waits for it (up to `outage_wait_s`) and runs once it is
+    back; a call cut off after it was sent (Redis stalled) is not tried again."""
+    server = RedisServer(redis_binary(), tmp_path).start()
+    config = redis_config(timeout_s=0.5, connect_timeout_s=0.5, outage_wait_s=30)
+    store = RedisSessionStore(connect(server.url, config), config)
+    try:
+        server.stop()
+        restarted = asyncio.get_running_loop().run_in_executor(None, restart, server)
+        new = session()
+        await store.create(new, TEXT)  # sent while Redis was down
+        await restarted
+        assert await store.text(new.session_id) == TEXT
+        server.pause()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.get(new.session_id)
+        assert time.monotonic() - started < config.outage_wait_s  # not held: it may have run
+        server.resume()
+    finally:
+        server.stop()
+        await store.close()
+
+
+def restart(server: RedisServer) -> None:
+    time.sleep(1.0)  # the store's call has been refused a few times by now
+    server.start()
+
+
+def test_only_calls_redis_never_ran_count_as_not_run() -> None:
+    refused = redis_errors.ConnectionError("Error 111 connecting")
+    refused.__cause__ = ConnectionRefusedError(111, "Connection refused")
+    cut = redis_errors.ConnectionError("Error while reading")
+    cut.__cause__ = ConnectionResetError(104, "Connection reset by peer")
+    assert not_run(refused)
+    assert not_run(redis_errors.BusyLoadingError("Redis is loading the dataset in memory"))
+    assert not_run(redis_errors.ReadOnlyError("You can't write against a read only replica"))
+    assert not not_run(cut)
+    assert not not_run(redis_errors.TimeoutError("Timeout reading from 127.0.0.1:6379"))
+    assert not not_run(None)

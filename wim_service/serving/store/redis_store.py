@@ -26,8 +26,10 @@ replica/Sentinel for failover), not a Redis Cluster.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -51,6 +53,11 @@ REDIS_URL_ENV = "WIM_REDIS_URL"
 
 # Sessions a sweep takes at most (the next sweep takes the rest).
 SWEEP_BATCH = 100
+
+# The pauses between tries of a call Redis did not run, doubling: a restart is noticed within a
+# second of Redis taking connections again, and a Redis that is down sees a few tries a second.
+OUTAGE_FIRST_PAUSE_S = 0.1
+OUTAGE_MAX_PAUSE_S = 1.0
 
 
 class RedisSessionStore:
@@ -90,6 +97,22 @@ class RedisSessionStore:
         return f"{self.config.key_prefix}opening"
 
     async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        """`script`'s result. A call Redis did not run (`not_run`) is tried again, backing off,
+        for up to `outage_wait_s`: a Redis restarting comes back within it. Any other failure
+        is not, since the script may have run."""
+        deadline = time.monotonic() + self.config.outage_wait_s
+        pause_s = OUTAGE_FIRST_PAUSE_S
+        while True:
+            try:
+                return await self._run_once(script, keys, args)
+            except StoreUnavailable as exc:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0 or not not_run(exc.__cause__):
+                    raise
+            await asyncio.sleep(min(pause_s, left_s))
+            pause_s = min(2 * pause_s, OUTAGE_MAX_PAUSE_S)
+
+    async def _run_once(self, script: str, keys: list[str], args: list[Any]) -> Any:
         try:
             return await self._scripts[script](keys=keys, args=args)
         except (
@@ -290,6 +313,17 @@ def connect(url: str, config: StoreConfig) -> Redis:
         socket_connect_timeout=config.connect_timeout_s,
         socket_timeout=config.timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1),
+    )
+
+
+def not_run(exc: BaseException | None) -> bool:
+    """Whether Redis certainly did not run the call that failed with `exc`: it refused the
+    connection (nothing was sent), answered LOADING (a restart reading its data back) or
+    READONLY (a replica not yet promoted). A call cut off after it was sent may have run."""
+    if isinstance(exc, redis_errors.BusyLoadingError | redis_errors.ReadOnlyError):
+        return True
+    return isinstance(exc, redis_errors.ConnectionError) and isinstance(
+        exc.__cause__, ConnectionRefusedError
     )
 
 
