@@ -21,10 +21,10 @@ from tests.sim.test_sim import PROFILE as SIM_PROFILE
 from tests.sim.test_sim import doc_row, document_trace
 from wim_service.cli import main
 from wim_service.engine.calibration.fit import fit_errors, fit_restore, predicted, refit
+from wim_service.placement.backlog import Backlog
 from wim_service.placement.policy import ExpectedWait, first_token_s
 from wim_service.placement.profile import EngineProfile, RestoreCost, RestoreSample, Sample
 from wim_service.placement.state import ReplicaState, Work
-from wim_service.serving.replica.backlog import Backlog
 from wim_service.serving.replica.work import session_work
 from wim_service.sim.replay import simulate
 from wim_service.sim.settings import SimSettings

@@ -491,15 +491,14 @@ def test_plain_requests_run_beside_sessions_that_hold_every_slot(
     assert plain.first_token_s - 1 < PROFILE.prefill.seconds(3040) + 5
 
 
-@pytest.mark.parametrize("backlog_decode", [True, False])
-def test_expected_wait_spreads_a_burst_by_the_backlog_it_books(backlog_decode: bool) -> None:
+def test_expected_wait_spreads_a_burst_by_the_backlog_it_books() -> None:
     # Eight distinct prompts at once on four replicas: each booking raises that replica's
     # backlog, so the next one goes elsewhere, two per replica.
     burst = tuple(
         Request(index=i, arrival_s=0.0, prompt_tokens=3000, answer_tokens=20, prefix=(i,))
         for i in range(8)
     )
-    result = run(Trace("mooncake", burst), "expected_wait", 4, backlog_decode=backlog_decode)
+    result = run(Trace("mooncake", burst), "expected_wait", 4)
     per_replica = [sum(o.replica == r for o in result.outcomes) for r in range(4)]
     assert per_replica == [2, 2, 2, 2]
 

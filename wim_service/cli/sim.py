@@ -78,13 +78,6 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     _add_session_arguments(group)
     _add_copy_arguments(group)
     _add_admission_arguments(group)
-    group.add_argument(
-        "--backlog",
-        choices=["prefill+decode", "prefill"],
-        default="prefill+decode",
-        help="what a replica's backlog counts for placement: booked prefills and the batch's "
-        "decode left, or the prefills only (%(default)s)",
-    )
 
 
 def _add_session_arguments(group: argparse._ArgumentGroup) -> None:
@@ -229,7 +222,6 @@ def settings_from(args: argparse.Namespace) -> SimSettings:
         segment_tokens=args.segment_tokens,
         margin_tokens=args.margin_tokens,
         max_copies=args.max_copies,
-        backlog_decode=args.backlog == "prefill+decode",
         restore_copies=args.restore_copies,
         retries=args.retries,
         deadline_s=args.deadline_s,

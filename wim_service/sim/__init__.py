@@ -29,9 +29,10 @@ What the model simplifies, on purpose:
   row's query and any arriving meanwhile are placed when it ends (as the live client opens a
   session, then asks).
 * Session slots (the service's max_sessions) are taken by each copy; a plain request takes
-  none (as on a live engine, it reserves KV only); placement sees free KV, free slots, the
-  backlog of booked prefills and the batch's decode left, and each replica's exact prefix
-  cache.
+  none (as on a live engine, it reserves KV only); placement sees free KV, free slots, each
+  replica's exact prefix cache, and its backlog as a live replica reports it: each placed
+  job's expected cost less the time it has run (`placement/backlog.py`), not the engine's
+  exact queue, which no live replica knows.
 * A WiM query's margins (one per segment, or its trace row's `margins`: the others skipped)
   are one prefill of every margin prompt over the document's KV, then decode side by side in
   the batch; the answers WiM starts beside them (`answer_early`) are the profile's

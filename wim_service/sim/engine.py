@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from wim_service.placement.backlog import Backlog
 from wim_service.placement.ledger import LoadReport
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import PrefixCache
@@ -26,8 +27,6 @@ from wim_service.sim.traces import MOONCAKE_BLOCK_TOKENS
 
 class Prefill(Protocol):
     """A prefill queued on an engine."""
-
-    estimate_s: float  # what the engine's backlog counts for it until it starts
 
     def begin(self, engine: Engine) -> float:
         """Seconds the prefill takes, decided when it starts (its cache hit is known then)."""
@@ -112,11 +111,6 @@ class Engine:
     profile: EngineProfile
     slots: int
     schedule: Callable[[Engine, float], None]
-    # Whether the backlog placement reads counts the batch's decode left. This engine starts a
-    # new prefill after the current decode step, so only prefills truly delay a job's start;
-    # counting the decode too makes a replica that is decoding look busy (as it is on an
-    # engine that interleaves prefill chunks with the batch's steps).
-    backlog_decode: bool = True
     prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS  # tokens per prefix hash (the trace's)
     capacity_blocks: int = 0
     free_blocks: int = 0
@@ -129,10 +123,11 @@ class Engine:
     _run: DecodeRun | None = None
     _run_steps: int = 0
     _busy_until: float = 0.0
-    _queued_s: float = 0.0  # estimates of the queued prefills and of booked jobs' later ones
-    _decode_s: float = 0.0  # expected seconds to decode the batch, as of the last change
+    # The jobs placed here, as a live replica books them: what it reports as its backlog.
+    backlog: Backlog = field(init=False)
 
     def __post_init__(self) -> None:
+        self.backlog = Backlog(self.profile)
         self.capacity_blocks = self.profile.kv_capacity_tokens // self.profile.block_tokens
         self.free_blocks = self.capacity_blocks
         self.cache = PrefixCache(self.profile.kv_capacity_tokens // self.prefix_block_tokens)
@@ -144,41 +139,28 @@ class Engine:
         return f"r{self.index:02d}"
 
     def report(self, now: float) -> LoadReport:
-        """Its load as a live replica reports it (`ReplicaLoad`), exact as of `now`."""
+        """Its load as a live replica reports it (`ReplicaLoad`) as of `now`: its KV and
+        slots exact, its backlog and running jobs by the replica's own estimate (`Backlog`),
+        not by what this engine knows of its queue, so that placement reads what it reads
+        in the service."""
         return LoadReport(
             self.name,
             capacity_blocks=self.capacity_blocks,
             reserved_blocks=self.capacity_blocks - self.free_blocks,
             sessions=len(self.copies),
             max_sessions=self.slots,
-            backlog_s=self.backlog_s(now),
-            running=len(self.batch),
+            backlog_s=self.backlog.seconds(now),
+            running=self.backlog.running,
         )
-
-    def backlog_s(self, now: float) -> float:
-        """Expected seconds of admitted work ahead of a job sent now: the prefill under way
-        and those queued or still to come for booked jobs, and (`backlog_decode`) the batch's
-        decode left at its present size."""
-        prefill = max(0.0, self._busy_until - now) if self._prefill is not None else 0.0
-        queued = max(0.0, self._queued_s)  # booked estimates less those started: float sums
-        if not self.backlog_decode:
-            return prefill + queued
-        decode = self._decode_s
-        if self._run is not None:  # the estimate was made as this run started
-            decode = max(0.0, decode - (now - self._run.start))
-        return prefill + queued + decode
 
     # -- booking ------------------------------------------------------------------------
 
-    def book(
-        self, blocks: int, estimate_s: float, *, document: str | None, copy_blocks: int = 0
-    ) -> Copy | None:
-        """Reserve a placed job's KV (a copy holds a session slot too), and count its prefills
-        as backlog; with `copy_blocks`, open a copy of its document here and reserve its KV at
-        once (the read is queued, and nothing placed meanwhile may count on those blocks). A
-        document job's copy is returned."""
+    def book(self, blocks: int, *, document: str | None, copy_blocks: int = 0) -> Copy | None:
+        """Reserve a placed job's KV (a copy holds a session slot too); with `copy_blocks`,
+        open a copy of its document here and reserve its KV at once (the read is queued, and
+        nothing placed meanwhile may count on those blocks). A document job's copy is
+        returned."""
         self.free_blocks -= blocks
-        self._queued_s += estimate_s
         if document is None:  # a plain request: KV only, no session slot
             return None
         if copy_blocks:
@@ -244,7 +226,6 @@ class Engine:
         prefill has just ended or a sequence has)."""
         assert self._run is None
         self.batch.extend(Sequence(owner, steps, context) for _ in range(count))
-        self._estimate_decode()
 
     def wake(self, now: float) -> None:
         """The prefill or decode run that the last `schedule` timed has ended."""
@@ -260,7 +241,6 @@ class Engine:
             return
         if self.queue:
             self._prefill = self.queue.popleft()
-            self._queued_s -= self._prefill.estimate_s
             self._busy_until = now + self._prefill.begin(self)
             self._at(self._busy_until)
         elif self.batch:
@@ -289,18 +269,8 @@ class Engine:
             sequence.context += steps  # each step adds a token to every sequence
             (done if sequence.remaining <= 0 else kept).append(sequence)
         self.batch = kept
-        self._estimate_decode()
         for sequence in done:  # after the batch is consistent: an owner may queue a prefill
             sequence.owner.decoded(self, now)
-
-    def _estimate_decode(self) -> None:
-        """The batch's decode left, at a steady batch (what the expected-wait policy reads)."""
-        if not self.batch:
-            self._decode_s = 0.0
-            return
-        longest = max(s.remaining for s in self.batch)
-        context = sum(s.context for s in self.batch)
-        self._decode_s = self.profile.decode_seconds(longest, len(self.batch), context)
 
     def _at(self, time: float) -> None:
         self.version += 1

@@ -91,48 +91,43 @@ class Job:
     cached_tokens: int = 0
     margins_left: int = 0
     beside_blocks: int = 0  # KV of its own, if it runs beside the query in its copy's turn
+    booked: int = 0  # its job in its engine's backlog (`Backlog.book`)
 
     def start(self, engine: Engine, now: float) -> None:
         """Book the job on `engine` and queue its first prefill (a document job's once the
         queries ahead of it on the same copy have ended)."""
         profile, work = engine.profile, self.work
         self.placed_s = now
+        self.booked = engine.backlog.book(work, copy=self.copy, now=now)
         if not self.request.wim:
-            estimate = plain_seconds(profile, work, engine.cache.match(work.prefix))
-            engine.book(work.kv_blocks, estimate, document=None)
-            engine.submit(PlainPrefill(self, estimate), now)
+            engine.book(work.kv_blocks, document=None)
+            engine.submit(PlainPrefill(self), now)
             return
-        read = read_seconds(profile, work) if self.copy else 0.0
         if work.reads_only:  # a new copy (no holder had the document)
-            copy = engine.book(0, read, document=work.document, copy_blocks=work.document_blocks)
+            copy = engine.book(0, document=work.document, copy_blocks=work.document_blocks)
             assert copy is not None
-            copy.take(lambda at: engine.submit(ReadPrefill(self, read), at), now)
+            copy.take(lambda at: engine.submit(ReadPrefill(self), at), now)
             return
-        margins = self.margins_prefill_seconds(profile)
-        estimate = read + margins + self.query_prefill_seconds(profile)
         copy_blocks = work.document_blocks if self.copy else 0
-        copy = engine.book(
-            work.kv_blocks, estimate, document=work.document, copy_blocks=copy_blocks
-        )
+        copy = engine.book(work.kv_blocks, document=work.document, copy_blocks=copy_blocks)
         assert copy is not None
         # As the live service reports it (the query's `usage`): a copy's read is the router's
         # own request, counted in the copies opened and in this query's wait, not in its prompt.
         self.cached_tokens = work.document_tokens
         own = query_blocks(self.request, profile, work.margins, work.margin_tokens)
         self.beside_blocks = engine.run_query(
-            copy, own, lambda at: self._run_query(engine, read, at), now
+            copy, own, lambda at: self._run_query(engine, at), now
         )
 
-    def _run_query(self, engine: Engine, read: float, now: float) -> None:
+    def _run_query(self, engine: Engine, now: float) -> None:
         """Queue the query's prefills: the copy's read (if placement opened one), then its
         margins, or the query itself when it writes none."""
-        profile = engine.profile
         if self.copy:
-            engine.submit(ReadPrefill(self, read), now)
+            engine.submit(ReadPrefill(self), now)
         if self.margins:
-            engine.submit(MarginsPrefill(self, self.margins_prefill_seconds(profile)), now)
+            engine.submit(MarginsPrefill(self), now)
         else:  # every segment skipped: the query follows the document, queued once
-            engine.submit(QueryPrefill(self, self.query_prefill_seconds(profile)), now)
+            engine.submit(QueryPrefill(self), now)
 
     @property
     def margins(self) -> int:
@@ -163,12 +158,13 @@ class Job:
         if self.margins_left:
             self.margins_left -= 1
             if not self.margins_left:
-                engine.submit(QueryPrefill(self, self.query_prefill_seconds(engine.profile)), now)
+                engine.submit(QueryPrefill(self), now)
             return
         self.finish(engine, now)
 
     def finish(self, engine: Engine, now: float) -> None:
         self.end_s = now
+        engine.backlog.end(self.booked)
         engine.release(
             self.work.kv_blocks + self.beside_blocks,
             now,
@@ -191,7 +187,6 @@ def plain_seconds(profile: EngineProfile, work: Work, cached_blocks: int) -> flo
 @dataclass(eq=False)
 class PlainPrefill:
     job: Job
-    estimate_s: float
 
     def begin(self, engine: Engine) -> float:
         work = self.job.work
@@ -211,7 +206,6 @@ class ReadPrefill:
     (until the copy is retired)."""
 
     job: Job
-    estimate_s: float
 
     def begin(self, engine: Engine) -> float:
         return read_seconds(engine.profile, self.job.work)
@@ -228,7 +222,6 @@ class ReadPrefill:
 @dataclass(eq=False)
 class MarginsPrefill:
     job: Job
-    estimate_s: float
 
     def begin(self, engine: Engine) -> float:
         return self.job.margins_prefill_seconds(engine.profile)
@@ -237,7 +230,7 @@ class MarginsPrefill:
         job, profile = self.job, engine.profile
         steps = job.work.margin_tokens - 1  # the prefill gave each margin its first token
         if steps <= 0:
-            engine.submit(QueryPrefill(job, job.query_prefill_seconds(profile)), now)
+            engine.submit(QueryPrefill(job), now)
             return
         job.margins_left = job.margins
         context = job.work.document_tokens + profile.margin_prompt_tokens + 1
@@ -247,7 +240,6 @@ class MarginsPrefill:
 @dataclass(eq=False)
 class QueryPrefill:
     job: Job
-    estimate_s: float
 
     def begin(self, engine: Engine) -> float:
         return self.job.query_prefill_seconds(engine.profile)

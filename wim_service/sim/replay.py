@@ -92,7 +92,6 @@ class Replay:
                 profile,
                 settings.slots,
                 self._schedule,
-                settings.backlog_decode,
                 prefix_block_tokens=trace.block_tokens,
             )
             for i in range(replicas)

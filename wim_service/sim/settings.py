@@ -42,9 +42,6 @@ class SimSettings:
     segment_tokens: int = _OPTIONS["segment_tokens"].default
     margin_tokens: int = _OPTIONS["margin_max_tokens"].default
     max_copies: int = DEFAULT_MAX_COPIES  # copies of one document `expected_wait` may open
-    # Whether a replica's backlog (what placement reads) counts its batch's decode left, or
-    # only the prefills booked ahead (engine.py says why both are defensible).
-    backlog_decode: bool = True
     # Whether a copy of a document read before restores its KV from the KV store (the
     # profile's `restore` cost, if measured) instead of reading it again: `RouterConfig.
     # restore_copies`. On by default, as `./run.sh` runs with a store (docs/kv-store.md).

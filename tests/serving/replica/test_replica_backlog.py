@@ -1,12 +1,12 @@
 """A replica's backlog: each job's expected cost booked while it runs, what is left of it
-reported (`serving/replica/backlog.py`)."""
+reported (`placement/backlog.py`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from wim_service.placement.profile import EngineProfile
-from wim_service.serving.replica.backlog import Backlog
+from wim_service.placement.backlog import Backlog
 from wim_service.serving.replica.work import plain_work, session_work
 from wim_service.wim.options import WiMOptions
 

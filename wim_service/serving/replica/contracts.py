@@ -30,7 +30,7 @@ class ReplicaLoad(BaseModel):
     healthy: bool = True
     draining: bool = False
     # Expected seconds of admitted work still ahead on this replica, and the jobs running:
-    # what the `wim` placement weighs (`serving/replica/backlog.py`).
+    # what the `expected_wait` placement weighs (`placement/backlog.py`).
     backlog_s: float = 0.0
     running: int = 0
     # The dtype its engine runs in ("" if not reported): the router's cost profile should be

@@ -3,7 +3,7 @@
 Thin over the engine layer: every method turns a call into `run_wim` / `WiMSession` work and
 streams the events back (typed models of `wim.events` and `serving.replica.contracts`). It
 implements `ReplicaProtocol` (`replica/protocol.py`): it reports its load for the router's
-placement (KV, sessions and the backlog of its admitted work, `replica/backlog.py`), and its
+placement (KV, sessions and the backlog of its admitted work, `placement/backlog.py`), and its
 engine's `vllm:*` metrics and its event loop's lag (`observability/loop_lag.py`) for the
 router's `/metrics`.
 """
@@ -24,11 +24,11 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from ray import serve
 
 from wim_service.engine.config import EngineConfig
+from wim_service.placement.backlog import Backlog
 from wim_service.placement.profile import EngineProfile
 from wim_service.serving.observability.logs import log_through_serve
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
 from wim_service.serving.observability.metrics import StoredKVMetrics, event_loop_lag
-from wim_service.serving.replica.backlog import Backlog
 from wim_service.serving.replica.contracts import (
     DocumentOpened,
     EngineDead,
