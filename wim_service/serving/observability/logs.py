@@ -19,9 +19,11 @@ errors and every other line stay.
 from __future__ import annotations
 
 import logging
+import os
 
 SERVE_LOGGER = "ray.serve"
 OUR_LOGGER = "wim_service"
+VLLM_LOGGER = "vllm"
 # What the router, the scrape and the probes call on their own, on a timer: methods of
 # `ReplicaProtocol` (named here, not imported: `replica/` imports this package) and routes.
 INTERNAL_CALLS = frozenset({"load", "claim", "metrics_text"})
@@ -69,9 +71,26 @@ def log_through_serve() -> None:
     # `logging_config`, and keeps the logger's filters.
     if not any(isinstance(f, _WithoutRoutineAccessLines) for f in serve_logger.filters):
         serve_logger.addFilter(_WithoutRoutineAccessLines())
-    ours = logging.getLogger(OUR_LOGGER)
-    if any(isinstance(handler, _ThroughServe) for handler in ours.handlers):
+    _through_serve(OUR_LOGGER, logging.DEBUG)  # Serve's logger decides what is written
+
+
+def _through_serve(name: str, level: int) -> None:
+    """The logger `name` writes through Serve's, from `level` up, and nowhere else."""
+    logger = logging.getLogger(name)
+    if any(isinstance(handler, _ThroughServe) for handler in logger.handlers):
         return
-    ours.addHandler(_ThroughServe())
-    ours.setLevel(logging.DEBUG)  # Serve's logger decides what is written
-    ours.propagate = False
+    logger.addHandler(_ThroughServe())
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def keep_serve_logs_from_vllm() -> None:
+    """In a Serve replica, before its vLLM engine is built: vLLM's own logging config would
+    close every handler of the process (`logging.config.dictConfig` does), Serve's among them.
+    The replica's log then stopped at its first line, and Serve's controller, once restarted
+    (the head host back), failed to recover the replica (it asks for its log file's path, of
+    the closed handler) and replaced it. vLLM configures no logging here (its engine-core
+    process inherits that: its warnings and errors still reach the worker's stderr) and its
+    lines go through Serve's logger, from INFO up. Idempotent."""
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+    _through_serve(VLLM_LOGGER, logging.INFO)

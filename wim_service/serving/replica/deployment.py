@@ -26,7 +26,7 @@ from ray import serve
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.backlog import Backlog
 from wim_service.placement.profile import EngineProfile
-from wim_service.serving.observability.logs import log_through_serve
+from wim_service.serving.observability.logs import keep_serve_logs_from_vllm, log_through_serve
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
 from wim_service.serving.observability.metrics import StoredKVMetrics, event_loop_lag
 from wim_service.serving.replica.contracts import (
@@ -64,6 +64,7 @@ class EngineReplica:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, 0)
         log_through_serve()
+        keep_serve_logs_from_vllm()
         from wim_service.engine.vllm_engine import VLLMBackend
 
         context = serve.get_replica_context()
