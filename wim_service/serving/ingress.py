@@ -107,6 +107,7 @@ def _lifespan(router: WiMRouter) -> Callable[[FastAPI], AbstractAsyncContextMana
         try:
             yield
         finally:
+            await router.reach.stop()  # its peers stop counting it as a witness
             router.shutdown()  # Serve runs this when the router replica stops
 
     return lifespan
@@ -224,3 +225,8 @@ class WiMIngress:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_app(self.router)
+
+    async def check_health(self) -> None:
+        """Serve's health check: it fails while this router alone cannot reach the session
+        store (`routing/store_reach.py`), so that Serve's proxies stop sending it requests."""
+        await self.router.reach.check()

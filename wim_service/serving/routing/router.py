@@ -55,6 +55,7 @@ from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.quotas import JobLease, TenantGate
 from wim_service.serving.routing.recent import Paced, Recent
 from wim_service.serving.routing.sizing import JobSizer
+from wim_service.serving.routing.store_reach import Witnesses, store_reach
 from wim_service.serving.store import Holding, SessionStore, StoredSession, make_store
 from wim_service.serving.tenants import ApiKeys, Capability, Tenant, check_open_mode
 from wim_service.wim.errors import ErrorCode, WiMError
@@ -79,10 +80,12 @@ class WiMRouter:
         keys: ApiKeys | None = None,
         http_host: str | None = None,
         store: SessionStore | None = None,
+        witnesses: Witnesses | None = None,
     ) -> None:
         """`engine` is the EngineReplica deployment's handle. Tests pass `client` (fake
-        replicas), `keys` (instead of the environment's), `http_host` (instead of Serve's) and
-        `store` (instead of the one `RouterConfig.store` names)."""
+        replicas), `keys` (instead of the environment's), `http_host` (instead of Serve's),
+        `store` (instead of the one `RouterConfig.store` names) and `witnesses` (the peers'
+        reaches of the store, instead of the GCS's)."""
         self.config = ServiceConfig.model_validate(config)
         self.keys = keys or ApiKeys.from_env()
         check_open_mode(self.keys, http_host or _serve_http_host())
@@ -95,6 +98,8 @@ class WiMRouter:
         self.fleet = ReplicaFleet(self.client, self.config.router, self.metrics)
         router = self.config.router
         store = store or make_store(router.store)
+        # Serve's health check fails while this router alone cannot reach a shared store.
+        self.reach = store_reach(self.name, store, router.store, witnesses)
         # Tenant limits are counted in the session store: with Redis, across every router.
         self.gate = TenantGate(store, router, self.keys.document_tenants, self.keys.limits)
         self.documents = DocumentTable(
@@ -142,6 +147,7 @@ class WiMRouter:
     def start(self) -> None:
         """What runs beside the requests, on the loop that serves them."""
         self.loop_lag.start()
+        self.reach.start()
 
     def shutdown(self) -> None:
         """Nothing of this router outlives it: its loop monitor, maintenance loop, load calls

@@ -1,0 +1,213 @@
+"""A router cut off from the session store while other routers reach it fails Serve's health
+check; a store down for all, no peers, or a GCS that is down too fail nobody's
+(`wim_service/serving/routing/store_reach.py`). Routers over fake replicas and an in-process
+store; the peers' reaches in memory in place of the GCS; a clock the tests move."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.fakes.replicas import FakeClient
+from wim_service.serving.routing import store_reach
+from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.routing.store_reach import (
+    CUT_OFF_S,
+    PROBE_EVERY_S,
+    StoreCutOff,
+    cut_off_alone,
+)
+from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Board:
+    """The routers' reaches, shared as the GCS's key-value store shares them; `down` is a GCS
+    that does not answer."""
+
+    def __init__(self) -> None:
+        self.reaches: dict[str, float] = {}
+        self.down = False
+
+    def _answer(self) -> None:
+        if self.down:
+            raise TimeoutError("the GCS does not answer")
+
+    async def publish(self, name: str, reached_at: float) -> None:
+        self._answer()
+        self.reaches[name] = reached_at
+
+    async def others(self, name: str) -> dict[str, float]:
+        self._answer()
+        return {other: at for other, at in self.reaches.items() if other != name}
+
+    async def withdraw(self, name: str) -> None:
+        self._answer()
+        self.reaches.pop(name, None)
+
+    async def prune(self, before: float) -> None:
+        self._answer()
+        self.reaches = {name: at for name, at in self.reaches.items() if at >= before}
+
+
+class Reachable(MemorySessionStore):
+    """One router's way to the shared store: `cut` makes every call fail as a lost link does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut = False
+
+    async def get(self, session_id: str) -> StoredSession | None:
+        if self.cut:
+            raise StoreUnavailable("the session store (Redis) is unavailable: timed out")
+        return await super().get(session_id)
+
+
+def router(name: str, store: Reachable, board: Board, clock: Clock) -> WiMRouter:
+    wim_router = WiMRouter(
+        None,
+        {"router": {}},
+        client=FakeClient(),
+        http_host="127.0.0.1",
+        store=store,
+        witnesses=board,
+    )
+    wim_router.reach.name = name
+    wim_router.reach.clock = clock
+    return wim_router
+
+
+async def turn(clock: Clock, *routers: WiMRouter) -> None:
+    """One probe interval: every router probes the store."""
+    clock.now += PROBE_EVERY_S
+    for each in routers:
+        await each.reach.probe()
+
+
+def run(test: object) -> None:
+    asyncio.run(test())  # type: ignore[operator]
+
+
+def test_a_router_cut_off_alone_fails_its_health_check_once_a_peer_reaches_the_store() -> None:
+    async def scenario() -> None:
+        clock, board = Clock(), Board()
+        cut, peer = Reachable(), Reachable()
+        one, other = router("r1", cut, board, clock), router("r2", peer, board, clock)
+        await turn(clock, one, other)
+        await one.reach.check()
+        cut.cut = True
+        # The peer reaching the store just after this router last did proves nothing yet.
+        await turn(clock, one, other)
+        await one.reach.check()
+        while clock.now <= one.reach.reached_at + CUT_OFF_S:  # type: ignore[operator]
+            await turn(clock, one, other)
+        await turn(clock, one, other)
+        with pytest.raises(StoreCutOff, match="other routers reach it"):
+            await one.reach.check()
+        await other.reach.check()
+        # The link back: healthy at the next probe.
+        cut.cut = False
+        await turn(clock, one, other)
+        await one.reach.check()
+
+    run(scenario)
+
+
+def test_a_store_down_for_every_router_fails_no_health_check() -> None:
+    async def scenario() -> None:
+        clock, board = Clock(), Board()
+        stores = [Reachable(), Reachable()]
+        routers = [router(f"r{i}", s, board, clock) for i, s in enumerate(stores)]
+        await turn(clock, *routers)
+        # The second router's last reach comes one probe after the first's.
+        stores[0].cut = True
+        await turn(clock, *routers)
+        stores[1].cut = True
+        for _ in range(int(3 * CUT_OFF_S)):
+            await turn(clock, *routers)
+            for each in routers:
+                await each.reach.check()
+
+    run(scenario)
+
+
+def test_a_router_started_while_cut_off_fails_its_first_check() -> None:
+    """Serve's first health check of a new replica: it probes the store itself."""
+
+    async def scenario() -> None:
+        clock, board = Clock(), Board()
+        peer = router("r2", Reachable(), board, clock)
+        await turn(clock, peer)
+        store = Reachable()
+        store.cut = True
+        with pytest.raises(StoreCutOff, match="never"):
+            await router("r1", store, board, clock).reach.check()
+
+    run(scenario)
+
+
+def test_nothing_to_judge_by_fails_nobody() -> None:
+    """No peer, a peer gone long ago, or a GCS that does not answer either."""
+
+    async def scenario() -> None:
+        clock, board = Clock(), Board()
+        store = Reachable()
+        alone = router("r1", store, board, clock)
+        await turn(clock, alone)
+        store.cut = True
+        for _ in range(int(3 * CUT_OFF_S)):
+            await turn(clock, alone)
+        await alone.reach.check()
+        board.reaches["gone"] = clock.now - 2 * CUT_OFF_S
+        await alone.reach.check()
+        board.reaches["r2"] = clock.now
+        board.down = True
+        await alone.reach.check()
+
+    run(scenario)
+
+
+def test_a_router_withdraws_its_reach_and_prunes_the_long_gone() -> None:
+    async def scenario() -> None:
+        clock, board = Clock(), Board()
+        board.reaches["killed"] = clock.now - 2 * store_reach.STALE_S
+        leaving = router("r1", Reachable(), board, clock)
+        leaving.reach.start()
+        while "r1" not in board.reaches:
+            await asyncio.sleep(0.01)
+        assert set(board.reaches) == {"r1"}
+        await leaving.reach.stop()
+        assert board.reaches == {}
+
+    run(scenario)
+
+
+LATER = 100.0 + CUT_OFF_S + 1
+
+
+@pytest.mark.parametrize(
+    ("reached_at", "others", "now", "alone"),
+    [
+        (100.0, {"r2": 100.0 + CUT_OFF_S + 0.5}, LATER, True),
+        (100.0, {"r2": 100.0 + CUT_OFF_S - 0.5}, LATER, False),  # within the margin: all down
+        (100.0, {"r2": 90.0}, LATER, False),  # the peer stopped reaching it first
+        (100.0, {"r2": LATER - 0.5}, LATER + CUT_OFF_S, False),  # the peer's reach is old
+        (None, {"r2": LATER - 1}, LATER, True),  # never reached it, the peer just did
+        (None, {"r2": LATER - CUT_OFF_S - 1}, LATER, False),
+        (100.0, {}, LATER, False),
+    ],
+)
+def test_cut_off_alone(
+    reached_at: float | None, others: dict[str, float], now: float, alone: bool
+) -> None:
+    assert cut_off_alone(reached_at, others, now, CUT_OFF_S) is alone
