@@ -2,15 +2,22 @@
 a document session, a fixed count of questions in flight when a fault strikes and more sent
 right after it, each retried by the client as one following `Retry-After` would.
 
-A client reaches the cluster as docs/deploy.md puts it: through a load balancer in front of
-port 8000 of every host (`proxy_location: EveryNode`). The balancer is the client's own
+A client reaches the cluster through a load balancer in front of port 8000 of the hosts
+(`proxy_location: EveryNode`). The balancer is the client's own
 (`Balancer`): it sends a request to the head's proxy and, when a proxy refuses the connection
 or does not take it within `CONNECT_TIMEOUT_S`, to the next host's, as nginx's and Envoy's
 retry on a failed connect do. A request lost after it was sent is the client's to retry.
+docs/deploy.md now leaves the head's proxy out of the balancer (a router with a question from a
+proxy on a host that is gone answers nothing until the GCS says the host is gone, and with the
+head away nobody does: docs/reliability.md); WIM_LB_SKIPS_HEAD=1 runs that balancer. The
+default still tries the head's proxy first, a host the other scenarios do not strike: with a
+router host first, every question during its partition would wait out the connect timeout,
+which a real balancer's health check spares.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +45,8 @@ class Balancer:
 
     def __init__(self, cluster: Cluster) -> None:
         order = ["head", "r1", "r2", "e1", "e2"]
+        if os.environ.get("WIM_LB_SKIPS_HEAD") == "1":
+            order.remove("head")
         self.bases = [f"http://{cluster.nodes[name].ip}:{HTTP_PORT}" for name in order]
         self.client = httpx.Client(
             timeout=httpx.Timeout(600, connect=CONNECT_TIMEOUT_S),

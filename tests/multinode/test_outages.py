@@ -119,8 +119,6 @@ def test_engine_node_loss_while_the_head_is_away(
 
 
 @pytest.mark.replica_step(10)
-# Fails on what it tests (issue #42): docs/reliability.md, "Every scenario".
-@pytest.mark.quarantine
 def test_head_away_longer_than_rays_default_reconnect_timeout(
     cluster: Cluster,
     normal_s: float,

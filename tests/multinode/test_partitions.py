@@ -82,8 +82,6 @@ def test_router_node_partition(
 
 
 @pytest.mark.replica_step(7)
-# Fails on what it tests (issue #42): docs/reliability.md, "Every scenario".
-@pytest.mark.quarantine
 def test_router_cut_off_from_redis_alone(
     cluster: Cluster,
     normal_s: float,
