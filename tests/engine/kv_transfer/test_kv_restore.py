@@ -1,6 +1,6 @@
 """Document KV that outlives its engine, on real engines (fp32, the default model).
 
-Engine process A reads a 3,605-token document segment by segment into a stored context, asks
+Engine process A reads a 2,400-token document segment by segment into a stored context, asks
 greedy margins and an answer, and is SIGKILLed with its whole process tree. A new engine
 process B restores the document: it computes at most one block and one token of it, and the
 same margins and answer come out token for token. With a directory store, B then runs each
@@ -127,7 +127,7 @@ def redis_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_a_restored_document_answers_token_for_token(runs: dict[str, dict[str, Any]]) -> None:
     saved, restored = runs["saved"], runs["restored"]
     tokens = saved["tokens"]
-    assert tokens >= 3000
+    assert tokens >= 2000
     assert saved["saved_tokens"] == tokens // BLOCK * BLOCK  # every whole block
     restore = restored["restore"]
     assert restore["fallback"] is None and restore["holds_document"]
