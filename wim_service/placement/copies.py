@@ -53,6 +53,10 @@ class CopyBook:
         if key in self._used:
             self._used[key] = now
 
+    def holders(self, document: str) -> list[str]:
+        """The replicas holding a copy of `document`, in the order they were opened."""
+        return [replica for held, replica in self._used if held == document]
+
     def running(self, document: str, replica: str) -> int:
         return self._running[(document, replica)]
 

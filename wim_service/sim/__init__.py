@@ -47,6 +47,11 @@ What the model simplifies, on purpose:
   queries with it. A query of a document some replica holds needs no new room and queues at
   its copy, as a live query waits its session's turn. A request larger than an empty
   replica's KV is counted as too large, never placed.
+* A replica may be lost at a given time (`simulate(..., losses=...)`), as the live router
+  sees one die: placement no longer sees it, its copies are gone (a session whose primary it
+  held is taken over by its first live copy, or read again at its next query, restored), the
+  reads and queries on it are placed again, and a plain request on it fails (503, counted
+  with the refused unless its client retries).
 * Goodput counts the answers that end within `deadline_s` of their request's first send (the
   router's `request_timeout_s`). The service stops a job at its deadline and frees what it
   held; the replay lets it run to its end and counts it as answered late, so past saturation

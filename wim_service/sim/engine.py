@@ -119,6 +119,7 @@ class Engine:
     queue: deque[Prefill] = field(default_factory=deque)
     batch: list[Sequence] = field(default_factory=list)
     version: int = 0
+    lost: bool = False  # its replica died: it holds and runs nothing more
     _prefill: Prefill | None = None
     _run: DecodeRun | None = None
     _run_steps: int = 0
@@ -204,6 +205,18 @@ class Engine:
         self.free_blocks += copy.blocks
         self._resize_cache()
         return True
+
+    def lose(self) -> None:
+        """The replica dies: what it held and ran is gone, what it had scheduled never
+        happens (a later `wake` is stale)."""
+        self.lost = True
+        self.version += 1
+        self.copies.clear()
+        self.queue.clear()
+        self.batch.clear()
+        self._prefill = self._run = None
+        self.backlog = Backlog(self.profile)
+        self.free_blocks = self.capacity_blocks
 
     def _resize_cache(self) -> None:
         # vLLM keeps cached prefixes in KV blocks no copy holds; eviction happens on insert.

@@ -69,11 +69,14 @@ def query_blocks(request: Request, profile: EngineProfile, margins: int, margin_
     return math.ceil(own / profile.block_tokens)
 
 
-def read_work(query: Work) -> Work:
+def read_work(query: Work, *, restorable: bool = False) -> Work:
     """The session's first read of a query's document (`POST /documents`): placed on its own,
-    as the live client opens a session before its first query."""
+    as the live client opens a session before its first query; or its rebuild, once every
+    replica holding it was lost (`restorable`: its KV was saved as it was first read)."""
     assert query.document is not None
-    return shapes.document_read(query.document, query.document_tokens, query.document_blocks)
+    return shapes.document_read(
+        query.document, query.document_tokens, query.document_blocks, restorable=restorable
+    )
 
 
 @dataclass(eq=False)

@@ -15,6 +15,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,9 @@ from wim_service.sim.jobs import Job, read_work, work_for
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import Request, Trace
 
-ARRIVAL, ENGINE, RETIRE, RETRY = 0, 1, 2, 3
+ARRIVAL, ENGINE, RETIRE, RETRY, LOSE = 0, 1, 2, 3, 4
+# A replica lost mid-replay: when (seconds into the trace) and which (its engine's index).
+Loss = tuple[float, int]
 # A copy retires once idle for copy_idle_s; float sums may land a hair short of it.
 IDLE_SLACK_S = 1e-9
 
@@ -65,7 +68,7 @@ class RunResult:
 
 
 class Replay:
-    """One policy over one fleet; `run()` once."""
+    """One policy over one fleet: `run()` to the end, or in steps (`run(until)`)."""
 
     def __init__(
         self,
@@ -74,6 +77,7 @@ class Replay:
         replicas: int,
         profile: EngineProfile,
         settings: SimSettings,
+        losses: Sequence[Loss] = (),
     ) -> None:
         # Every copy is charged through this profile, in placement and on the engines alike.
         profile = profile.for_store(settings.restore_copies)
@@ -107,6 +111,14 @@ class Replay:
         self._opening: dict[str, list[Job]] = {}
         self._calls = [0] * replicas  # calls each engine replica has open (jobs placed there)
         self._refusals: Counter[int] = Counter()  # by request index
+        self._on: list[set[Job]] = [set() for _ in range(replicas)]  # placed there, not done
+        # Documents whose every holder was lost: their next read restores what was saved.
+        self._rebuilt: set[str] = set()
+        # A loss first: what arrives at the same time finds the replica gone.
+        for at, index in losses:
+            self._push(at, LOSE, self.engines[index], None)
+        for request in trace.requests:
+            self._push(request.arrival_s, ARRIVAL, request, None)
 
     def _push(self, time: float, kind: int, subject: Any, detail: Any) -> None:
         heapq.heappush(self._heap, (time, next(self._order), kind, subject, detail))
@@ -114,10 +126,9 @@ class Replay:
     def _schedule(self, engine: Engine, time: float) -> None:
         self._push(time, ENGINE, engine, engine.version)
 
-    def run(self) -> RunResult:
-        for request in self.trace.requests:
-            self._push(request.arrival_s, ARRIVAL, request, None)
-        while self._heap:
+    def run(self, until: float = math.inf) -> RunResult:
+        """Replay what happens until `until` (seconds into the trace; by default all)."""
+        while self._heap and self._heap[0][0] <= until:
             now, _, kind, subject, detail = heapq.heappop(self._heap)
             self.result.events += 1
             if kind == ENGINE:
@@ -127,6 +138,8 @@ class Replay:
                 self._arrive(subject, now)
             elif kind == RETRY:
                 self._submit(subject, now)
+            elif kind == LOSE:
+                self._lose(subject, now)
             elif subject.retire_if_idle(detail, now, self.settings.copy_idle_s - IDLE_SLACK_S):
                 self.copies.closed(detail, subject.name)
                 self.result.copies_retired += 1
@@ -143,14 +156,22 @@ class Replay:
         if job.work.kv_blocks + job.work.document_blocks > capacity:
             self.result.too_large += 1
             return
+        self._begin(job, now)
+
+    def _begin(self, job: Job, now: float) -> None:
+        """Place a job, a query once its document's session is open."""
         document = job.work.document
         if document is not None and document in self._opening:
             self._opening[document].append(job)  # placed once the session is open
             return
         if document is not None and not self._held(document):
-            # As the live client does: open the session (placed on its own), then ask.
+            # As the live client does: open the session (placed on its own), then ask. A
+            # session whose every holder was lost is rebuilt so: its KV restored if saved.
             self._opening[document] = [job]
-            job = Job(request, read_work(job.work), self.settings, self._opened)
+            restorable = document in self._rebuilt
+            self._rebuilt.discard(document)
+            read = read_work(job.work, restorable=restorable)
+            job = Job(job.request, read, self.settings, self._opened)
         self._submit(job, now)
 
     def _held(self, document: str) -> bool:
@@ -190,6 +211,7 @@ class Replay:
     def _opened(self, read: Job, engine: Engine, now: float) -> None:
         """A session's read ended: its queries are placed now, in their order."""
         self._calls[engine.index] -= 1
+        self._on[engine.index].discard(read)
         document = read.work.document
         assert document is not None
         for job in self._opening.pop(document):
@@ -208,6 +230,7 @@ class Replay:
         if not self._takes_call(engine):
             return False
         self._calls[engine.index] += 1
+        self._on[engine.index].add(job)
         job.copy = placement.open_copy
         self.result.copies_opened += placement.open_copy
         document = job.work.document
@@ -220,7 +243,8 @@ class Replay:
 
     def _booked(self, work: Work, now: float) -> Booking:
         """Where `work` runs, by the policy over every engine's report as of `now`."""
-        self.ledger.take_reports(self.by_name, [e.report(now) for e in self.engines])
+        live = [e for e in self.engines if not e.lost]
+        self.ledger.take_reports([e.name for e in live], [e.report(now) for e in live])
         document = work.document
         holders = [e.name for e in self.engines if document is not None and document in e.copies]
         return self.ledger.place(work, holders=holders)
@@ -242,6 +266,37 @@ class Replay:
         self.result.copies_reclaimed += retired
         return retired
 
+    def _lose(self, engine: Engine, now: float) -> None:
+        """`engine`'s replica dies, as the live router sees one die: placement no longer sees
+        it (its bookings go with it); its copies are gone, a session whose primary it held
+        taken over by its first live copy, or read again at its next query (restored if its
+        KV was saved: `failover.py`); the jobs on it fail over, a session's read or query placed
+        again (its query on its session's new holders), a plain request failed (503 with
+        Retry-After: counted with the refused unless its client retries)."""
+        for document in engine.copies:
+            primary = (document, engine.name) not in self.copies
+            self.copies.closed(document, engine.name)
+            if not primary:
+                continue
+            heirs = [r for r in self.copies.holders(document) if not self.by_name[r].lost]
+            if heirs:
+                self.copies.closed(document, heirs[0])  # the session's primary now
+            elif not any(document in e.copies for e in self.engines if e is not engine):
+                self._rebuilt.add(document)
+        engine.lose()
+        self._calls[engine.index] = 0
+        jobs, self._on[engine.index] = self._on[engine.index], set()
+        for job in sorted(jobs, key=lambda j: (j.placed_s, j.request.index)):
+            again = Job(job.request, job.work, self.settings, job.on_done)
+            held = job.work.document
+            if held is None:
+                self._refuse(again, now)
+            elif job.work.reads_only:
+                self._submit(again, now)
+            else:
+                self.copies.end(held, engine.name, now)
+                self._begin(again, now)
+
     def _done(self, job: Job, engine: Engine, now: float) -> None:
         assert job.first_token_s is not None
         request = job.request
@@ -257,6 +312,7 @@ class Replay:
             )
         )
         self._calls[engine.index] -= 1
+        self._on[engine.index].discard(job)
         document = job.work.document
         if document is not None:
             self.copies.end(document, engine.name, now)
@@ -270,6 +326,7 @@ def simulate(
     replicas: int,
     profile: EngineProfile,
     settings: SimSettings | None = None,
+    losses: Sequence[Loss] = (),
 ) -> RunResult:
-    """Replay `trace` over `replicas` engines placed by `policy`."""
-    return Replay(trace, policy, replicas, profile, settings or SimSettings()).run()
+    """Replay `trace` over `replicas` engines placed by `policy`, losing `losses`."""
+    return Replay(trace, policy, replicas, profile, settings or SimSettings(), losses).run()

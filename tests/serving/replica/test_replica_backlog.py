@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from wim_service.placement.profile import EngineProfile
 from wim_service.placement.backlog import Backlog
+from wim_service.placement.profile import EngineProfile
 from wim_service.serving.replica.work import plain_work, session_work
 from wim_service.wim.options import WiMOptions
 

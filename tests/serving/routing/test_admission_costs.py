@@ -30,10 +30,10 @@ from tests.serving.routing.test_router_access import service
 from tests.serving.store.test_session_store import TEXT, redis_config, session
 from wim_service.engine.admission import AdmissionLoad
 from wim_service.engine.config import EngineConfig
+from wim_service.placement.backlog import Backlog
 from wim_service.placement.profile import EngineProfile
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.openai import service as openai_service
-from wim_service.placement.backlog import Backlog
 from wim_service.serving.replica.deployment import EngineReplica
 from wim_service.serving.replica.held_documents import HeldDocuments
 from wim_service.serving.routing.router import WiMRouter

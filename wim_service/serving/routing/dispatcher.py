@@ -139,30 +139,31 @@ class Dispatcher:
         """The replica a query of the document runs on (its primary, or a copy: `copies.py`),
         counted as running there until `copies.end`, and what it booked there; or a new copy
         to read first (`HolderChoice.copy_of`: `DocumentCopies.read_copy`). A session whose
-        primary is gone is taken over by a live copy, or rebuilt elsewhere. The store
+        primary is gone is taken over by a live copy, or rebuilt elsewhere, then placed on
+        its holders as any query (`wim sim` models a lost replica so too). The store
         decides: another router may have moved or ended the session. Called under the
         session's lock."""
+        moved = False  # a failover moved the session: its binding counted as a repin
         while True:
             session = await self.documents.get(document_id)
             if session is None:
                 raise session_gone(document_id)
             session = await self.failover.drop_lost_copies(session)
             primary = session.replica
-            replica: str | None
-            booking = None
-            if primary is not None and self.fleet.ledger.is_live(primary):
+            if primary is None or not self.fleet.ledger.is_live(primary):
+                # Then placed on its holders as they are now, and booked there, as any query.
+                if primary is None:
+                    await self.failover.rebuild(session, "session_lost")
+                else:
+                    await self.failover.lose(session, primary, "replica_left")
+                moved = True
+                continue
+            if not moved:
                 self.metrics.binding.labels(BindResult.HIT).inc()
-                choice = await self.copies.holder(session, query, options)
-                if choice.copy_of is not None:
-                    return choice
-                replica, booking = choice.replica, choice.booking
-            elif primary is None:
-                replica = await self.failover.rebuild(session, "session_lost")
-            else:
-                replica = await self.failover.lose(session, primary, "replica_left")
-            if replica is not None:
-                self.copies.begin(document_id, replica, primary=replica == primary)
-                return HolderChoice(replica, booking)
+            choice = await self.copies.holder(session, query, options)
+            if choice.copy_of is None:
+                self.copies.begin(document_id, choice.replica, primary=choice.replica == primary)
+            return choice
 
     # -- jobs ------------------------------------------------------------------------------
 
