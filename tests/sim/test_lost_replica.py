@@ -5,12 +5,14 @@ scripted scenario: `tests/placement/test_one_scenario.py`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from tests.fakes.profile import PROFILE
 from tests.sim.test_sim import doc_row, document_trace
+from wim_service.cli import main
 from wim_service.placement.profile import RestoreCost
 from wim_service.sim.replay import simulate
 from wim_service.sim.settings import SimSettings
@@ -70,3 +72,33 @@ def test_a_plain_request_on_a_lost_replica_fails_as_the_service_fails_it(
     # Not failed over (503, Retry-After): sent again only if its client retries.
     assert (lost.refused, lost.retried, len(lost.outcomes)) == (1 - retries, retries, retries)
     assert all(o.replica != alone.replica for o in lost.outcomes)
+
+
+def test_wim_sim_loses_a_replica_when_asked(tmp_path: Path) -> None:
+    rows = [doc_row(t, "a", wim=False) for t in (0, 0.2, 0.4, 0.6)]
+    trace = tmp_path / "plain.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "rows.json"
+    argv = ["sim", "--trace", str(trace), "--replicas", "2", "--policies", "round_robin"]
+    assert main([*argv, "--json-out", str(out), "--lose-replica", "0.1:0"]) == 0
+    (row,) = json.loads(out.read_text())
+    # The first request ran on replica 0 when it was lost; the others ran on replica 1.
+    assert (row["completed"], row["refused"]) == (3, 1)
+
+
+@pytest.mark.parametrize(
+    ("loss", "message"),
+    [
+        ("0.1", "--lose-replica takes T:INDEX, like 300:0, not '0.1'"),
+        ("nan:0", "--lose-replica T must be within 0-1e+09, not nan"),
+        ("5:2", "--lose-replica INDEX must be within 0-1, not 2"),
+    ],
+)
+def test_wim_sim_refuses_a_loss_it_cannot_replay(
+    loss: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "plain.jsonl"
+    trace.write_text(json.dumps(doc_row(0, "a", wim=False)) + "\n")
+    argv = ["sim", "--trace", str(trace), "--replicas", "2,4", "--lose-replica", loss]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

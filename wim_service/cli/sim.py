@@ -21,10 +21,10 @@ from wim_service.placement.policy import POLICIES, policy_name
 from wim_service.placement.profile import EngineProfile
 from wim_service.sim.floor import floor_line, ttft_floor
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
-from wim_service.sim.replay import simulate
+from wim_service.sim.replay import Loss, simulate
 from wim_service.sim.report import percentile, plot_p95, summarise, table
 from wim_service.sim.settings import SimSettings, check_bounds
-from wim_service.sim.traces import read_trace
+from wim_service.sim.traces import MAX_ARRIVAL_S, read_trace
 
 MAX_REPLICAS = 64
 TIME_SCALES = (0.001, 10_000)  # --time-scale's bounds
@@ -78,6 +78,14 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     _add_session_arguments(group)
     _add_copy_arguments(group)
     _add_admission_arguments(group)
+    group.add_argument(
+        "--lose-replica",
+        action="append",
+        default=[],
+        metavar="T:INDEX",
+        help="lose replica INDEX (0 is the first) T seconds into the trace (after "
+        "--time-scale), as the service loses one whose engine dies; may be repeated",
+    )
 
 
 def _add_session_arguments(group: argparse._ArgumentGroup) -> None:
@@ -207,6 +215,28 @@ def parse_replicas(text: str) -> list[int]:
     return counts
 
 
+def parse_losses(texts: list[str], replicas: int) -> list[Loss]:
+    """`--lose-replica`'s T:INDEX pairs, each INDEX one of `replicas` (the sweep's fewest)."""
+    if len(texts) > MAX_REPLICAS:
+        raise ValueError(f"--lose-replica takes at most {MAX_REPLICAS} losses")
+    losses = []
+    for text in texts:
+        shown = text if len(text) <= 40 else f"{text[:30]}..."
+        at, _, index = text.partition(":")
+        try:
+            loss = (float(at), int(index))
+        except ValueError:
+            raise ValueError(f"--lose-replica takes T:INDEX, like 300:0, not {shown!r}") from None
+        check_bounds(
+            [
+                ("--lose-replica T", loss[0], 0, MAX_ARRIVAL_S),
+                ("--lose-replica INDEX", loss[1], 0, replicas - 1),
+            ]
+        )
+        losses.append(loss)
+    return losses
+
+
 def parse_policies(text: str) -> list[str]:
     names = [policy_name(name.strip()) for name in text.split(",") if name.strip()]
     for name in names or [text]:
@@ -253,6 +283,7 @@ def copies_line(profile: EngineProfile, settings: SimSettings) -> str:
 def replay(args: argparse.Namespace) -> int:
     """Every policy at every fleet size: a table on stdout, the rows as JSON if asked."""
     counts, policies = parse_replicas(args.replicas), parse_policies(args.policies)
+    losses = parse_losses(args.lose_replica, min(counts))
     check_bounds([("--time-scale", args.time_scale, *TIME_SCALES)])
     settings, profile = settings_from(args), profile_from(args)
     trace = read_trace(args.trace).scaled(args.time_scale)
@@ -267,7 +298,7 @@ def replay(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for replicas in counts:
         for policy in policies:
-            row = summarise(simulate(trace, policy, replicas, profile, settings))
+            row = summarise(simulate(trace, policy, replicas, profile, settings, losses))
             rows.append(row | {"floor_p95_s": None if floor_p95 is None else round(floor_p95, 3)})
     print(table(rows))
     print(floor_line(floors))

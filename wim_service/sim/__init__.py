@@ -37,7 +37,8 @@ What the model simplifies, on purpose:
   are one prefill of every margin prompt over the document's KV, then decode side by side in
   the batch; the answers WiM starts beside them (`answer_early`) are the profile's
   `query_extra_tokens`, prefilled with the answer after the margins; no margin is judged or
-  dropped, every answer decodes its full `answer_tokens`, and nothing fails or is cancelled.
+  dropped, every answer decodes its full `answer_tokens`, and nothing fails or is cancelled
+  but by a lost replica (below).
 * Admission is the service's: a new session or job no replica has room for (after idle spare
   copies were reclaimed, as the live router's `reclaim`) is refused, `429` with Retry-After
   (`SimSettings.retry_after_s`), and so is a call to a replica past the engine deployment's
@@ -47,11 +48,12 @@ What the model simplifies, on purpose:
   queries with it. A query of a document some replica holds needs no new room and queues at
   its copy, as a live query waits its session's turn. A request larger than an empty
   replica's KV is counted as too large, never placed.
-* A replica may be lost at a given time (`simulate(..., losses=...)`), as the live router
-  sees one die: placement no longer sees it, its copies are gone (a session whose primary it
-  held is taken over by its first live copy, or read again at its next query, restored), the
-  reads and queries on it are placed again, and a plain request on it fails (503, counted
-  with the refused unless its client retries).
+* A replica may be lost at a given time (`simulate(..., losses=...)`, `wim sim
+  --lose-replica T:INDEX`), as the live router sees one die: placement no longer sees it,
+  its copies are gone (a session whose primary it held is taken over by its first live copy,
+  or read again at its next query, restored), the reads and queries on it are placed again,
+  and a plain request on it fails (503, counted with the refused unless its client retries).
+  The live router fails a session over at its next query; the replay at the loss.
 * Goodput counts the answers that end within `deadline_s` of their request's first send (the
   router's `request_timeout_s`). The service stops a job at its deadline and frees what it
   held; the replay lets it run to its end and counts it as answered late, so past saturation
