@@ -262,7 +262,7 @@ class DocumentCopies:
 
     async def _retire(self, idle_s: float, only: str | None = None) -> int:
         """Close the copies unused for `idle_s` by this router and, as the store judges, by
-        every router; only tenant `only`'s if given. The number closed."""
+        every router; only tenant `only`'s if given. The number closed on live replicas."""
         retired = 0
         for document_id, replica in self.book.idle(time.monotonic(), idle_s):
             if only is not None and self._tenants.get(document_id) != only:
@@ -277,10 +277,19 @@ class DocumentCopies:
                 key = (document_id, replica)
                 if self.book.running(document_id, replica) or key not in self.book:
                     continue
-                if await self.documents.drop_copy(document_id, replica, idle_s=idle_s):
-                    await close_on(self.client, replica, document_id)
-                    self.metrics.copies_retired.inc()
-                    self.book.closed(document_id, replica)  # a listing may have dropped it
-                    retired += 1
+                if not await self.documents.drop_copy(document_id, replica, idle_s=idle_s):
+                    continue
+                self.book.closed(document_id, replica)  # a listing may have dropped it
+                if self._lost(replica):
+                    continue  # gone with its room: closing it frees none
+                await close_on(self.client, replica, document_id)
+                self.metrics.copies_retired.inc()
+                retired += 1
         self.metrics.document_copies.set(len(self.book))
         return retired
+
+    def _lost(self, replica: str) -> bool:
+        """Whether `replica` is known to be gone: the router has heard from the fleet, and
+        not that it is live."""
+        ledger = self.fleet.ledger
+        return bool(ledger.live) and not ledger.is_live(replica)
