@@ -10,15 +10,19 @@ import asyncio
 import pytest
 
 from tests.fakes.replicas import FakeClient
+from wim_service.serving.errors import ServiceError
 from wim_service.serving.routing import store_reach
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.routing.store_reach import (
-    CUT_OFF_S,
     PROBE_EVERY_S,
+    SERVE_FAILURES,
+    SKEW_S,
     StoreCutOff,
     cut_off_alone,
+    held,
 )
 from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable
+from wim_service.wim.errors import ErrorCode
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -106,19 +110,23 @@ def test_a_router_cut_off_alone_fails_its_health_check_once_a_peer_reaches_the_s
         await turn(clock, one, other)
         await one.reach.check()
         cut.cut = True
-        # The peer reaching the store just after this router last did proves nothing yet.
+        # The peer reaching the store as this router's probes begin to fail proves nothing.
         await turn(clock, one, other)
         await one.reach.check()
-        while clock.now <= one.reach.reached_at + CUT_OFF_S:  # type: ignore[operator]
+        failing_since = one.reach.failing_since
+        assert failing_since is not None
+        while clock.now <= failing_since + SKEW_S:
             await turn(clock, one, other)
-        await turn(clock, one, other)
-        with pytest.raises(StoreCutOff, match="other routers reach it"):
-            await one.reach.check()
+        for failed in range(1, SERVE_FAILURES + 1):
+            with pytest.raises(StoreCutOff, match="other routers reach it"):
+                await one.reach.check()
+            assert one.reach.failed_checks == failed
         await other.reach.check()
         # The link back: healthy at the next probe.
         cut.cut = False
         await turn(clock, one, other)
         await one.reach.check()
+        assert one.reach.failed_checks == 0
 
     run(scenario)
 
@@ -133,7 +141,7 @@ def test_a_store_down_for_every_router_fails_no_health_check() -> None:
         stores[0].cut = True
         await turn(clock, *routers)
         stores[1].cut = True
-        for _ in range(int(3 * CUT_OFF_S)):
+        for _ in range(10):
             await turn(clock, *routers)
             for each in routers:
                 await each.reach.check()
@@ -142,7 +150,8 @@ def test_a_store_down_for_every_router_fails_no_health_check() -> None:
 
 
 def test_a_router_started_while_cut_off_fails_its_first_check() -> None:
-    """Serve's first health check of a new replica: it probes the store itself."""
+    """Serve's first health check of a new replica probes the store itself, and waits for the
+    peers' next reach."""
 
     async def scenario() -> None:
         clock, board = Clock(), Board()
@@ -150,14 +159,28 @@ def test_a_router_started_while_cut_off_fails_its_first_check() -> None:
         await turn(clock, peer)
         store = Reachable()
         store.cut = True
-        with pytest.raises(StoreCutOff, match="never"):
-            await router("r1", store, board, clock).reach.check()
+        new = router("r1", store, board, clock)
+
+        async def peer_reaches_later() -> None:
+            await asyncio.sleep(0.3)
+            await turn(clock, peer)
+            await turn(clock, peer)
+
+        later = asyncio.create_task(peer_reaches_later())
+        with pytest.raises(StoreCutOff):
+            await new.reach.check()
+        await later
 
     run(scenario)
 
 
+def unavailable() -> ServiceError:
+    return ServiceError(ErrorCode.UNAVAILABLE, "tenant limits are unavailable for a moment")
+
+
 def test_nothing_to_judge_by_fails_nobody() -> None:
-    """No peer, a peer gone long ago, or a GCS that does not answer either."""
+    """No peer, a peer gone long ago, or a GCS that does not answer either: no failed check,
+    and a request refused at once."""
 
     async def scenario() -> None:
         clock, board = Clock(), Board()
@@ -165,14 +188,74 @@ def test_nothing_to_judge_by_fails_nobody() -> None:
         alone = router("r1", store, board, clock)
         await turn(clock, alone)
         store.cut = True
-        for _ in range(int(3 * CUT_OFF_S)):
+        for _ in range(10):
             await turn(clock, alone)
         await alone.reach.check()
-        board.reaches["gone"] = clock.now - 2 * CUT_OFF_S
+
+        async def refused() -> int:
+            raise unavailable()
+
+        with pytest.raises(ServiceError):
+            await asyncio.wait_for(held(alone.reach, refused), 1)
+        board.reaches["gone"] = clock.now - 20
         await alone.reach.check()
         board.reaches["r2"] = clock.now
         board.down = True
         await alone.reach.check()
+
+    run(scenario)
+
+
+def test_a_request_on_a_router_cut_off_alone_waits_until_serve_takes_it_out() -> None:
+    """Its 503 comes once Serve's checks have failed `SERVE_FAILURES` times; a request whose
+    store comes back meanwhile is tried again and answered."""
+
+    async def scenario() -> None:
+        clock, board = Clock(), Board()
+        cut, peer = Reachable(), Reachable()
+        one, other = router("r1", cut, board, clock), router("r2", peer, board, clock)
+        await turn(clock, one, other)
+        cut.cut = True
+        await turn(clock, one, other)
+        calls: list[int] = []
+
+        async def refused() -> int:
+            calls.append(1)
+            raise unavailable()
+
+        # Not judged alone yet (the peer's reach is not past the clocks' skew): 503 at once.
+        with pytest.raises(ServiceError):
+            await held(one.reach, refused)
+        for _ in range(2):
+            await turn(clock, one, other)
+
+        async def refused() -> int:
+            calls.append(1)
+            raise unavailable()
+
+        request = asyncio.create_task(held(one.reach, refused))
+        await asyncio.sleep(0.3)
+        for _ in range(SERVE_FAILURES):
+            await asyncio.sleep(0.3)
+            assert not request.done()
+            with pytest.raises(StoreCutOff):
+                await one.reach.check()
+        with pytest.raises(ServiceError):
+            await request
+        assert len(calls) == 2
+
+        async def answered() -> int:
+            calls.append(1)
+            if cut.cut:
+                raise unavailable()
+            return 200
+
+        one.reach.failed_checks = 0
+        request = asyncio.create_task(held(one.reach, answered))
+        await asyncio.sleep(0.3)
+        cut.cut = False
+        await turn(clock, one, other)
+        assert await request == 200
 
     run(scenario)
 
@@ -192,22 +275,14 @@ def test_a_router_withdraws_its_reach_and_prunes_the_long_gone() -> None:
     run(scenario)
 
 
-LATER = 100.0 + CUT_OFF_S + 1
-
-
 @pytest.mark.parametrize(
-    ("reached_at", "others", "now", "alone"),
+    ("others", "alone"),
     [
-        (100.0, {"r2": 100.0 + CUT_OFF_S + 0.5}, LATER, True),
-        (100.0, {"r2": 100.0 + CUT_OFF_S - 0.5}, LATER, False),  # within the margin: all down
-        (100.0, {"r2": 90.0}, LATER, False),  # the peer stopped reaching it first
-        (100.0, {"r2": LATER - 0.5}, LATER + CUT_OFF_S, False),  # the peer's reach is old
-        (None, {"r2": LATER - 1}, LATER, True),  # never reached it, the peer just did
-        (None, {"r2": LATER - CUT_OFF_S - 1}, LATER, False),
-        (100.0, {}, LATER, False),
+        ({"r2": 100.0 + SKEW_S + 0.5}, True),
+        ({"r2": 100.0 + SKEW_S - 0.5}, False),  # within the clocks' skew: down for all
+        ({"r2": 90.0}, False),  # the peer stopped reaching it first
+        ({}, False),
     ],
 )
-def test_cut_off_alone(
-    reached_at: float | None, others: dict[str, float], now: float, alone: bool
-) -> None:
-    assert cut_off_alone(reached_at, others, now, CUT_OFF_S) is alone
+def test_cut_off_alone(others: dict[str, float], alone: bool) -> None:
+    assert cut_off_alone(100.0, others, SKEW_S) is alone

@@ -55,7 +55,7 @@ from wim_service.serving.routing.fleet import ReplicaFleet
 from wim_service.serving.routing.quotas import JobLease, TenantGate
 from wim_service.serving.routing.recent import Paced, Recent
 from wim_service.serving.routing.sizing import JobSizer
-from wim_service.serving.routing.store_reach import Witnesses, store_reach
+from wim_service.serving.routing.store_reach import Witnesses, held, store_reach
 from wim_service.serving.store import Holding, SessionStore, StoredSession, make_store
 from wim_service.serving.tenants import ApiKeys, Capability, Tenant, check_open_mode
 from wim_service.wim.errors import ErrorCode, WiMError
@@ -136,7 +136,8 @@ class WiMRouter:
         """The caller's tenant (401 without a valid key), counted against its request rate."""
         try:
             tenant = self.keys.tenant(authorization)
-            await self.gate.admit(tenant)
+            # Held while this router alone cannot reach the store (`routing/store_reach.py`).
+            await held(self.reach, lambda: self.gate.admit(tenant))
         except ServiceError as exc:
             self.metrics.requests.labels(str(exc.status)).inc()
             raise
