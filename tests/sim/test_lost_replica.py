@@ -102,3 +102,20 @@ def test_wim_sim_refuses_a_loss_it_cannot_replay(
     argv = ["sim", "--trace", str(trace), "--replicas", "2,4", "--lose-replica", loss]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_session_lost_while_it_is_first_read_is_read_afresh_again_later(
+    tmp_path: Path,
+) -> None:
+    """Lost during its first read, the session is read afresh on the other replica; once
+    that copy retires, its next read is a first read again, not a restore."""
+    profile = PROFILE.model_copy(update={"restore": RestoreCost(fixed_s=0.05, per_token_s=6e-5)})
+    rows = [doc_row(0, "a", wim=True), doc_row(1000, "a", wim=True)]
+    trace = document_trace(rows, tmp_path)
+    settings = SimSettings(copy_idle_s=100.0)
+    first, later = sorted(
+        simulate(trace, "sticky", 2, profile, settings).outcomes, key=lambda o: o.index
+    )
+    lost = simulate(trace, "sticky", 2, profile, settings, [(READ_S / 2, first.replica)])
+    again = next(o for o in lost.outcomes if o.index == 1)
+    assert again.first_token_s == pytest.approx(later.first_token_s)

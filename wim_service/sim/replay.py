@@ -214,6 +214,7 @@ class Replay:
         self._on[engine.index].discard(read)
         document = read.work.document
         assert document is not None
+        self._rebuilt.discard(document)  # a read lost with its replica was read again
         for job in self._opening.pop(document):
             self._submit(job, now)
         if not engine.copies[document].active:  # every query went to another replica
