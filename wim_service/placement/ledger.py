@@ -209,10 +209,16 @@ class Ledger:
     # -- placement -------------------------------------------------------------------------
 
     def states(
-        self, work: Work, exclude: Collection[str] = (), holders: Collection[str] = ()
+        self,
+        work: Work,
+        exclude: Collection[str] = (),
+        holders: Collection[str] = (),
+        ahead: Mapping[str, int] | None = None,
     ) -> list[ReplicaState]:
         """The replicas that may take new work (reported healthy, not draining, not excluded),
-        as placement sees them; `holders` hold a copy of the work's document."""
+        as placement sees them; `holders` hold a copy of the work's document, with `ahead` of
+        its queries on each (running or waiting their turn there)."""
+        ahead = ahead or {}
         document = frozenset([work.document] if work.document else [])
         states = []
         for load in self.loads.values():
@@ -226,6 +232,7 @@ class Ledger:
                     backlog_s=load.backlog_s,
                     running=load.running,
                     documents=document if load.replica in holders else frozenset(),
+                    queries_ahead=ahead.get(load.replica, 0),
                     prefix_cache=self.prefixes.get(load.replica),
                 )
             )
@@ -238,10 +245,11 @@ class Ledger:
         session: str | None = None,
         exclude: Collection[str] = (),
         holders: Collection[str] = (),
+        ahead: Mapping[str, int] | None = None,
     ) -> Booking:
         """Where `work` runs by the policy (raises `NoRoom`), booked there; `session` (a
-        one-shot job's or a plain request's) is bound to it."""
-        states = self.states(work, exclude, holders)
+        one-shot job's or a plain request's) is bound to it; `ahead` as `states`."""
+        states = self.states(work, exclude, holders, ahead)
         placement = self.policy.place(work, states)
         state = next(s for s in states if s.replica == placement.replica)
         seconds = job_s(self.profile, work, state, copy=placement.open_copy)

@@ -248,7 +248,8 @@ class Replay:
         self.ledger.take_reports([e.name for e in live], [e.report(now) for e in live])
         document = work.document
         holders = [e.name for e in self.engines if document is not None and document in e.copies]
-        return self.ledger.place(work, holders=holders)
+        ahead = {name: self.copies.running(document, name) for name in holders if document}
+        return self.ledger.place(work, holders=holders, ahead=ahead)
 
     def _reclaim(self, now: float) -> int:
         """Retire every idle copy opened beside a session's primary (the live router's

@@ -179,9 +179,12 @@ class DocumentCopies:
         return settled
 
     def _place(self, work: Work, holders: list[str]) -> Booking | None:
-        """The query's placement, booked; None if no replica has room for it."""
+        """The query's placement, booked; None if no replica has room for it. Each holder is
+        weighed with this router's queries of the document on it, which run in turn there."""
+        assert work.document is not None
+        ahead = {r: self.book.running(work.document, r) for r in holders}
         try:
-            return self.fleet.ledger.place(work, holders=holders)
+            return self.fleet.ledger.place(work, holders=holders, ahead=ahead)
         except NoRoom:
             return None
 
