@@ -126,14 +126,11 @@ class ExpectedWait:
     weighs_loads: bool = True
 
     def start_s(self, work: Work, replica: ReplicaState, *, copy: bool) -> float:
-        """Expected seconds until the job's first answer token on `replica`: after the work
-        queued there, and on a holder after the queries of its document ahead of it on that
-        copy, each in turn for its whole job."""
-        wait = replica.backlog_s
-        if not copy and replica.queries_ahead:
-            turns = replica.queries_ahead * job_s(self.profile, work, replica)
-            wait = max(wait, turns)
-        return wait + first_token_s(self.profile, work, replica, copy=copy)
+        """Expected seconds until the job's first answer token on `replica`. A holder's
+        queries of the document ahead in turn (`queries_ahead`) are not charged: charged a
+        whole job each, `wim sim` at saturation answered fewer requests within the deadline
+        (more copies took the session slots new sessions needed; docs/routing.md)."""
+        return replica.backlog_s + first_token_s(self.profile, work, replica, copy=copy)
 
     def cost_s(self, work: Work, replica: ReplicaState, *, copy: bool) -> float:
         """What placing the job on `replica` costs: its expected wait, and for a request
