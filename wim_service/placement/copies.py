@@ -9,13 +9,47 @@ read on) is not a copy here: closing it ends the session, which its TTL or a DEL
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+
+from wim_service.placement.ledger import Booking, Ledger
+from wim_service.placement.state import NoRoom, Work
 
 # A copy no query used for this long is closed, its KV and session slot given back: the
 # router's `copy_idle_s` and `wim sim`'s default.
 DEFAULT_COPY_IDLE_S = 120.0
 
 Key = tuple[str, str]  # (document, replica)
+
+
+def place_query(
+    ledger: Ledger, book: CopyBook, work: Work, holders: Collection[str]
+) -> Booking | None:
+    """A document query's placement, booked; None if no replica has room for it (it then
+    waits its turn on the session's primary, unbooked). Each of the document's `holders` is
+    weighed with the queries of the document on it (`book`), which run in turn there."""
+    assert work.document is not None
+    ahead = {r: book.running(work.document, r) for r in holders}
+    try:
+        return ledger.place(work, holders=holders, ahead=ahead)
+    except NoRoom:
+        return None
+
+
+def weigh_afresh(ledger: Ledger, booking: Booking) -> bool:
+    """Whether a query's placement opens a copy on loads a poll old, by a policy that weighs
+    loads: a copy costs a whole read, so its booking is cancelled, the loads asked again
+    (`placement/polls.py`) and the query placed again on them (round robin would only take
+    another turn)."""
+    return booking.placement.open_copy and ledger.policy.weighs_loads
+
+
+def may_open_copy(ledger: Ledger, holders: Collection[str], max_copies: int, opening: bool) -> bool:
+    """Whether the copy a query's placement asks for opens: only beside holders whose loads are
+    known (the policy weighed them), within `max_copies` holders (a policy other than
+    `expected_wait` may ask for more), and one read of a document at a time (not while
+    `opening` one); else the query runs on the session's primary, unbooked."""
+    known = all(ledger.load(r) is not None for r in holders)
+    return known and len(holders) < max_copies and not opening
 
 
 class CopyBook:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.copies import DEFAULT_COPY_IDLE_S
 from wim_service.placement.policy import DEFAULT_MAX_COPIES, policy_name
+from wim_service.placement.polls import DEFAULT_LOAD_POLL_S
 from wim_service.placement.profile import EngineProfile
 
 
@@ -56,7 +57,7 @@ class RouterConfig(BaseModel):
     # event once streaming).
     request_timeout_s: float = Field(900.0, gt=0)
     # How often the router asks every engine replica for its load.
-    load_poll_interval_s: float = Field(2.0, gt=0)
+    load_poll_interval_s: float = Field(DEFAULT_LOAD_POLL_S, gt=0)
     # `/metrics` is rendered at most once per this long, however many scrapers come; each
     # waits for a page rendered after its request arrived (so at most this long).
     metrics_interval_s: float = Field(1.0, ge=0, le=60)

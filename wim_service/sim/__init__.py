@@ -31,8 +31,14 @@ What the model simplifies, on purpose:
 * Session slots (the service's max_sessions) are taken by each copy; a plain request takes
   none (as on a live engine, it reserves KV only); placement sees free KV, free slots, each
   replica's exact prefix cache, and its backlog as a live replica reports it: each placed
-  job's expected cost less the time it has run (`placement/backlog.py`), not the engine's
-  exact queue, which no live replica knows.
+  job's expected cost less the time it has run (`placement/backlog.py`; a query that opens
+  a copy books its read, then itself), not the engine's exact queue, which no live replica
+  knows. Placement takes those reports as the router takes its replicas': every
+  `load_poll_s` and again before a refusal or a copy (`placement/polls.py`), with what it
+  placed since booked on top (`placement/ledger.py`).
+* A query opens a copy by the router's rules (`placement/copies.py`): one read of a document
+  at a time, the copy taking queries once read; a query whose copy may not open, or that the
+  policy finds no room for, runs on its session's primary, unbooked.
 * A WiM query's margins (one per segment, or its trace row's `margins`: the others skipped)
   are one prefill of every margin prompt over the document's KV, then decode side by side in
   the batch; the answers WiM starts beside them (`answer_early`) are the profile's

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from wim_service.placement import shapes
+from wim_service.placement.ledger import Booking
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import Work
 from wim_service.sim.engine import Engine
@@ -95,13 +96,22 @@ class Job:
     margins_left: int = 0
     beside_blocks: int = 0  # KV of its own, if it runs beside the query in its copy's turn
     booked: int = 0  # its job in its engine's backlog (`Backlog.book`)
+    # What placement booked for it in the ledger (None: it runs unbooked, as a query the
+    # router sends to its session's primary when it places it nowhere else).
+    booking: Booking | None = None
+    # Called once the copy it opened is read (its query follows): the router's cue.
+    on_read: Callable[[Job, float], None] | None = None
 
     def start(self, engine: Engine, now: float) -> None:
         """Book the job on `engine` and queue its first prefill (a document job's once the
-        queries ahead of it on the same copy have ended)."""
+        queries ahead of it on the same copy have ended). A query that opens a copy books
+        its read first, then itself once read, as a live replica books the copy's read
+        (`open_document`) and then the query the router sends after it."""
         profile, work = engine.profile, self.work
         self.placed_s = now
-        self.booked = engine.backlog.book(work, copy=self.copy, now=now)
+        opens = self.copy and not work.reads_only
+        booked = read_work(work, restorable=True) if opens else work
+        self.booked = engine.backlog.book(booked, copy=self.copy, now=now)
         if not self.request.wim:
             engine.book(work.kv_blocks, document=None)
             engine.submit(PlainPrefill(self), now)
@@ -121,6 +131,13 @@ class Job:
         self.beside_blocks = engine.run_query(
             copy, own, lambda at: self._run_query(engine, at), now
         )
+
+    def read(self, engine: Engine, now: float) -> None:
+        """The copy it opened is read: the query is booked in its stead."""
+        engine.backlog.end(self.booked)
+        self.booked = engine.backlog.book(self.work, now=now)
+        if self.on_read is not None:
+            self.on_read(self, now)
 
     def _run_query(self, engine: Engine, now: float) -> None:
         """Queue the query's prefills: the copy's read (if placement opened one), then its
@@ -220,6 +237,8 @@ class ReadPrefill:
         engine.copies[document].read = True
         if self.job.work.reads_only:
             self.job.finish(engine, now)
+        else:
+            self.job.read(engine, now)
 
 
 @dataclass(eq=False)

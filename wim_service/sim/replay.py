@@ -1,8 +1,11 @@
 """The simulator's core: a trace replayed over N simulated engines through a placement policy.
 
-Events (arrivals, the end of an engine's prefill or decode run, a copy's idle check) are kept in
-one heap, in time order. At each arrival every engine describes itself as a `ReplicaState`, the
-policy (the code the live router runs) picks a replica, and the job is booked there. What finds
+Events (arrivals, the end of an engine's prefill or decode run, a copy's idle check, a poll of
+the engines' reports) are kept in one heap, in time order. Placement sees the engines as the
+router sees its replicas: their load reports taken at each poll (`load_poll_s`) and asked again
+before a refusal or a copy (at most once per `FRESH_LOADS_S`), with what was placed since
+booked on top in the router's ledger; the policy (the code the live router runs) picks a
+replica, and a query's copy opens by the router's rules (`placement/copies.py`). What finds
 no room is refused as the service refuses it (`429` with Retry-After): a new session or job no
 replica has room for, after idle spare copies were reclaimed, and a call past the engine
 replicas' queue bound. Its client sends it again after the Retry-After if its trace row says
@@ -19,9 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from wim_service.placement.copies import CopyBook
+from wim_service.placement.copies import CopyBook, may_open_copy, place_query, weigh_afresh
 from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.policy import PlacementPolicy, make_policy
+from wim_service.placement.polls import Fresh
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import NoRoom, Work
 from wim_service.sim.engine import Engine
@@ -29,7 +33,7 @@ from wim_service.sim.jobs import Job, read_work, work_for
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import Request, Trace
 
-ARRIVAL, ENGINE, RETIRE, RETRY, LOSE = 0, 1, 2, 3, 4
+ARRIVAL, ENGINE, RETIRE, RETRY, LOSE, POLL = 0, 1, 2, 3, 4, 5
 # A replica lost mid-replay: when (seconds into the trace) and which (its engine's index).
 Loss = tuple[float, int]
 # A copy retires once idle for copy_idle_s; float sums may land a hair short of it.
@@ -83,10 +87,14 @@ class Replay:
         profile = profile.for_store(settings.restore_copies)
         self.trace, self.profile, self.settings = trace, profile, settings
         self.policy: PlacementPolicy = make_policy(policy, profile, max_copies=settings.max_copies)
-        # Placement reads and books through the router's ledger; every engine reports before
-        # each placement, so nothing booked there outlives it, and the engines' own prefix
-        # caches, exact, stand for the router's estimates.
-        self.ledger = Ledger(self.policy, profile, estimate_prefixes=False)
+        # Placement reads and books through the router's ledger, at the replay's clock; the
+        # engines' own prefix caches, exact, stand for the router's estimates.
+        self.now = 0.0
+        self.ledger = Ledger(self.policy, profile, clock=lambda: self.now, estimate_prefixes=False)
+        self._fresh = Fresh()  # when a refusal or a copy asks for the reports again
+        # Documents whose copy is being read, by the query it opened for: the router reads
+        # one copy of a document at a time, and a copy takes queries once read.
+        self._copying: dict[str, Job] = {}
         # The copies opened beside sessions' primaries and the queries on each holder, kept as
         # the router keeps its own (`DocumentCopies`): what a reclaim may close.
         self.copies = CopyBook()
@@ -114,6 +122,7 @@ class Replay:
         self._on: list[set[Job]] = [set() for _ in range(replicas)]  # placed there, not done
         # Documents whose every holder was lost: their next read restores what was saved.
         self._rebuilt: set[str] = set()
+        self._push(0.0, POLL, None, None)  # the router polls as it starts
         # A loss first: what arrives at the same time finds the replica gone.
         for at, index in losses:
             self._push(at, LOSE, self.engines[index], None)
@@ -130,6 +139,7 @@ class Replay:
         """Replay what happens until `until` (seconds into the trace; by default all)."""
         while self._heap and self._heap[0][0] <= until:
             now, _, kind, subject, detail = heapq.heappop(self._heap)
+            self.now = now
             self.result.events += 1
             if kind == ENGINE:
                 if detail == subject.version:  # else a decode run cut short since
@@ -140,6 +150,10 @@ class Replay:
                 self._submit(subject, now)
             elif kind == LOSE:
                 self._lose(subject, now)
+            elif kind == POLL:
+                self._poll()
+                if self._heap:  # else the replay is over
+                    self._push(now + self.settings.load_poll_s, POLL, None, None)
             elif subject.retire_if_idle(detail, now, self.settings.copy_idle_s - IDLE_SLACK_S):
                 self.copies.closed(detail, subject.name)
                 self.result.copies_retired += 1
@@ -212,6 +226,8 @@ class Replay:
         """A session's read ended: its queries are placed now, in their order."""
         self._calls[engine.index] -= 1
         self._on[engine.index].discard(read)
+        if read.booking is not None:
+            self.ledger.done(read.booking)
         document = read.work.document
         assert document is not None
         self._rebuilt.discard(document)  # a read lost with its replica was read again
@@ -221,35 +237,98 @@ class Replay:
             self._push(now + self.settings.copy_idle_s, RETIRE, engine, document)
 
     def _place(self, job: Job, now: float) -> bool:
-        try:
-            placement = self._booked(job.work, now).placement
-        except NoRoom:
-            if not self._reclaim(now):
+        work, document = job.work, job.work.document
+        query = document is not None and not work.reads_only
+        if query:
+            replica, booking = self._holder(work)
+        else:
+            booking = self._booked(work, now)
+            if booking is None:
                 return False
-            return self._place(job, now)
-        engine = self.by_name[placement.replica]
+            replica = booking.replica
+        engine = self.by_name[replica]
         if not self._takes_call(engine):
+            if booking is not None:
+                self.ledger.cancel(booking)
             return False
         self._calls[engine.index] += 1
         self._on[engine.index].add(job)
-        job.copy = placement.open_copy
-        self.result.copies_opened += placement.open_copy
-        document = job.work.document
-        if document is not None and not job.work.reads_only:  # a query, on a holder
-            if placement.open_copy:  # beside the session's primary, as the router's copies
+        job.booking = booking
+        job.copy = booking is not None and booking.placement.open_copy
+        self.result.copies_opened += job.copy
+        if query:  # on a holder, or a copy opened beside the session's primary
+            assert document is not None
+            if job.copy:
                 self.copies.opened(document, engine.name, now)
+                self._copying[document] = job
+                job.on_read = self._copy_read
             self.copies.begin(document, engine.name)
         job.start(engine, now)
         return True
 
-    def _booked(self, work: Work, now: float) -> Booking:
-        """Where `work` runs, by the policy over every engine's report as of `now`."""
+    def _poll(self) -> None:
+        """Every live engine's report, as the router's poll takes its replicas'."""
         live = [e for e in self.engines if not e.lost]
-        self.ledger.take_reports([e.name for e in live], [e.report(now) for e in live])
+        self.ledger.take_reports([e.name for e in live], [e.report(self.now) for e in live])
+
+    def _ask_fresh(self) -> None:
+        """The reports asked again for a decision, as the router's `fresh_loads` asks."""
+        if self._fresh.ask(self.now):
+            self._poll()
+
+    def _booked(self, work: Work, now: float) -> Booking | None:
+        """Where a session's read or a plain request runs, booked, as the router places it
+        (`ReplicaFleet.place`): with no room on the loads it has, placed again on loads asked
+        again, then after a reclaim of spare copies; None: refused."""
+        asked = reclaimed = False
+        while True:
+            try:
+                return self.ledger.place(work)
+            except NoRoom:
+                if not asked:
+                    asked = True
+                    self._ask_fresh()
+                    continue
+                if reclaimed or not self._reclaim(now):
+                    return None
+                reclaimed = True
+                self._poll()
+
+    def _holder(self, work: Work) -> tuple[str, Booking | None]:
+        """Where a query of a held document runs, as the router decides it
+        (`DocumentCopies.holder`): on the holder or new copy the policy picks, booked there,
+        among the copies read; else on its session's primary, unbooked."""
         document = work.document
-        holders = [e.name for e in self.engines if document is not None and document in e.copies]
-        ahead = {name: self.copies.running(document, name) for name in holders if document}
-        return self.ledger.place(work, holders=holders, ahead=ahead)
+        assert document is not None
+        held = [e for e in self.engines if document in e.copies]
+        holders = [e.name for e in held if e.copies[document].read]
+        booking = place_query(self.ledger, self.copies, work, holders)
+        if booking is not None and weigh_afresh(self.ledger, booking):
+            self.ledger.cancel(booking)
+            self._ask_fresh()
+            booking = place_query(self.ledger, self.copies, work, holders)
+        primaries = [e.name for e in held if (document, e.name) not in self.copies]
+        home = (primaries or holders or [held[0].name])[0]
+        if booking is None:
+            return home, None
+        opening = document in self._copying
+        if not booking.placement.open_copy or may_open_copy(
+            self.ledger, holders, self.settings.max_copies, opening
+        ):
+            return booking.replica, booking
+        self.ledger.cancel(booking)
+        return home, None
+
+    def _copy_read(self, job: Job, now: float) -> None:
+        """A query's new copy is read: its read stops counting in the ledger (the router's
+        `read_copy`), and the document may open another."""
+        document = job.work.document
+        assert document is not None
+        if job.booking is not None:
+            read_s = self.profile.read_seconds(job.work.document_tokens, saved=True)
+            self.ledger.done(job.booking, read_s)
+        if self._copying.get(document) is job:
+            del self._copying[document]
 
     def _reclaim(self, now: float) -> int:
         """Retire every idle copy opened beside a session's primary (the live router's
@@ -286,8 +365,10 @@ class Replay:
             elif not any(document in e.copies for e in self.engines if e is not engine):
                 self._rebuilt.add(document)
         engine.lose()
+        self.ledger.lose(engine.name)  # its calls fail: the router places nothing more there
         self._calls[engine.index] = 0
         jobs, self._on[engine.index] = self._on[engine.index], set()
+        self._copying = {d: j for d, j in self._copying.items() if j not in jobs}
         for job in sorted(jobs, key=lambda j: (j.placed_s, j.request.index)):
             again = Job(job.request, job.work, self.settings, job.on_done)
             held = job.work.document
@@ -315,6 +396,8 @@ class Replay:
         )
         self._calls[engine.index] -= 1
         self._on[engine.index].discard(job)
+        if job.booking is not None:
+            self.ledger.done(job.booking)
         document = job.work.document
         if document is not None:
             self.copies.end(document, engine.name, now)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from wim_service.placement.copies import DEFAULT_COPY_IDLE_S
 from wim_service.placement.policy import DEFAULT_MAX_COPIES
+from wim_service.placement.polls import DEFAULT_LOAD_POLL_S
 from wim_service.sim.traces import MAX_ARRIVAL_S, MAX_RETRIES, MIN_SEGMENT_TOKENS
 from wim_service.wim.options import WiMOptions
 
@@ -42,6 +43,9 @@ class SimSettings:
     segment_tokens: int = _OPTIONS["segment_tokens"].default
     margin_tokens: int = _OPTIONS["margin_max_tokens"].default
     max_copies: int = DEFAULT_MAX_COPIES  # copies of one document `expected_wait` may open
+    # Placement takes the engines' reports this often, as the router polls its replicas
+    # (`RouterConfig.load_poll_interval_s`), and between polls as it does (`placement/polls.py`).
+    load_poll_s: float = DEFAULT_LOAD_POLL_S
     # Whether a copy of a document read before restores its KV from the KV store (the
     # profile's `restore` cost, if measured) instead of reading it again: `RouterConfig.
     # restore_copies`. On by default, as `./run.sh` runs with a store (docs/kv-store.md).
@@ -70,6 +74,7 @@ class SimSettings:
                 ("segment_tokens", self.segment_tokens, MIN_SEGMENT_TOKENS, 65_536),
                 ("margin_tokens", self.margin_tokens, 1, 1_024),
                 ("max_copies", self.max_copies, 1, 64),
+                ("load_poll_s", self.load_poll_s, 0.001, MAX_ARRIVAL_S),
                 ("retries", self.retries, 0, MAX_RETRIES),
                 ("deadline_s", self.deadline_s, 0.001, MAX_ARRIVAL_S),
             ]

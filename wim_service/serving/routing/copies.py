@@ -44,9 +44,8 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from wim_service.placement.copies import CopyBook
+from wim_service.placement.copies import CopyBook, may_open_copy, place_query, weigh_afresh
 from wim_service.placement.ledger import Booking
-from wim_service.placement.state import NoRoom, Work
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.observability.metrics import WiMMetrics
@@ -131,23 +130,20 @@ class DocumentCopies:
             query=query,
             segments=session.segments,
         )
-        booking = self._place(work, holders)
-        if booking is not None and booking.placement.open_copy and ledger.policy.weighs_loads:
-            ledger.cancel(booking)  # placed on loads that may be stale: weigh fresh ones
+        booking = place_query(ledger, self.book, work, holders)
+        if booking is not None and weigh_afresh(ledger, booking):
+            ledger.cancel(booking)
             await self.fleet.fresh_loads.get()
             holders = [r for r in holders if ledger.is_live(r)]
-            booking = self._place(work, holders) if holders else None
+            booking = place_query(ledger, self.book, work, holders) if holders else None
         home = session.replica or holders[0]
         if booking is None:
             # The holders' admission control queues a query; only new copies need room.
             return HolderChoice(home, None)
         if not booking.placement.open_copy:
             return HolderChoice(booking.replica, booking)
-        # A copy only beside holders whose loads are known (the policy weighed them), within
-        # the limit (a policy other than `expected_wait` may ask for more), one read at a time.
-        known = all(ledger.load(r) is not None for r in holders)
-        room = len(holders) < self.config.max_copies
-        if known and room and session.session_id not in self._opening:
+        opening = session.session_id in self._opening
+        if may_open_copy(ledger, holders, self.config.max_copies, opening):
             self._opening.add(session.session_id)
             return HolderChoice(booking.replica, booking, copy_of=session, fallback=home)
         ledger.cancel(booking)  # nothing runs there after all
@@ -177,16 +173,6 @@ class DocumentCopies:
         primary = settled.replica == session.replica
         self.begin(session.session_id, settled.replica, primary=primary)
         return settled
-
-    def _place(self, work: Work, holders: list[str]) -> Booking | None:
-        """The query's placement, booked; None if no replica has room for it. Each holder is
-        weighed with this router's queries of the document on it, which run in turn there."""
-        assert work.document is not None
-        ahead = {r: self.book.running(work.document, r) for r in holders}
-        try:
-            return self.fleet.ledger.place(work, holders=holders, ahead=ahead)
-        except NoRoom:
-            return None
 
     async def _open(self, session: StoredSession, replica: str) -> bool:
         """Read a copy of the session's document on `replica` and record it; False if it

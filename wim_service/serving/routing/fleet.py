@@ -17,6 +17,7 @@ from pathlib import Path
 from wim_service.engine.kv_transfer.documents import store_url
 from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.policy import make_policy
+from wim_service.placement.polls import FRESH_LOADS_S
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import NoRoom, Work
 from wim_service.serving.config import RouterConfig
@@ -39,8 +40,6 @@ LOAD_TIMEOUT_S = 10.0
 # placed work on loads that no longer counted what had ended, and a failover was refused 429
 # (docs/reliability.md, "A failover refused on phantom bookings").
 POLL_WAIT_S = 1.0
-# How old the loads a refusal or a copy is decided on may be.
-FRESH_LOADS_S = 0.25
 
 # Closes the spare copies of hot documents to make room, the number closed
 # (`DocumentCopies.reclaim`): passed to `ReplicaFleet.place` by whoever keeps the copies.

@@ -24,14 +24,20 @@ class Recent(Generic[T]):
     """`fetch()`'s last result while it is at most `max_age_s` old; callers that find it
     older share one new fetch (a failed fetch fails its waiters and is not kept)."""
 
-    def __init__(self, fetch: Callable[[], Awaitable[T]], max_age_s: float) -> None:
+    def __init__(
+        self,
+        fetch: Callable[[], Awaitable[T]],
+        max_age_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._fetch = fetch
         self.max_age_s = max_age_s
+        self.clock = clock
         self._last: tuple[float, T] | None = None
         self._pending: asyncio.Task[T] | None = None
 
     async def get(self) -> T:
-        if self._last is not None and time.monotonic() - self._last[0] <= self.max_age_s:
+        if self._last is not None and self.clock() - self._last[0] <= self.max_age_s:
             return self._last[1]
         if self._pending is None or self._pending.done():
             self._pending = asyncio.get_running_loop().create_task(self._run())
@@ -40,7 +46,7 @@ class Recent(Generic[T]):
 
     async def _run(self) -> T:
         value = await self._fetch()
-        self._last = (time.monotonic(), value)
+        self._last = (self.clock(), value)
         return value
 
 
