@@ -21,16 +21,12 @@ DEFAULT_COPY_IDLE_S = 120.0
 Key = tuple[str, str]  # (document, replica)
 
 
-def place_query(
-    ledger: Ledger, book: CopyBook, work: Work, holders: Collection[str]
-) -> Booking | None:
+def place_query(ledger: Ledger, work: Work, holders: Collection[str]) -> Booking | None:
     """A document query's placement, booked; None if no replica has room for it (it then
-    waits its turn on the session's primary, unbooked). Each of the document's `holders` is
-    weighed with the queries of the document on it (`book`), which run in turn there."""
+    waits its turn on the session's primary, unbooked)."""
     assert work.document is not None
-    ahead = {r: book.running(work.document, r) for r in holders}
     try:
-        return ledger.place(work, holders=holders, ahead=ahead)
+        return ledger.place(work, holders=holders)
     except NoRoom:
         return None
 

@@ -213,12 +213,9 @@ class Ledger:
         work: Work,
         exclude: Collection[str] = (),
         holders: Collection[str] = (),
-        ahead: Mapping[str, int] | None = None,
     ) -> list[ReplicaState]:
         """The replicas that may take new work (reported healthy, not draining, not excluded),
-        as placement sees them; `holders` hold a copy of the work's document, with `ahead` of
-        its queries on each (running or waiting their turn there)."""
-        ahead = ahead or {}
+        as placement sees them; `holders` hold a copy of the work's document."""
         document = frozenset([work.document] if work.document else [])
         states = []
         for load in self.loads.values():
@@ -232,7 +229,6 @@ class Ledger:
                     backlog_s=load.backlog_s,
                     running=load.running,
                     documents=document if load.replica in holders else frozenset(),
-                    queries_ahead=ahead.get(load.replica, 0),
                     prefix_cache=self.prefixes.get(load.replica),
                 )
             )
@@ -245,11 +241,10 @@ class Ledger:
         session: str | None = None,
         exclude: Collection[str] = (),
         holders: Collection[str] = (),
-        ahead: Mapping[str, int] | None = None,
     ) -> Booking:
         """Where `work` runs by the policy (raises `NoRoom`), booked there; `session` (a
-        one-shot job's or a plain request's) is bound to it; `ahead` as `states`."""
-        states = self.states(work, exclude, holders, ahead)
+        one-shot job's or a plain request's) is bound to it."""
+        states = self.states(work, exclude, holders)
         placement = self.policy.place(work, states)
         state = next(s for s in states if s.replica == placement.replica)
         seconds = job_s(self.profile, work, state, copy=placement.open_copy)

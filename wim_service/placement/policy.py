@@ -126,10 +126,10 @@ class ExpectedWait:
     weighs_loads: bool = True
 
     def start_s(self, work: Work, replica: ReplicaState, *, copy: bool) -> float:
-        """Expected seconds until the job's first answer token on `replica`. A holder's
-        queries of the document ahead in turn (`queries_ahead`) are not charged: charged a
-        whole job each, `wim sim` at saturation answered fewer requests within the deadline
-        (more copies took the session slots new sessions needed; docs/routing.md)."""
+        """Expected seconds until the job's first answer token on `replica`. The queries of
+        the document ahead in turn on a holder's copy are not charged: charged a whole job
+        each, `wim sim` at saturation answered fewer requests within the deadline (more
+        copies took the session slots new sessions needed; docs/routing.md)."""
         return replica.backlog_s + first_token_s(self.profile, work, replica, copy=copy)
 
     def cost_s(self, work: Work, replica: ReplicaState, *, copy: bool) -> float:

@@ -93,10 +93,6 @@ class ReplicaState:
     running: int = 0  # sequences decoding now (the batch a new job joins)
     draining: bool = False
     documents: frozenset[str] = frozenset()  # documents with a copy here
-    # Queries of the job's document on its copy here, running or waiting their turn (the
-    # queries on one copy take turns in its KV). Both the router and `wim sim` give it; no
-    # policy weighs it yet (`ExpectedWait.start_s` says why).
-    queries_ahead: int = 0
     prefix_cache: PrefixCache | None = None
 
     def cached_blocks(self, work: Work) -> int:

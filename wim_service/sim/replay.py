@@ -302,11 +302,11 @@ class Replay:
         assert document is not None
         held = [e for e in self.engines if document in e.copies]
         holders = [e.name for e in held if e.copies[document].read]
-        booking = place_query(self.ledger, self.copies, work, holders)
+        booking = place_query(self.ledger, work, holders)
         if booking is not None and weigh_afresh(self.ledger, booking):
             self.ledger.cancel(booking)
             self._ask_fresh()
-            booking = place_query(self.ledger, self.copies, work, holders)
+            booking = place_query(self.ledger, work, holders)
         primaries = [e.name for e in held if (document, e.name) not in self.copies]
         home = (primaries or holders or [held[0].name])[0]
         if booking is None:

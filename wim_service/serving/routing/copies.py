@@ -130,12 +130,12 @@ class DocumentCopies:
             query=query,
             segments=session.segments,
         )
-        booking = place_query(ledger, self.book, work, holders)
+        booking = place_query(ledger, work, holders)
         if booking is not None and weigh_afresh(ledger, booking):
             ledger.cancel(booking)
             await self.fleet.fresh_loads.get()
             holders = [r for r in holders if ledger.is_live(r)]
-            booking = place_query(ledger, self.book, work, holders) if holders else None
+            booking = place_query(ledger, work, holders) if holders else None
         home = session.replica or holders[0]
         if booking is None:
             # The holders' admission control queues a query; only new copies need room.
