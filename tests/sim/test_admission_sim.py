@@ -76,21 +76,22 @@ def test_a_call_past_the_engine_replicas_queue_bound_is_refused() -> None:
     assert run(trace, "expected_wait", 1, replica_calls=1, queued_calls=2).refused == 0
 
 
-def test_goodput_counts_the_answers_within_the_deadline() -> None:
-    # Two one-token answers at once on one replica: the second waits for the first's prefill.
-    # With a deadline between their end-to-end latencies, only the first is goodput.
+def test_goodput_counts_the_answers_within_the_deadline_over_the_traces_arrivals() -> None:
+    # Two one-token answers 0.5 s apart on one replica: the second waits for the first's
+    # prefill. With a deadline between their end-to-end latencies, only the first is goodput.
+    # Goodput is per second of the arrivals (0.5 s), however late the last answer ends.
     burst = tuple(
-        Request(index=i, arrival_s=0.0, prompt_tokens=6000, answer_tokens=1, prefix=(i,))
+        Request(index=i, arrival_s=i / 2, prompt_tokens=6000, answer_tokens=1, prefix=(i,))
         for i in range(2)
     )
     trace = Trace("mooncake", burst)
     first, second = sorted(run(trace, "expected_wait", 1).outcomes, key=lambda o: o.end_s)
-    span = second.end_s
     every = summarise(run(trace, "expected_wait", 1))
-    assert every["goodput_per_s"] == every["requests_per_s"] == round(2 / span, 3)
-    between = (first.end_s + second.end_s) / 2
+    assert every["requests_per_s"] == round(2 / second.end_s, 3)
+    assert every["goodput_per_s"] == 4.0
+    between = (first.end_s - first.arrival_s + second.end_s - second.arrival_s) / 2
     late = summarise(run(trace, "expected_wait", 1, deadline_s=between))
-    assert late["goodput_per_s"] == round(1 / span, 3)
+    assert late["goodput_per_s"] == 2.0
     assert late["completed"] == 2  # answered late: counted, not goodput
 
 
@@ -102,7 +103,7 @@ def test_the_json_rows_carry_refusals_goodput_and_the_floor(tmp_path: Path) -> N
     assert main([*argv, "--policies", "sticky", "--json-out", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert (row["refused"], row["completed"]) == (1, 2)
-    assert row["goodput_per_s"] == row["requests_per_s"] > 0
+    assert row["goodput_per_s"] == 2.0  # two answered in time, over 1 s of arrivals
     floors = ttft_floor(read_trace(trace), EngineProfile.load(), SimSettings(slots=1))
     assert row["floor_p95_s"] == round(percentile(list(floors.values()), 95) or 0, 3) > 0
 

@@ -65,6 +65,7 @@ class RunResult:
     # An answer that ends later than this after its request's first send is not goodput: the
     # service stops a job at its deadline (the replay lets it run: see `wim_service.sim`).
     deadline_s: float = math.inf
+    offered_s: float = 0.0  # from the trace's first arrival to its last
     copies_opened: int = 0
     copies_retired: int = 0
     copies_reclaimed: int = 0  # of those, retired early to make room (`Replay._reclaim`)
@@ -110,8 +111,13 @@ class Replay:
         ]
         self.by_name = {engine.name: engine for engine in self.engines}
         self.ledger.prefixes = {engine.name: engine.cache for engine in self.engines}
+        arrivals = [r.arrival_s for r in trace.requests]
         self.result = RunResult(
-            policy, replicas, len(trace.requests), deadline_s=settings.deadline_s
+            policy,
+            replicas,
+            len(trace.requests),
+            deadline_s=settings.deadline_s,
+            offered_s=max(arrivals, default=0.0) - min(arrivals, default=0.0),
         )
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._order = itertools.count()  # ties in time: first scheduled, first handled

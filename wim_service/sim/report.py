@@ -67,11 +67,15 @@ def figures(
     cached_tokens: int,
     span_s: float,
     deadline_s: float = math.inf,
+    offered_s: float | None = None,
 ) -> dict[str, Any]:
     """The figures of `KEYS` from the completed requests' TTFTs and end-to-end latencies (s,
     from each request's first send), their prompt tokens and those of them served from a
-    cache, over `span_s` seconds; goodput counts the answers within `deadline_s`."""
+    cache, over `span_s` seconds; goodput counts the answers within `deadline_s`, per second
+    of `offered_s` if given (the trace's arrivals: the same for every policy, where late
+    answers would stretch `span_s` and count against a policy twice), else of `span_s`."""
     good = sum(latency <= deadline_s for latency in e2e)
+    good_over_s = span_s if offered_s is None else offered_s
     return {
         "completed": len(ttft),
         "ttft_mean_s": _rounded(sum(ttft) / len(ttft)) if ttft else None,
@@ -81,7 +85,7 @@ def figures(
         "e2e_mean_s": _rounded(sum(e2e) / len(e2e)) if e2e else None,
         "requests_per_s": _rounded(len(ttft) / span_s) if span_s > 0 else None,
         "prefix_reuse": _rounded(cached_tokens / prompt_tokens, 4) if prompt_tokens else None,
-        "goodput_per_s": _rounded(good / span_s) if span_s > 0 else None,
+        "goodput_per_s": _rounded(good / good_over_s) if good_over_s > 0 else None,
     }
 
 
@@ -98,6 +102,7 @@ def summarise(result: RunResult) -> dict[str, Any]:
         cached_tokens=sum(o.cached_tokens for o in outcomes),
         span_s=span,
         deadline_s=result.deadline_s,
+        offered_s=result.offered_s,
     )
     row.update({key: getattr(result, key) for key in EXTRA_KEYS})
     return row
