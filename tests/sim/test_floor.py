@@ -3,11 +3,14 @@ request costs alone, which requests it leaves out, and the line `wim sim` prints
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests.fakes.profile import PROFILE_FIELDS
 from wim_service.placement.profile import EngineProfile
 from wim_service.sim.floor import floor_line, ttft_floor
+from wim_service.sim.replay import simulate
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import Request, Trace
 
@@ -37,14 +40,16 @@ def _query(index: int, document: str, *, margins: int | None = None) -> Request:
 
 def _alone_on_its_copy(margins: int) -> float:
     """A WiM query's first token on a replica that holds its document, nothing else running:
-    its query (with the answers started early when it writes margins), its margins' prompts,
-    their tokens decoded side by side (`placement.policy.first_token_s`)."""
+    its margins' prompts, their other 4 tokens decoded side by side (the first comes with the
+    prefill), then its query with the margins' 5-token notes (and the answers started early
+    when it writes margins)."""
     p = PROFILE
     extra = p.query_extra_tokens if margins else 0
-    seconds = p.prefill.seconds(40 + extra, cached=3000)
+    seconds = p.prefill.seconds(40 + margins * 5 + extra, cached=3000)
     if margins:
         seconds += p.prefill.seconds(margins * p.margin_prompt_tokens, cached=3000)
-        seconds += p.decode_seconds(5, margins, 3000 * margins)
+        context = margins * (3000 + p.margin_prompt_tokens + 5 / 2)
+        seconds += p.decode_seconds(4, margins, round(context))
     return seconds
 
 
@@ -117,3 +122,14 @@ def test_the_line_names_the_floors_percentiles() -> None:
         "caching every earlier prefix: no placement does better)"
     )
     assert floor_line({}) == "floor: no request fits a replica"
+
+
+def test_a_lone_query_reaches_its_floor_in_the_replay() -> None:
+    """The floor is a time the simulated engines give: a document's first query, then a second
+    one after it ended (within the session's life), each alone on an idle fleet, take exactly
+    their floors."""
+    trace = Trace("document", (_query(0, "a"), replace(_query(1, "a"), arrival_s=50.0)))
+    floors = ttft_floor(trace, PROFILE, SETTINGS)
+    result = simulate(trace, "expected_wait", 2, PROFILE, SETTINGS)
+    ttft = {o.index: o.first_token_s - o.arrival_s for o in result.outcomes}
+    assert ttft == pytest.approx(floors)

@@ -3,8 +3,8 @@
 Each request is costed alone on an idle replica that caches every prefix an earlier request
 of the trace prefilled (a cache without eviction) and, for a WiM query, holds its document if
 an earlier WiM query read it (the first one of each document reads it first, as every policy
-must): only its own prefill and margins remain, as the expected-wait policy counts them
-(`placement.policy.first_token_s`). No policy at any fleet size serves a request sooner under
+must): only its own prefill and margins remain, as the engine runs them alone (`alone_s`).
+No policy at any fleet size serves a request sooner under
 the profile's costs, so this floor tells what placement can still win on a trace: where the
 floor's p95 is above half of a policy's p95, no placement halves that p95.
 """
@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from wim_service.placement.policy import first_token_s
 from wim_service.placement.profile import EngineProfile
-from wim_service.placement.state import PrefixCache, ReplicaState
+from wim_service.placement.state import PrefixCache, ReplicaState, Work
 from wim_service.sim.jobs import work_for
 from wim_service.sim.report import percentile
 from wim_service.sim.settings import SimSettings
@@ -40,11 +40,26 @@ def ttft_floor(trace: Trace, profile: EngineProfile, settings: SimSettings) -> d
         first_read = work.document is not None and work.document not in read
         if first_read:  # read from its text: nothing of it was saved yet
             work = replace(work, restorable=False)
-        floors[request.index] = first_token_s(profile, work, idle, copy=first_read)
+        floors[request.index] = alone_s(profile, work, idle, first_read=first_read)
         if work.document is not None:
             read.add(work.document)
         seen.insert(work.prefix)
     return floors
+
+
+def alone_s(profile: EngineProfile, work: Work, idle: ReplicaState, *, first_read: bool) -> float:
+    """`work`'s first token alone on the idle replica, as its engine gives it: a document query
+    reads its document first if `first_read`, then its margins and its answer's prefill with
+    the margins' notes (`EngineProfile.lone_query_seconds`). The policy's own estimate
+    (`first_token_s`) leaves the notes out, which only shifts every holder alike; a floor
+    that left them out would not be one any placement can reach."""
+    if work.document is None:
+        return first_token_s(profile, work, idle)
+    read = profile.read_seconds(work.document_tokens, saved=work.restorable) if first_read else 0.0
+    query_tokens = work.prompt_tokens - work.document_tokens
+    return read + profile.lone_query_seconds(
+        work.document_tokens, query_tokens, work.margins, work.margin_tokens
+    )
 
 
 def floor_line(floors: dict[int, float]) -> str:
