@@ -144,8 +144,9 @@ def _add_admission_arguments(group: argparse._ArgumentGroup) -> None:
         "--deadline-s",
         type=float,
         default=d.deadline_s,
-        help="an answer later than this after its first send is not goodput: the service "
-        "stops the job (its request_timeout_s) (%(default)s)",
+        help="a job still running this long after it was sent is stopped, as the service "
+        "stops it (its request_timeout_s); an answer later than this after its first send "
+        "is not goodput (%(default)s)",
     )
 
 

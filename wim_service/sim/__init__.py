@@ -44,7 +44,7 @@ What the model simplifies, on purpose:
   the batch; the answers WiM starts beside them (`answer_early`) are the profile's
   `query_extra_tokens`, prefilled with the answer after the margins; no margin is judged or
   dropped, every answer decodes its full `answer_tokens`, and nothing fails or is cancelled
-  but by a lost replica (below).
+  but by a lost replica or the deadline (below).
 * Admission is the service's: a new session or job no replica has room for (after idle spare
   copies were reclaimed, as the live router's `reclaim`) is refused, `429` with Retry-After
   (`SimSettings.retry_after_s`), and so is a call to a replica past the engine deployment's
@@ -60,10 +60,15 @@ What the model simplifies, on purpose:
   or read again at its next query, restored), the reads and queries on it are placed again,
   and a plain request on it fails (503, counted with the refused unless its client retries).
   The live router fails a session over at its next query; the replay at the loss.
-* Goodput counts the answers that end within `deadline_s` of their request's first send (the
-  router's `request_timeout_s`). The service stops a job at its deadline and frees what it
-  held; the replay lets it run to its end and counts it as answered late, so past saturation
-  it is pessimistic about the work the fleet still does for the others.
+* A job still running `deadline_s` (the router's `request_timeout_s`) after it was sent is
+  stopped as the router stops it (504 `deadline_exceeded`): its engine aborts it (its queued
+  prefills go, its sequences leave the batch after the step under way, a prefill under way
+  ends unused), it gives back its KV and its copy's turn, its booking ends, and a copy it
+  opened and had not read is closed with its cancelled read. It counts as `timed_out`, not
+  answered. The clock starts at each send (a retry after a `429` starts it again; a query
+  failed over keeps it); a session's read has none (`POST /documents` has no deadline), and
+  its query's clock starts once it is read, as the client asks then. Goodput counts the
+  answers that end within `deadline_s` of their request's first send.
 
 Speed: 64 replicas over the shipped 4,000-request Mooncake trace, all three policies, in a few
 seconds (`scripts/bench_sim.sh`).

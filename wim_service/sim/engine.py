@@ -26,7 +26,10 @@ from wim_service.sim.traces import MOONCAKE_BLOCK_TOKENS
 
 
 class Prefill(Protocol):
-    """A prefill queued on an engine."""
+    """A prefill queued on an engine, for its owner."""
+
+    @property
+    def job(self) -> Owner: ...
 
     def begin(self, engine: Engine) -> float:
         """Seconds the prefill takes, decided when it starts (its cache hit is known then)."""
@@ -95,6 +98,12 @@ class Copy:
         self.running = True
         start(now)
 
+    def leave(self, start: Callable[[float], None] | None) -> bool:
+        """Take `start` out of the line for the copy's turn; whether it was in it."""
+        line = deque(waiting for waiting in self.waiting if waiting is not start)
+        left, self.waiting = len(line) < len(self.waiting), line
+        return left
+
     def query_ended(self, now: float) -> None:
         if self.waiting:
             self.waiting.popleft()(now)
@@ -121,6 +130,7 @@ class Engine:
     version: int = 0
     lost: bool = False  # its replica died: it holds and runs nothing more
     _prefill: Prefill | None = None
+    _void: bool = False  # the prefill under way was for a job stopped since: its end is moot
     _run: DecodeRun | None = None
     _run_steps: int = 0
     _busy_until: float = 0.0
@@ -215,8 +225,21 @@ class Engine:
         self.queue.clear()
         self.batch.clear()
         self._prefill = self._run = None
+        self._void = False
         self.backlog = Backlog(self.profile)
         self.free_blocks = self.capacity_blocks
+
+    def stop(self, owner: Owner, now: float) -> None:
+        """Abort `owner`'s work, as vLLM aborts a request between steps: its queued prefills
+        go, its sequences leave the batch after the decode step under way, and the end of
+        its prefill under way (one step here: no chunked prefill) is ignored."""
+        self.queue = deque(p for p in self.queue if p.job is not owner)
+        self._void |= self._prefill is not None and self._prefill.job is owner
+        kept = [s for s in self.batch if s.owner is not owner]
+        if len(kept) < len(self.batch):
+            self.batch = kept
+            if self._run is not None:  # the run's timing still counts it until this step ends
+                self._interrupt(now)
 
     def _resize_cache(self) -> None:
         # vLLM keeps cached prefixes in KV blocks no copy holds; eviction happens on insert.
@@ -244,7 +267,9 @@ class Engine:
         """The prefill or decode run that the last `schedule` timed has ended."""
         if self._prefill is not None:
             prefill, self._prefill = self._prefill, None
-            prefill.finish(self, now)
+            if not self._void:
+                prefill.finish(self, now)
+            self._void = False
         elif self._run is not None:
             self._end_run(now)
         self._start_next(now)

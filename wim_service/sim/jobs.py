@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from wim_service.placement import shapes
 from wim_service.placement.ledger import Booking
@@ -101,6 +102,10 @@ class Job:
     booking: Booking | None = None
     # Called once the copy it opened is read (its query follows): the router's cue.
     on_read: Callable[[Job, float], None] | None = None
+    # When the router stops it (`RouterConfig.request_timeout_s` after it was sent; a query
+    # failed over keeps its request's clock); a session's read has none.
+    due_s: float = math.inf
+    _turn: Callable[[float], None] | None = None  # its start in its copy's turn
 
     def start(self, engine: Engine, now: float) -> None:
         """Book the job on `engine` and queue its first prefill (a document job's once the
@@ -128,9 +133,8 @@ class Job:
         # own request, counted in the copies opened and in this query's wait, not in its prompt.
         self.cached_tokens = work.document_tokens
         own = query_blocks(self.request, profile, work.margins, work.margin_tokens)
-        self.beside_blocks = engine.run_query(
-            copy, own, lambda at: self._run_query(engine, at), now
-        )
+        self._turn = partial(self._run_query, engine)
+        self.beside_blocks = engine.run_query(copy, own, self._turn, now)
 
     def read(self, engine: Engine, now: float) -> None:
         """The copy it opened is read: the query is booked in its stead."""
@@ -181,6 +185,20 @@ class Job:
                 engine.submit(QueryPrefill(self), now)
             return
         self.finish(engine, now)
+
+    def stop(self, engine: Engine, now: float) -> bool:
+        """Stopped at its deadline, as the router stops a job (504 `deadline_exceeded`): the
+        engine aborts what is left of it, and it gives back its KV and its copy's turn (or
+        its place in the line for it). Whether the copy it opened was not read yet: the
+        router's read of it is cancelled then, and nothing of the copy kept."""
+        engine.stop(self, now)
+        engine.backlog.end(self.booked)
+        document = self.work.document
+        copy = None if document is None else engine.copies[document]
+        waiting = copy is not None and copy.leave(self._turn)
+        blocks = self.work.kv_blocks + self.beside_blocks
+        engine.release(blocks, now, document=document, in_turn=not (self.beside_blocks or waiting))
+        return self.copy and copy is not None and not copy.read
 
     def finish(self, engine: Engine, now: float) -> None:
         self.end_s = now

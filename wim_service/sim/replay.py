@@ -1,15 +1,15 @@
 """The simulator's core: a trace replayed over N simulated engines through a placement policy.
 
 Events (arrivals, the end of an engine's prefill or decode run, a copy's idle check, a poll of
-the engines' reports) are kept in one heap, in time order. Placement sees the engines as the
-router sees its replicas: their load reports taken at each poll (`load_poll_s`) and asked again
-before a refusal or a copy (at most once per `FRESH_LOADS_S`), with what was placed since
-booked on top in the router's ledger; the policy (the code the live router runs) picks a
-replica, and a query's copy opens by the router's rules (`placement/copies.py`). What finds
-no room is refused as the service refuses it (`429` with Retry-After): a new session or job no
-replica has room for, after idle spare copies were reclaimed, and a call past the engine
-replicas' queue bound. Its client sends it again after the Retry-After if its trace row says
-so (`retries`); the waits count in its time to first token.
+the engines' reports, a job's deadline) are kept in one heap, in time order. Placement sees the
+engines as the router sees its replicas: their load reports taken at each poll (`load_poll_s`)
+and asked again before a refusal or a copy (at most once per `FRESH_LOADS_S`), with what was
+placed since booked on top in the router's ledger; the policy (the code the live router runs)
+picks a replica, and a query's copy opens by the router's rules (`placement/copies.py`). What
+finds no room is refused as the service refuses it (`429` with Retry-After): a new session or
+job no replica has room for, after idle spare copies were reclaimed, and a call past the engine
+replicas' queue bound. Its client sends it again after the Retry-After if its trace row says so
+(`retries`); the waits count in its time to first token.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from wim_service.sim.jobs import Job, read_work, work_for
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import Request, Trace
 
-ARRIVAL, ENGINE, RETIRE, RETRY, LOSE, POLL = 0, 1, 2, 3, 4, 5
+ARRIVAL, ENGINE, RETIRE, RETRY, LOSE, POLL, DEADLINE = 0, 1, 2, 3, 4, 5, 6
 # A replica lost mid-replay: when (seconds into the trace) and which (its engine's index).
 Loss = tuple[float, int]
 # A copy retires once idle for copy_idle_s; float sums may land a hair short of it.
@@ -62,9 +62,11 @@ class RunResult:
     too_large: int = 0  # requests no empty replica could hold: never placed
     refused: int = 0  # answered 429 with no retry left (a session's queries with its read)
     retried: int = 0  # refusals whose client sent the request again after the Retry-After
-    # An answer that ends later than this after its request's first send is not goodput: the
-    # service stops a job at its deadline (the replay lets it run: see `wim_service.sim`).
+    # Stopped this long after it was sent, as the router stops a job: no answer. An answer
+    # that ends later than this after its request's first send (a retry's clock starts at
+    # its own send) is not goodput.
     deadline_s: float = math.inf
+    timed_out: int = 0  # jobs stopped at their deadline (504 `deadline_exceeded`)
     offered_s: float = 0.0  # from the trace's first arrival to its last
     copies_opened: int = 0
     copies_retired: int = 0
@@ -156,6 +158,8 @@ class Replay:
                 self._submit(subject, now)
             elif kind == LOSE:
                 self._lose(subject, now)
+            elif kind == DEADLINE:
+                self._expire(subject, detail, now)
             elif kind == POLL:
                 self._poll()
                 if self._heap:  # else the replay is over
@@ -213,6 +217,7 @@ class Replay:
         retries = self.settings.retries if request.retries is None else request.retries
         if self._refusals[request.index] <= retries:
             self.result.retried += 1
+            job.due_s = math.inf  # a new send: the router's clock starts again
             self._push(now + self.settings.retry_after_s, RETRY, job, None)
         elif job.work.reads_only:
             assert job.work.document is not None
@@ -270,6 +275,9 @@ class Replay:
                 job.on_read = self._copy_read
             self.copies.begin(document, engine.name)
         job.start(engine, now)
+        if not work.reads_only:  # a session's read has no deadline (`POST /documents`)
+            job.due_s = min(job.due_s, now + self.settings.deadline_s)
+            self._push(job.due_s, DEADLINE, job, engine)
         return True
 
     def _poll(self) -> None:
@@ -376,7 +384,7 @@ class Replay:
         jobs, self._on[engine.index] = self._on[engine.index], set()
         self._copying = {d: j for d, j in self._copying.items() if j not in jobs}
         for job in sorted(jobs, key=lambda j: (j.placed_s, j.request.index)):
-            again = Job(job.request, job.work, self.settings, job.on_done)
+            again = Job(job.request, job.work, self.settings, job.on_done, due_s=job.due_s)
             held = job.work.document
             if held is None:
                 self._refuse(again, now)
@@ -400,14 +408,32 @@ class Replay:
                 replica=engine.index,
             )
         )
+        self._ended(job, engine, now)
+
+    def _expire(self, job: Job, engine: Engine, now: float) -> None:
+        """A job still on its engine at its deadline is stopped, as the router stops it:
+        the engine aborts it, its booking ends, and it is counted as timed out."""
+        if job in self._on[engine.index]:  # else answered, or failed over
+            self.result.timed_out += 1
+            self._ended(job, engine, now, unread=job.stop(engine, now))
+
+    def _ended(self, job: Job, engine: Engine, now: float, *, unread: bool = False) -> None:
+        """A job is off its engine; a copy it opened and did not read is closed, as the
+        router's cancelled read leaves none (`DocumentCopies.read_copy`)."""
         self._calls[engine.index] -= 1
         self._on[engine.index].discard(job)
         if job.booking is not None:
-            self.ledger.done(job.booking)
+            (self.ledger.cancel if unread else self.ledger.done)(job.booking)
         document = job.work.document
-        if document is not None:
-            self.copies.end(document, engine.name, now)
-        if document is not None and not engine.copies[document].active:
+        if document is None:
+            return
+        self.copies.end(document, engine.name, now)
+        if unread:
+            if engine.retire_if_idle(document, now, 0.0):
+                self.copies.closed(document, engine.name)
+            if self._copying.get(document) is job:
+                del self._copying[document]
+        elif not engine.copies[document].active:
             self._push(now + self.settings.copy_idle_s, RETIRE, engine, document)
 
 

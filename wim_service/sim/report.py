@@ -34,6 +34,7 @@ EXTRA_KEYS = (
     "requests",
     "too_large",
     "refused",
+    "timed_out",
     "retried",
     "copies_opened",
     "copies_retired",
@@ -121,6 +122,7 @@ HEADERS = {
     "prefix_reuse": "prefix reuse",
     "goodput_per_s": "goodput/s",
     "refused": "refused",
+    "timed_out": "timed out",
     "too_large": "too large",
     "copies_opened": "copies",
 }
