@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.sim.test_sim import PROFILE, doc_row, document_trace, run
+from wim_service.sim.replay import Replay, simulate
 from wim_service.sim.report import summarise
+from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import Request, Trace
 
 # One replica's KV holds one of these at a time: the second waits, sending again every 5 s.
@@ -69,3 +71,39 @@ def test_a_sessions_read_runs_to_its_end_whatever_the_deadline(tmp_path: Path) -
     assert deadline < read_s
     result = run(trace, "sticky", 1, deadline_s=deadline)
     assert (len(result.outcomes), result.timed_out) == (1, 0)
+
+
+def test_a_query_failed_over_keeps_its_clock(tmp_path: Path) -> None:
+    # The router fails a query over within the same request: its deadline does not start
+    # again on the replica that takes it over.
+    trace = document_trace([doc_row(0, "a", wim=True)], tmp_path)
+    (first,) = run(trace, "sticky", 2).outcomes
+    sent_s = PROFILE.prefill.seconds(3000)  # once its session is read
+    lost_s = first.first_token_s - 0.1
+    losses = [(lost_s, first.replica)]
+    (answered,) = simulate(trace, "sticky", 2, PROFILE, SimSettings(), losses).outcomes
+    # Longer than the answer takes from the loss, shorter than from its send.
+    deadline = (2 * answered.end_s - sent_s - lost_s) / 2
+    settings = SimSettings(deadline_s=deadline)
+    result = simulate(trace, "sticky", 2, PROFILE, settings, losses)
+    assert (result.outcomes, result.timed_out) == ([], 1)
+
+
+def test_a_query_stopped_while_its_new_copy_is_read_leaves_no_copy(tmp_path: Path) -> None:
+    # The second query finds the primary busy and opens a copy on the other replica; its
+    # deadline comes before that copy is read. The router's read of it is cancelled then and
+    # nothing of it kept: the replica holds no copy, no KV and no queued work.
+    rows = [
+        doc_row(0, "a", wim=True, tokens=8_000) | {"answer_tokens": 6_000},
+        doc_row(3, "a", wim=True, tokens=8_000) | {"answer_tokens": 100},
+    ]
+    trace = document_trace(rows, tmp_path)
+    read_s = PROFILE.read_seconds(8_000, saved=True)
+    assert read_s > 2.5  # the copy opened at 3 s is still being read at 3 s + the deadline
+    replay = Replay(trace, "expected_wait", 2, PROFILE, SimSettings(deadline_s=2.5))
+    result = replay.run(3.0 + read_s - 0.1)
+    # Both stopped; opened: the session's primary on r00, then the copy on r01.
+    assert (result.copies_opened, result.timed_out) == (2, 2)
+    copy = replay.engines[1]
+    assert (copy.copies, len(copy.queue), copy.free_blocks) == ({}, 0, copy.capacity_blocks)
+    assert replay.run().outcomes == []
