@@ -80,7 +80,12 @@ def test_rayservice_has_kuberays_required_fields(manifests: list[dict[str, Any]]
     service = rayservice(manifests)
     assert service["apiVersion"] == "ray.io/v1"
     spec = service["spec"]
-    assert set(spec) <= {"serveConfigV2", "rayClusterConfig", "upgradeStrategy"}
+    assert set(spec) <= {
+        "serveConfigV2",
+        "rayClusterConfig",
+        "upgradeStrategy",
+        "excludeHeadPodFromServeSvc",
+    }
     assert isinstance(spec["serveConfigV2"], str)
     cluster = spec["rayClusterConfig"]
     assert cluster["rayVersion"] == "2.60.0"
@@ -305,3 +310,10 @@ def test_notes_curl_the_serve_service_with_a_key() -> None:
 
 
 # --- the Serve application, in the chart and in deploy/serve_config*.yaml ---------------------
+
+
+def test_the_serve_service_leaves_the_head_out_unless_told() -> None:
+    """Clients reach the workers' proxies only (docs/reliability.md, the head away)."""
+    assert rayservice(render(WITH_KEYS))["spec"]["excludeHeadPodFromServeSvc"] is True
+    kept = render(merged(WITH_KEYS, {"serveServiceExcludesHead": False}))
+    assert rayservice(kept)["spec"]["excludeHeadPodFromServeSvc"] is False

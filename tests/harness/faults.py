@@ -2,22 +2,18 @@
 a document session, a fixed count of questions in flight when a fault strikes and more sent
 right after it, each retried by the client as one following `Retry-After` would.
 
-A client reaches the cluster through a load balancer in front of port 8000 of the hosts
-(`proxy_location: EveryNode`). The balancer is the client's own
-(`Balancer`): it sends a request to the head's proxy and, when a proxy refuses the connection
-or does not take it within `CONNECT_TIMEOUT_S`, to the next host's, as nginx's and Envoy's
-retry on a failed connect do. A request lost after it was sent is the client's to retry.
-docs/deploy.md now leaves the head's proxy out of the balancer (a router with a question from a
-proxy on a host that is gone answers nothing until the GCS says the host is gone, and with the
-head away nobody does: docs/reliability.md); WIM_LB_SKIPS_HEAD=1 runs that balancer. The
-default still tries the head's proxy first, a host the other scenarios do not strike: with a
-router host first, every question during its partition would wait out the connect timeout,
-which a real balancer's health check spares.
+A client reaches the cluster as docs/deploy.md has it: through a load balancer in front of
+port 8000 of every host but the head (`proxy_location: EveryNode`; a router with a question
+from the head's proxy answers nothing while the head is away: docs/reliability.md). The
+balancer is the client's own (`Balancer`): it sends a request to the first host's proxy and,
+when a proxy refuses the connection or does not take it within `CONNECT_TIMEOUT_S`, to the
+next host's, as nginx's and Envoy's retry on a failed connect do; a host that failed a connect
+is tried last for `PASSIVE_DOWN_S` after (nginx's `max_fails=1 fail_timeout`, Envoy's outlier
+detection). A request lost after it was sent is the client's to retry.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,28 +34,41 @@ RETRIES = 4
 IN_FLIGHT = 4
 AFTER = 4
 CONNECT_TIMEOUT_S = 2.0
+PASSIVE_DOWN_S = 10.0
+# Every host's proxy but the head's, in the balancer's order (docs/deploy.md).
+BALANCED_HOSTS = ("r1", "r2", "e1", "e2")
+# When each proxy last failed a connect (monotonic s), shared by every client as a balancer's
+# view of its upstreams is.
+_failed_at: dict[str, float] = {}
+_failed_lock = threading.Lock()
 
 
 class Balancer:
-    """The load balancer in front of every host's Serve proxy, the head's first."""
+    """The load balancer in front of every host's Serve proxy but the head's."""
 
     def __init__(self, cluster: Cluster) -> None:
-        order = ["head", "r1", "r2", "e1", "e2"]
-        if os.environ.get("WIM_LB_SKIPS_HEAD") == "1":
-            order.remove("head")
-        self.bases = [f"http://{cluster.nodes[name].ip}:{HTTP_PORT}" for name in order]
+        self.bases = [f"http://{cluster.nodes[name].ip}:{HTTP_PORT}" for name in BALANCED_HOSTS]
         self.client = httpx.Client(
             timeout=httpx.Timeout(600, connect=CONNECT_TIMEOUT_S),
             headers=auth(),
             trust_env=False,
         )
 
+    def _order(self) -> list[str]:
+        """The hosts in order, those that failed a connect within `PASSIVE_DOWN_S` last."""
+        now = time.monotonic()
+        with _failed_lock:
+            down = {b for b, at in _failed_at.items() if now - at < PASSIVE_DOWN_S}
+        return sorted(self.bases, key=lambda base: base in down)
+
     def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         failed: httpx.TransportError | None = None
-        for base in self.bases:
+        for base in self._order():
             try:
                 return self.client.post(base + path, json=body)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                with _failed_lock:
+                    _failed_at[base] = time.monotonic()
                 failed = exc
         assert failed is not None
         raise failed
