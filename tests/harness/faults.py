@@ -9,7 +9,8 @@ balancer is the client's own (`Balancer`): it sends a request to the first host'
 when a proxy refuses the connection or does not take it within `CONNECT_TIMEOUT_S`, to the
 next host's, as nginx's and Envoy's retry on a failed connect do; a host that failed a connect
 is tried last for `PASSIVE_DOWN_S` after (nginx's `max_fails=1 fail_timeout`, Envoy's outlier
-detection). A request lost after it was sent is the client's to retry.
+detection), and a proxy that sends nothing for `READ_TIMEOUT_S` is given up. A request lost
+after it was sent is the client's to retry.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ RETRIES = 4
 IN_FLIGHT = 4
 AFTER = 4
 CONNECT_TIMEOUT_S = 2.0
+# The longest the balancer waits for a proxy's next bytes (nginx's `proxy_read_timeout`
+# default): a request on a connection to a host that was partitioned gets nothing more, and no
+# deadline of the service can reach it there; this ends it, for the client to retry.
+READ_TIMEOUT_S = 60.0
 PASSIVE_DOWN_S = 10.0
 # Every host's proxy but the head's, in the balancer's order (docs/deploy.md).
 BALANCED_HOSTS = ("r1", "r2", "e1", "e2")
@@ -49,7 +54,7 @@ class Balancer:
     def __init__(self, cluster: Cluster) -> None:
         self.bases = [f"http://{cluster.nodes[name].ip}:{HTTP_PORT}" for name in BALANCED_HOSTS]
         self.client = httpx.Client(
-            timeout=httpx.Timeout(600, connect=CONNECT_TIMEOUT_S),
+            timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
             headers=auth(),
             trust_env=False,
         )
