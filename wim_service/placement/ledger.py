@@ -209,10 +209,7 @@ class Ledger:
     # -- placement -------------------------------------------------------------------------
 
     def states(
-        self,
-        work: Work,
-        exclude: Collection[str] = (),
-        holders: Collection[str] = (),
+        self, work: Work, exclude: Collection[str] = (), holders: Collection[str] = ()
     ) -> list[ReplicaState]:
         """The replicas that may take new work (reported healthy, not draining, not excluded),
         as placement sees them; `holders` hold a copy of the work's document."""

@@ -114,11 +114,11 @@ class SessionFailover:
 
     async def lose(
         self, session: StoredSession, replica: str, reason: str, *, alive: bool = False
-    ) -> str | None:
+    ) -> None:
         """`replica` no longer holds `session` (lost, or `alive` but without it): a copy there
         is dropped; a primary there is replaced by a live copy (no re-read) or the session is
-        rebuilt (elsewhere, unless the replica is alive). The new primary, or None if it was a
-        copy, or another router moved or ended the session."""
+        rebuilt (elsewhere, unless the replica is alive). Callers read the session's new
+        holders from the store: another router may have moved or ended it meanwhile."""
         if alive:
             self.metrics.failover.labels(reason).inc()
         else:
@@ -126,23 +126,23 @@ class SessionFailover:
         document_id = session.session_id
         if replica != session.replica:
             await self.documents.drop_copy(document_id, replica)
-            return None
+            return
         ledger = self.fleet.ledger
         copy = next((r for r in session.copies if r != replica and ledger.is_live(r)), None)
         if copy is None:
-            return await self.rebuild(session, reason, exclude=set() if alive else {replica})
+            await self.rebuild(session, reason, exclude=set() if alive else {replica})
+            return
         if not await self.documents.rebind(document_id, replica, copy, promote=True):
-            return None
+            return
         self.metrics.binding.labels(BindResult.REPIN).inc()
         logger.info("a document session's copy on %s took over from %s (%s)", copy, replica, reason)
-        return copy
 
     async def rebuild(
         self, session: StoredSession, reason: str, exclude: set[str] | None = None
-    ) -> str | None:
+    ) -> None:
         """Rebuild the session on a replica (not one in `exclude`; by default not its own),
-        then bind it there by compare-and-set; None if another router moved or ended it first
-        (the copy read here is closed again, unless the session is held there)."""
+        then bind it there by compare-and-set; if another router moved or ended it first, the
+        copy read here is closed again, unless the session is held there."""
         old, document_id = session.replica, session.session_id
         text = await self.documents.text(document_id)
         if text is None:
@@ -157,10 +157,9 @@ class SessionFailover:
             raise
         if not moved:
             await close_unless_held(self.client, self.documents, replica, document_id)
-            return None
+            return
         self.metrics.binding.labels(BindResult.REPIN).inc()
         # What was computed again; restored KV is not re-read (wim_kv_restored_tokens_total).
         self.metrics.reprefill_tokens.inc(opened.context_tokens - opened.restored_tokens)
         # Document ids stay out of logs at the default level (they name customers' data).
         logger.info("a document session moved %s -> %s (%s)", old, replica, reason)
-        return replica
