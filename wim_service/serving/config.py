@@ -56,6 +56,11 @@ class RouterConfig(BaseModel):
     # A job still running after this long is stopped (504 `deadline_exceeded`, or an `error`
     # event once streaming).
     request_timeout_s: float = Field(900.0, gt=0)
+    # A streamed answer sends an SSE comment (`: keep-alive`) after this long without a frame,
+    # and starts its stream once its job's first event is this late (a failure is then an
+    # `error` event, not a status): clients and balancers may then give up on a stream silent
+    # for a few of these instead of waiting as long as the longest job (docs/serving.md).
+    stream_heartbeat_s: float = Field(2.0, gt=0, le=60)
     # How often the router asks every engine replica for its load.
     load_poll_interval_s: float = Field(DEFAULT_LOAD_POLL_S, gt=0)
     # `/metrics` is rendered at most once per this long, however many scrapers come; each

@@ -168,7 +168,7 @@ def wim_routes(router: WiMRouter) -> APIRouter:
         """Answer a query about a document: one-shot (`context`) or a session (`document_id`)."""
         session_id, items = await router.start_job(body, caller)
         if body.stream:
-            return sse_response(items, session_id)
+            return sse_response(items, session_id, router.config.router.stream_heartbeat_s)
         return await json_response(items, session_id)
 
     @api.post("/documents", response_model=DocumentResponse, status_code=201)

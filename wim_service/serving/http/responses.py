@@ -1,13 +1,16 @@
 """A job's event stream turned into an HTTP answer: one JSON body, or server-sent events.
 
 The first event decides the status: an error before any output is an HTTP error; a failure
-after output has started can only be reported in the stream (an `error` event).
+after output has started can only be reported in the stream (an `error` event). A streamed
+answer whose first event is slow to come does not wait for it: its stream starts with
+heartbeats (`http/keepalive.py`), and a failure before its first event is an `error` event too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Response
@@ -15,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.bodies import MarginOut, WiMResponse
+from wim_service.serving.http.keepalive import with_heartbeats
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.events import DoneEvent, ErrorEvent, WiMEvent
 
@@ -58,6 +62,44 @@ async def with_late_errors(first: Item, items: AsyncIterator[Item]) -> AsyncIter
         await close(items)  # closing this generator does not close the one it reads
 
 
+async def started(
+    items: AsyncIterator[Item], streamed_after_s: float | None
+) -> AsyncIterator[Item]:
+    """A started job's events: the first one is produced before this returns, and an error
+    before it raised as a `ServiceError` (`first_item`), later ones as `error` events.
+
+    With `streamed_after_s` (a streamed answer), a first event that has not come within it is
+    not waited for: the stream starts, its heartbeats tell the client that the service is still
+    there, and a failure before the first event is reported as an `error` event as well. Either
+    way the first event is awaited once, by one task, and never lost.
+    """
+    if streamed_after_s is None:
+        return with_late_errors(await first_item(items), items)
+    first = asyncio.create_task(first_item(items))
+    try:
+        await asyncio.wait({first}, timeout=streamed_after_s)
+    except asyncio.CancelledError:
+        first.cancel()  # the request is gone: so is its job
+        raise
+    if first.done():
+        return with_late_errors(first.result(), items)
+    return _late_start(first, items)
+
+
+async def _late_start(first: asyncio.Task[Item], items: AsyncIterator[Item]) -> AsyncIterator[Item]:
+    try:
+        item = await first
+    except ServiceError as exc:
+        yield "", ErrorEvent(code=exc.code, message=exc.message, retry_after_s=exc.retry_after)
+        return
+    rest = with_late_errors(item, items)
+    try:
+        async for each in rest:
+            yield each
+    finally:
+        await close(rest)
+
+
 async def json_response(items: AsyncIterator[Item], session_id: str) -> Response:
     margins: dict[int, MarginOut] = {}
     async for replica, event in items:
@@ -85,17 +127,27 @@ def sse_frame(event: str, data: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
 
-async def _sse(items: AsyncIterator[Item], session_id: str) -> AsyncIterator[str]:
-    async for replica, event in items:
-        data = event.model_dump(exclude={"type"})
-        if event.type == "done":
-            data.update(session_id=session_id, replica=replica)
-        yield sse_frame(event.type, data)
+async def _sse(items: AsyncIterator[Item], session_id: str) -> AsyncGenerator[str, None]:
+    try:
+        async for replica, event in items:
+            data = event.model_dump(exclude={"type"})
+            if event.type == "done":
+                data.update(session_id=session_id, replica=replica)
+            yield sse_frame(event.type, data)
+    finally:
+        await close(items)  # a response closed between two events ends the job now
 
 
-def sse_response(items: AsyncIterator[Item], session_id: str) -> StreamingResponse:
+def sse_response(
+    items: AsyncIterator[Item], session_id: str, heartbeat_s: float
+) -> StreamingResponse:
+    return event_stream(_sse(items, session_id), heartbeat_s)
+
+
+def event_stream(frames: AsyncGenerator[str, None], heartbeat_s: float) -> StreamingResponse:
+    """`frames` as a streamed answer, with a heartbeat after every `heartbeat_s` of silence."""
     return StreamingResponse(
-        _sse(items, session_id),
+        with_heartbeats(frames, heartbeat_s),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )

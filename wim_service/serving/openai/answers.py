@@ -4,12 +4,12 @@ OpenAI's format (the notes as `reasoning_content`, the answer as `content`, `dat
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from wim_service.serving.errors import ServiceError
-from wim_service.serving.http.responses import Item
+from wim_service.serving.http.responses import Item, close
 from wim_service.serving.openai.errors import OpenAIError
 from wim_service.serving.openai.models import (
     AssistantMessage,
@@ -104,40 +104,46 @@ class Head:
         return _data(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
 
 
-async def chat_stream(run: Run, head: Head) -> AsyncIterator[str]:
+async def chat_stream(run: Run, head: Head) -> AsyncGenerator[str, None]:
     def chunk(choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> str:
         return head.dump(ChatCompletionChunk(**head.stamp, choices=choices, usage=usage))
 
-    yield chunk([ChunkChoice(delta={"role": "assistant", "content": ""})])
-    async for _, event in run.items:
-        if isinstance(event, MarginEvent) and (line := margin_line(event)):
-            yield chunk([ChunkChoice(delta={"reasoning_content": line})])
-        elif isinstance(event, AnswerEvent):
-            yield chunk([ChunkChoice(delta={"content": event.text})])
-        elif isinstance(event, ErrorEvent):
-            yield _late_error(event)
-            break
-        elif isinstance(event, DoneEvent):
-            yield chunk([ChunkChoice(delta={}, finish_reason=run.finish_reason(event))])
-            if head.include_usage:
-                yield chunk([], openai_usage(event.usage))
+    try:
+        yield chunk([ChunkChoice(delta={"role": "assistant", "content": ""})])
+        async for _, event in run.items:
+            if isinstance(event, MarginEvent) and (line := margin_line(event)):
+                yield chunk([ChunkChoice(delta={"reasoning_content": line})])
+            elif isinstance(event, AnswerEvent):
+                yield chunk([ChunkChoice(delta={"content": event.text})])
+            elif isinstance(event, ErrorEvent):
+                yield _late_error(event)
+                break
+            elif isinstance(event, DoneEvent):
+                yield chunk([ChunkChoice(delta={}, finish_reason=run.finish_reason(event))])
+                if head.include_usage:
+                    yield chunk([], openai_usage(event.usage))
+    finally:
+        await close(run.items)  # a response closed between two events ends the job now
     yield "data: [DONE]\n\n"
 
 
-async def completion_stream(run: Run, head: Head) -> AsyncIterator[str]:
+async def completion_stream(run: Run, head: Head) -> AsyncGenerator[str, None]:
     def chunk(choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> str:
         return head.dump(Completion(**head.stamp, choices=choices, usage=usage))
 
-    async for _, event in run.items:
-        if isinstance(event, AnswerEvent):
-            yield chunk([CompletionChoice(text=event.text)])
-        elif isinstance(event, ErrorEvent):
-            yield _late_error(event)
-            break
-        elif isinstance(event, DoneEvent):
-            yield chunk([CompletionChoice(text="", finish_reason=run.finish_reason(event))])
-            if head.include_usage:
-                yield chunk([], openai_usage(event.usage))
+    try:
+        async for _, event in run.items:
+            if isinstance(event, AnswerEvent):
+                yield chunk([CompletionChoice(text=event.text)])
+            elif isinstance(event, ErrorEvent):
+                yield _late_error(event)
+                break
+            elif isinstance(event, DoneEvent):
+                yield chunk([CompletionChoice(text="", finish_reason=run.finish_reason(event))])
+                if head.include_usage:
+                    yield chunk([], openai_usage(event.usage))
+    finally:
+        await close(run.items)  # as in `chat_stream`
     yield "data: [DONE]\n\n"
 
 

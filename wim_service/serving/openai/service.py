@@ -29,15 +29,15 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from fastapi import Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from wim_service.serving.errors import ServiceCode, ServiceError
 from wim_service.serving.http.bodies import MAX_QUERY_CHARS, WiMRequest
-from wim_service.serving.http.responses import SSE_HEADERS
+from wim_service.serving.http.responses import event_stream
 from wim_service.serving.openai.answers import Head, Outcome, Run, collect
 from wim_service.serving.openai.models import (
     ChatCompletion,
@@ -176,7 +176,13 @@ class OpenAIService:
             )
         options = self._options(body)
         try:
-            job = WiMRequest(context=context, document_id=document_id, query=query, options=options)
+            job = WiMRequest(
+                context=context,
+                document_id=document_id,
+                query=query,
+                options=options,
+                stream=body.stream,
+            )
         except ValidationError as exc:  # e.g. a query longer than /wim takes
             message = "; ".join(e["msg"] for e in exc.errors())
             raise ServiceError(ServiceCode.INVALID_REQUEST, message, param=param) from exc
@@ -207,7 +213,8 @@ class OpenAIService:
             )
         salt = tenant.salt_for(body.user)
         params = PlainParams(max_tokens=max_tokens, stop=body.stops, cache_salt=salt)
-        return Run(await self.router.start_plain(prompt_ids, params, tenant, lease), max_tokens)
+        items = await self.router.start_plain(prompt_ids, params, tenant, lease, body.stream)
+        return Run(items, max_tokens)
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -216,7 +223,7 @@ class OpenAIService:
         body: ChatCompletionRequest | CompletionRequest,
         run: Run,
         prefix: str,
-        stream: Callable[[Run, Head], AsyncIterator[str]],
+        stream: Callable[[Run, Head], AsyncGenerator[str, None]],
         whole: Callable[[Head, Outcome], ChatCompletion | Completion],
     ) -> Response:
         """The answer as server-sent chunks (`stream`) or one object (`whole`)."""
@@ -227,7 +234,5 @@ class OpenAIService:
         }
         head = Head(stamp, body.include_usage)
         if body.stream:
-            return StreamingResponse(
-                stream(run, head), media_type="text/event-stream", headers=SSE_HEADERS
-            )
+            return event_stream(stream(run, head), self.router.config.router.stream_heartbeat_s)
         return JSONResponse(whole(head, await collect(run)).model_dump())

@@ -34,11 +34,7 @@ from wim_service.serving.config import ServiceConfig
 from wim_service.serving.errors import ServiceError, status_of
 from wim_service.serving.http.bodies import DocumentRequest, DocumentResponse, WiMRequest
 from wim_service.serving.http.pdf import PdfExtractor
-from wim_service.serving.http.responses import (
-    Item,
-    first_item,
-    with_late_errors,
-)
+from wim_service.serving.http.responses import Item, started
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
 from wim_service.serving.observability.metrics import JobObserver, WiMMetrics
 from wim_service.serving.observability.vllm_metrics import merge_replica_metrics
@@ -313,7 +309,9 @@ class WiMRouter:
         runs under `lease`, one of the tenant's jobs taken already, if given.
 
         Errors before the first event are raised as `ServiceError`; later ones arrive as an
-        `error` event. `POST /wim` and the OpenAI-compatible API build on this.
+        `error` event, and so does any of a streamed job (`body.stream`) whose first event took
+        longer than `stream_heartbeat_s` (`http/responses.py`, `started`). `POST /wim` and the
+        OpenAI-compatible API build on this.
         """
         if body.context is not None:
             tenant.require(Capability.JOBS)
@@ -338,7 +336,7 @@ class WiMRouter:
             tenant,
             lease,
         )
-        return session_id, with_late_errors(await first_item(events), events)
+        return session_id, await started(events, self._streamed_after(body.stream))
 
     async def start_plain(
         self,
@@ -346,17 +344,21 @@ class WiMRouter:
         params: PlainParams,
         tenant: Tenant,
         lease: JobLease | None = None,
+        stream: bool = False,
     ) -> AsyncIterator[Item]:
         """Start one plain completion of `prompt_ids` (no WiM) under `lease` if given: its
-        events, the first one already produced, with errors before it raised as
-        `ServiceError`."""
+        events, errors before the first raised as `ServiceError` (as in `start_job`)."""
         tenant.require(Capability.JOBS)
         await self._started()
         session_id = "plain-" + secrets.token_hex(8)
         events = self._observed(
             self.dispatcher.plain(session_id, prompt_ids, params, tenant.name), tenant, lease
         )
-        return with_late_errors(await first_item(events), events)
+        return await started(events, self._streamed_after(stream))
+
+    def _streamed_after(self, stream: bool) -> float | None:
+        """How long a streamed answer waits for its job's first event (None: not streamed)."""
+        return self.config.router.stream_heartbeat_s if stream else None
 
     # -- documents -------------------------------------------------------------------------
 
