@@ -126,10 +126,11 @@ def test_the_deadlines_end_a_slow_job_in_the_routers_shape_before_the_proxy_cuts
     proxy cuts a request later than the router's own job deadline ends it (a 504 in the
     route's shape, not the proxy's plain 408); an engine is taken for lost on missing load
     reports only after several polls; the routers are health-checked more tightly than the
-    engines."""
+    engines; streamed answers' heartbeat is set, for the balancer's idle timeout to match it."""
     config = CONFIGS[source]()
     router = RouterConfig.model_validate(the_app(config)["args"]["router"])
     assert config["http_options"]["request_timeout_s"] > router.request_timeout_s
+    assert "stream_heartbeat_s" in the_app(config)["args"]["router"]  # set, not defaulted
     assert router.replica_silence_s >= 3 * router.load_poll_interval_s
     options = deployments(the_app(config))
     for name in DEPLOYMENTS:
