@@ -1,5 +1,6 @@
 """The copies of documents a router keeps (`placement/copies.py`): which are idle, which spare,
-and what a store's listing changes; and the shape of a one-shot job (`placement/shapes.py`)."""
+which a sweep closes, and what a store's listing changes; and the shape of a one-shot job
+(`placement/shapes.py`)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,34 @@ def test_spare_copies_come_in_the_order_they_were_opened() -> None:
     book.opened("c", "r1", now=3.0)
     book.begin("c", "r1")
     assert book.idle(now=3.0, idle_s=0.0) == [("b", "r2"), ("a", "r1")]
+
+
+def test_a_sweep_closes_the_spare_copies_and_only_those_of_the_tenant_asked() -> None:
+    book = CopyBook()
+    book.opened("a", "r1", now=1.0)
+    book.opened("b", "r2", now=2.0)
+    book.opened("c", "r3", now=3.0)
+    book.begin("c", "r3")  # in use: never spare
+    assert book.spare(now=3.0) == [("a", "r1"), ("b", "r2")]  # a reclaim: every spare one
+    assert book.spare(now=11.0, idle_s=10.0) == [("a", "r1")]  # retiring the idle
+    tenants = {"a": "t1", "b": "t2", "c": "t2"}
+    assert book.spare(now=3.0, tenants=tenants, only="t2") == [("b", "r2")]
+    assert book.spare(now=3.0, tenants=tenants, only="t3") == []
+    assert book.spare(now=3.0, only="t1") == []  # a document of no known tenant: not its
+
+
+def test_a_sweep_never_closes_a_documents_last_holder() -> None:
+    """Where the holders are counted (`wim sim`, whose primaries close when idle), each
+    document keeps one: its primary if it still holds one, else its copy opened last."""
+    book = CopyBook()
+    book.opened("a", "r1", now=1.0)
+    book.opened("a", "r2", now=2.0)
+    book.opened("b", "r1", now=3.0)
+    book.opened("a", "r3", now=4.0)
+    # "a": its primary and three copies; "b": its primary gone, one copy left.
+    assert book.spare(now=5.0, holders={"a": 4, "b": 1}) == [("a", "r1"), ("a", "r2"), ("a", "r3")]
+    # "a"'s primary went idle and closed too: two of its three copies close, the last stays.
+    assert book.spare(now=5.0, holders={"a": 3, "b": 1}) == [("a", "r1"), ("a", "r2")]
 
 
 def test_a_listing_adds_other_routers_copies_and_forgets_closed_ones() -> None:

@@ -1,6 +1,7 @@
 """The copies of documents beside their primary, as one router or `wim sim` keeps them: the
 queries running on each and when each was last used, and so which are idle (closed after
-`copy_idle_s`) or spare (closed at once to make room, `reclaim`).
+`copy_idle_s`) or spare (closed at once to make room, `reclaim`): which ones a sweep closes is
+chosen here (`CopyBook.spare`), the router and `wim sim` only close them.
 
 A copy is never idle while a query runs on it. The primary (the replica a session was first
 read on) is not a copy here: closing it ends the session, which its TTL or a DELETE decides.
@@ -9,7 +10,7 @@ read on) is not a copy here: closing it ends the session, which its TTL or a DEL
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.state import NoRoom, Work
@@ -98,3 +99,30 @@ class CopyBook:
             for key, used in self._used.items()
             if not self._running[key] and now - used >= idle_s
         ]
+
+    def spare(
+        self,
+        now: float,
+        idle_s: float = 0.0,
+        *,
+        holders: Mapping[str, int] | None = None,
+        tenants: Mapping[str, str] | None = None,
+        only: str | None = None,
+    ) -> list[Key]:
+        """The copies a sweep closes (retiring the idle, or a reclaim), in the order they were
+        opened: those `idle` for `idle_s` (0: every spare one); only tenant `only`'s if given
+        (`tenants`: each document's); never a document's last holder where `holders` counts
+        each document's holders, primaries too (`wim sim` closes a primary idle for
+        `copy_idle_s`, and one of its copies stays; the router's primary is never in the book
+        and closes with its session). The caller closes them, but one it finds in use by then."""
+        left = Counter(holders or {})
+        spare: list[Key] = []
+        for document, replica in self.idle(now, idle_s):
+            if only is not None and (tenants or {}).get(document) != only:
+                continue
+            if holders is not None:
+                if left[document] <= 1:
+                    continue
+                left[document] -= 1
+            spare.append((document, replica))
+        return spare

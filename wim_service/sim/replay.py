@@ -24,6 +24,7 @@ from typing import Any
 
 from wim_service.placement.copies import CopyBook, may_open_copy, place_query, weigh_afresh
 from wim_service.placement.ledger import Booking, Ledger
+from wim_service.placement.no_room import NoRoomSteps, Step
 from wim_service.placement.policy import PlacementPolicy, make_policy
 from wim_service.placement.polls import Fresh
 from wim_service.placement.profile import EngineProfile
@@ -287,26 +288,25 @@ class Replay:
 
     def _ask_fresh(self) -> None:
         """The reports asked again for a decision, as the router's `fresh_loads` asks."""
-        if self._fresh.ask(self.now):
+        if not self._fresh.holds(self.now):
+            self._fresh.took(self.now)
             self._poll()
 
     def _booked(self, work: Work, now: float) -> Booking | None:
         """Where a session's read or a plain request runs, booked, as the router places it
-        (`ReplicaFleet.place`): with no room on the loads it has, placed again on loads asked
-        again, then after a reclaim of spare copies; None: refused."""
-        asked = reclaimed = False
+        (`ReplicaFleet.place`), with no room taking the same steps (`NoRoomSteps`): placed
+        again on loads asked again, then after a reclaim of spare copies; None: refused."""
+        steps = NoRoomSteps(reclaims=True)
         while True:
             try:
                 return self.ledger.place(work)
-            except NoRoom:
-                if not asked:
-                    asked = True
-                    self._ask_fresh()
-                    continue
-                if reclaimed or not self._reclaim(now):
-                    return None
-                reclaimed = True
-                self._poll()
+            except NoRoom as exc:
+                step = steps.after(exc.replicas)
+            if step is Step.RECLAIM:
+                step = steps.reclaimed(self._reclaim(now))
+            if step is Step.REFUSE:
+                return None
+            (self._ask_fresh if step is Step.REFRESH else self._poll)()
 
     def _holder(self, work: Work) -> tuple[str, Booking | None]:
         """Where a query of a held document runs, as the router decides it
@@ -345,17 +345,15 @@ class Replay:
             del self._copying[document]
 
     def _reclaim(self, now: float) -> int:
-        """Retire every idle copy opened beside a session's primary (the live router's
-        `DocumentCopies.reclaim`, from the same book of copies): when no replica has room, a
-        spare copy's KV and session slot serve new work better than its document's next
-        query would."""
+        """Retire the spare copies (`CopyBook.spare`: as the live router's
+        `DocumentCopies.reclaim` chooses them, from the same book of copies): when no replica
+        has room, a spare copy's KV and session slot serve new work better than its
+        document's next query would."""
         holders = Counter(document for engine in self.engines for document in engine.copies)
         retired = 0
-        for document, name in self.copies.idle(now, 0.0):
-            # Never a document's last holder: one whose primary went idle keeps a copy.
-            if holders[document] > 1 and self.by_name[name].retire_if_idle(document, now, 0.0):
+        for document, name in self.copies.spare(now, holders=holders):
+            if self.by_name[name].retire_if_idle(document, now, 0.0):
                 self.copies.closed(document, name)
-                holders[document] -= 1
                 retired += 1
         self.result.copies_retired += retired
         self.result.copies_reclaimed += retired

@@ -250,12 +250,12 @@ class DocumentCopies:
         return await self._retire(0.0, only)
 
     async def _retire(self, idle_s: float, only: str | None = None) -> int:
-        """Close the copies unused for `idle_s` by this router and, as the store judges, by
-        every router; only tenant `only`'s if given. The number closed on live replicas."""
+        """Close the copies unused for `idle_s` by this router (`CopyBook.spare`; only tenant
+        `only`'s if given) and, as the store judges, by every router. The number closed on
+        live replicas."""
         retired = 0
-        for document_id, replica in self.book.idle(time.monotonic(), idle_s):
-            if only is not None and self._tenants.get(document_id) != only:
-                continue
+        spare = self.book.spare(time.monotonic(), idle_s, tenants=self._tenants, only=only)
+        for document_id, replica in spare:
             lock = self.documents.lock(document_id)
             # A query of this router is starting on the session (or a failover rebuilding
             # it holds its lock while it places work, and may be what asked to reclaim).

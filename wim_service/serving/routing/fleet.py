@@ -16,6 +16,7 @@ from pathlib import Path
 
 from wim_service.engine.kv_transfer.documents import store_url
 from wim_service.placement.ledger import Booking, Ledger
+from wim_service.placement.no_room import NoRoomSteps, Step
 from wim_service.placement.policy import make_policy
 from wim_service.placement.polls import FRESH_LOADS_S
 from wim_service.placement.profile import EngineProfile
@@ -190,42 +191,41 @@ class ReplicaFleet:
     ) -> Booking:
         """Where `work` runs, by the policy, bound to `session` if given; waits a while for a
         first replica to come up. `holders` hold a copy of the work's document. With no room
-        anywhere, `reclaim` (if given) closes spare copies before the work is refused."""
+        anywhere, the loads are asked again and `reclaim` (if given) closes spare copies
+        before the work is refused, in the order `wim sim` follows (`NoRoomSteps`)."""
         deadline = time.monotonic() + self.config.replica_wait_s
-        asked = reclaimed = False
+        steps = NoRoomSteps(reclaims=reclaim is not None)
         while True:
             try:
                 return self.ledger.place(work, session=session, exclude=exclude, holders=holders)
             except NoRoom as exc:
-                live = exc.replicas
-                if live and not asked:
-                    # Refused on fresh loads only: between two reports the ledger counts work
-                    # that may have ended (a one-shot job's KV, an ended session's).
-                    asked = True
-                    await self.fresh_loads.get()
-                    continue
-                if live and not reclaimed and reclaim is not None:
-                    # Idle copies of hot documents give their room to new work first.
-                    reclaimed = True
-                    if await reclaim():
-                        await self.refresh_loads()
-                        continue
-                if live or time.monotonic() > deadline:
-                    self.metrics.binding.labels(BindResult.REJECTED).inc()
-                    if live:
-                        raise ServiceError(
-                            ErrorCode.OVERLOADED,
-                            f"every engine replica's KV is committed ({exc}); retry later",
-                            self.config.retry_after_s,
-                        ) from exc
-                    raise ServiceError(
-                        ErrorCode.UNAVAILABLE,
-                        "no engine replica is ready; retry later",
-                        self.config.retry_after_s,
-                    ) from exc
-            # No live replica (starting, or replacing a failed one): wait for one.
-            await asyncio.sleep(1.0)
+                step = steps.after(exc.replicas, may_wait=time.monotonic() <= deadline)
+                if step is Step.RECLAIM:
+                    assert reclaim is not None
+                    step = steps.reclaimed(await reclaim())
+                if step is Step.REFUSE:
+                    raise self._refusal(exc) from exc
+            if step is Step.REFRESH:
+                await self.fresh_loads.get()
+                continue
+            if step is Step.WAIT:  # no live replica (starting, or replacing a failed one)
+                await asyncio.sleep(1.0)
             await self.refresh_loads()
+
+    def _refusal(self, exc: NoRoom) -> ServiceError:
+        """The error of work `place` refuses: every live replica full, or none live."""
+        self.metrics.binding.labels(BindResult.REJECTED).inc()
+        if exc.replicas:
+            return ServiceError(
+                ErrorCode.OVERLOADED,
+                f"every engine replica's KV is committed ({exc}); retry later",
+                self.config.retry_after_s,
+            )
+        return ServiceError(
+            ErrorCode.UNAVAILABLE,
+            "no engine replica is ready; retry later",
+            self.config.retry_after_s,
+        )
 
     def lost(self, replica: str, reason: str) -> None:
         """Count a failover off `replica` and stop placing sessions there."""

@@ -17,12 +17,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
+from wim_service.placement.polls import Fresh
+
 T = TypeVar("T")
 
 
 class Recent(Generic[T]):
-    """`fetch()`'s last result while it is at most `max_age_s` old; callers that find it
-    older share one new fetch (a failed fetch fails its waiters and is not kept)."""
+    """`fetch()`'s last result while it is at most `max_age_s` old (`placement.polls.Fresh`,
+    the rule `wim sim` keeps its asks for loads by); callers that find it older share one new
+    fetch (a failed fetch fails its waiters and is not kept)."""
 
     def __init__(
         self,
@@ -31,14 +34,14 @@ class Recent(Generic[T]):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._fetch = fetch
-        self.max_age_s = max_age_s
+        self._fresh = Fresh(max_age_s)
         self.clock = clock
-        self._last: tuple[float, T] | None = None
+        self._last: tuple[T] | None = None  # in a tuple: a fetch may return None
         self._pending: asyncio.Task[T] | None = None
 
     async def get(self) -> T:
-        if self._last is not None and self.clock() - self._last[0] <= self.max_age_s:
-            return self._last[1]
+        if self._last is not None and self._fresh.holds(self.clock()):
+            return self._last[0]
         if self._pending is None or self._pending.done():
             self._pending = asyncio.get_running_loop().create_task(self._run())
         # A caller that goes away (a client disconnect) must not cancel the others' fetch.
@@ -46,7 +49,8 @@ class Recent(Generic[T]):
 
     async def _run(self) -> T:
         value = await self._fetch()
-        self._last = (self.clock(), value)
+        self._fresh.took(self.clock())
+        self._last = (value,)
         return value
 
 
