@@ -9,8 +9,11 @@ balancer is the client's own (`Balancer`): it sends a request to the first host'
 when a proxy refuses the connection or does not take it within `CONNECT_TIMEOUT_S`, to the
 next host's, as nginx's and Envoy's retry on a failed connect do; a host that failed a connect
 is tried last for `PASSIVE_DOWN_S` after (nginx's `max_fails=1 fail_timeout`, Envoy's outlier
-detection), and a proxy that sends nothing for `READ_TIMEOUT_S` is given up. A request lost
-after it was sent is the client's to retry.
+detection), and a proxy that sends nothing for `READ_TIMEOUT_S` is given up. A question is
+asked as docs/serving.md advises for long answers: streamed (`"stream": true`), so that the
+routers' heartbeats let that idle timeout be a few seconds; its answer is the stream's `done`
+event. A request lost after it was sent (cut, silent, or ended by a 5xx-kind `error` event)
+is the client's to retry.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness.live_stack import OPTIONS, auth, metric_in, query_body, settled
+from tests.harness.live_stack import OPTIONS, auth, metric_in, parse_sse, query_body, settled
 from tests.harness.multinode import HTTP_PORT, Cluster
+from wim_service.serving.errors import status_of
 
 # A request is lost when it has no answer after this many attempts, 1 s apart.
 RETRIES = 4
@@ -35,10 +39,11 @@ RETRIES = 4
 IN_FLIGHT = 4
 AFTER = 4
 CONNECT_TIMEOUT_S = 2.0
-# The longest the balancer waits for a proxy's next bytes (nginx's `proxy_read_timeout`
-# default): a request on a connection to a host that was partitioned gets nothing more, and no
-# deadline of the service can reach it there; this ends it, for the client to retry.
-READ_TIMEOUT_S = 60.0
+# The longest the balancer waits for a proxy's next bytes (nginx's `proxy_read_timeout`): four
+# of the routers' heartbeats (`stream_heartbeat_s` in deploy/serve_config_multinode.yaml). A
+# request on a connection to a host that was partitioned gets nothing more, and no deadline of
+# the service can reach it there; this ends it, for the client to retry.
+READ_TIMEOUT_S = 8.0
 PASSIVE_DOWN_S = 10.0
 # Every host's proxy but the head's, in the balancer's order (docs/deploy.md).
 BALANCED_HOSTS = ("r1", "r2", "e1", "e2")
@@ -66,11 +71,13 @@ class Balancer:
             down = {b for b, at in _failed_at.items() if now - at < PASSIVE_DOWN_S}
         return sorted(self.bases, key=lambda base: base in down)
 
-    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    def stream(self, path: str, body: dict[str, Any]) -> tuple[int, str, dict]:
+        """A streamed answer read to its end (`streamed`): status, router and body."""
         failed: httpx.TransportError | None = None
         for base in self._order():
             try:
-                return self.client.post(base + path, json=body)
+                with self.client.stream("POST", base + path, json=body) as response:
+                    return streamed(response)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 with _failed_lock:
                     _failed_at[base] = time.monotonic()
@@ -80,6 +87,22 @@ class Balancer:
 
     def close(self) -> None:
         self.client.close()
+
+
+def streamed(response: httpx.Response) -> tuple[int, str, dict]:
+    """The status of a streamed answer as a client judges it, its router, and its body: the
+    `done` event's data (200); an `error` event's code's status; 0 for a stream that ended
+    without either (cut)."""
+    router = response.headers.get("X-WiM-Router", "")
+    if response.status_code != 200:
+        return response.status_code, router, {"error": response.read().decode(errors="replace")}
+    events = parse_sse("".join(response.iter_text()))
+    for kind, data in events:
+        if kind == "done":
+            return 200, router, data
+        if kind == "error":
+            return status_of(data["code"]), router, {"error": data}
+    return 0, router, {"error": f"the stream ended after {len(events)} events, without an answer"}
 
 
 @dataclass
@@ -93,7 +116,8 @@ class Answer:
 
 
 def ask(cluster: Cluster, document_id: str) -> Answer:
-    """One question on a document session, retried on a 5xx or a cut connection."""
+    """One question on a document session, streamed, retried on a 5xx (a status or an `error`
+    event) or a cut or silent connection."""
     started = time.monotonic()
     status, router, attempts = 0, "", 0
     body: dict = {}
@@ -102,12 +126,9 @@ def ask(cluster: Cluster, document_id: str) -> Answer:
         while attempts < RETRIES:
             attempts += 1
             try:
-                response = balancer.post("/wim", query_body(document_id))
-                status, router = (
-                    response.status_code,
-                    response.headers.get("X-WiM-Router", ""),
+                status, router, body = balancer.stream(
+                    "/wim", {**query_body(document_id), "stream": True}
                 )
-                body = response.json() if status == 200 else {"error": response.text}
             except httpx.TransportError as exc:
                 status, body = 0, {"error": repr(exc)}
             if status == 200 or 0 < status < 500:
