@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -202,6 +203,36 @@ def test_only_calls_redis_never_ran_count_as_not_run() -> None:
     assert not_run(refused)
     assert not_run(redis_errors.BusyLoadingError("Redis is loading the dataset in memory"))
     assert not_run(redis_errors.ReadOnlyError("You can't write against a read only replica"))
+    # A connect that found no route (a blackhole route answers EINVAL), as redis-py words it.
+    unrouted = redis_errors.ConnectionError(
+        "Error 22 connecting to 10.0.0.9:6379. Invalid argument."
+    )
+    unrouted.__cause__ = OSError(22, "Invalid argument")
+    assert not_run(unrouted)
     assert not not_run(cut)
     assert not not_run(redis_errors.TimeoutError("Timeout reading from 127.0.0.1:6379"))
     assert not not_run(None)
+
+
+async def test_a_connect_that_timed_out_counts_as_not_run() -> None:
+    """A Redis host that drops packets (cut off the network) fails the connect by its timeout:
+    nothing was sent, so the call is held like a refused one. The error is redis-py's own: a
+    listener whose accept queue is full drops the connect's SYN, as such a host does."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    host, port = listener.getsockname()
+    queued = [socket.socket() for _ in range(3)]
+    config = redis_config(timeout_s=0.5, connect_timeout_s=0.2, outage_wait_s=0)
+    client = connect(f"redis://{host}:{port}", config)
+    try:
+        for sock in queued:
+            sock.setblocking(False)
+            sock.connect_ex((host, port))  # fills the accept queue, then waits on it
+        with pytest.raises(redis_errors.TimeoutError) as timed_out:
+            await client.ping()
+    finally:
+        await client.aclose()
+        for sock in [*queued, listener]:
+            sock.close()
+    assert not_run(timed_out.value)

@@ -317,14 +317,18 @@ def connect(url: str, config: StoreConfig) -> Redis:
 
 
 def not_run(exc: BaseException | None) -> bool:
-    """Whether Redis certainly did not run the call that failed with `exc`: it refused the
-    connection (nothing was sent), answered LOADING (a restart reading its data back) or
-    READONLY (a replica not yet promoted). A call cut off after it was sent may have run."""
+    """Whether Redis certainly did not run the call that failed with `exc`: its connection
+    could not be made (refused, no route to the host, timed out: nothing was sent), or Redis
+    answered LOADING (a restart reading its data back) or READONLY (a replica not yet
+    promoted). A call cut off after it was sent may have run."""
     if isinstance(exc, redis_errors.BusyLoadingError | redis_errors.ReadOnlyError):
         return True
-    return isinstance(exc, redis_errors.ConnectionError) and isinstance(
-        exc.__cause__, ConnectionRefusedError
-    )
+    if not isinstance(exc, redis_errors.ConnectionError | redis_errors.TimeoutError):
+        return False
+    # redis-py tells a failed connect from a failed read or write only in its message: "Error
+    # 111 connecting to HOST:PORT. Connection refused.", "Error 22 connecting to ..." (a
+    # blackhole route), "Timeout connecting to server" (a host that drops packets).
+    return isinstance(exc.__cause__, ConnectionRefusedError) or "connecting to" in str(exc)
 
 
 # Redis' answers for a state it leaves on its own or by an operator's hand, not a fault of the
