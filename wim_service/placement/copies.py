@@ -22,31 +22,58 @@ DEFAULT_COPY_IDLE_S = 120.0
 Key = tuple[str, str]  # (document, replica)
 
 
-def place_query(ledger: Ledger, work: Work, holders: Collection[str]) -> Booking | None:
-    """A document query's placement, booked; None if no replica has room for it (it then
-    waits its turn on the session's primary, unbooked)."""
-    assert work.document is not None
-    try:
-        return ledger.place(work, holders=holders)
-    except NoRoom:
+class QuerySteps:
+    """A document query's placement among its session's holders, in the one order the live
+    router (`DocumentCopies.holder`, async) and `wim sim` (`Replay._holder`, at its own clock)
+    both follow. Each drives a `QuerySteps`: `place` until it needs no fresh loads (the caller
+    asks for them between), then `settle`.
+
+    1. The query is placed by the policy among the holders, booked; if no replica has room,
+       it waits its turn on its session's primary, unbooked (its holders' admission queues it).
+    2. A placement that opens a copy on loads a poll old, by a policy that weighs loads, is
+       cancelled, the loads asked again (`placement/polls.py`) and the query placed again on
+       them, among the holders still live (none left: on the primary): a copy costs a whole
+       read. Round robin would only take another turn.
+    3. The copy opens only beside holders whose loads are known (the policy weighed them),
+       within `max_copies` holders (a policy other than `expected_wait` may ask for more), and
+       one read of a document at a time; else the booking is cancelled and the query runs on
+       its primary, unbooked.
+    """
+
+    def __init__(self, ledger: Ledger, work: Work) -> None:
+        assert work.document is not None
+        self.ledger, self.work = ledger, work
+        self.booking: Booking | None = None  # the last placement's, None: on the primary
+        self._asked = False  # the loads were asked again for this query
+
+    def place(self, holders: Collection[str]) -> bool:
+        """Place the query among `holders` (`booking`); True: the placement was cancelled,
+        ask the loads again and `place` again, among the holders still live."""
+        self.booking = None
+        if self._asked and not holders:
+            return False
+        try:
+            booking = self.ledger.place(self.work, holders=holders)
+        except NoRoom:
+            return False
+        if self._asked or not (booking.placement.open_copy and self.ledger.policy.weighs_loads):
+            self.booking = booking
+            return False
+        self.ledger.cancel(booking)
+        self._asked = True
+        return True
+
+    def settle(self, holders: Collection[str], max_copies: int, opening: bool) -> Booking | None:
+        """Where the query runs, booked (on a holder, or a copy to open there first); None: on
+        its session's primary, unbooked. `opening`: a copy of the document is being read."""
+        booking = self.booking
+        if booking is None or not booking.placement.open_copy:
+            return booking
+        known = all(self.ledger.load(r) is not None for r in holders)
+        if known and len(holders) < max_copies and not opening:
+            return booking
+        self.ledger.cancel(booking)  # nothing runs there after all
         return None
-
-
-def weigh_afresh(ledger: Ledger, booking: Booking) -> bool:
-    """Whether a query's placement opens a copy on loads a poll old, by a policy that weighs
-    loads: a copy costs a whole read, so its booking is cancelled, the loads asked again
-    (`placement/polls.py`) and the query placed again on them (round robin would only take
-    another turn)."""
-    return booking.placement.open_copy and ledger.policy.weighs_loads
-
-
-def may_open_copy(ledger: Ledger, holders: Collection[str], max_copies: int, opening: bool) -> bool:
-    """Whether the copy a query's placement asks for opens: only beside holders whose loads are
-    known (the policy weighed them), within `max_copies` holders (a policy other than
-    `expected_wait` may ask for more), and one read of a document at a time (not while
-    `opening` one); else the query runs on the session's primary, unbooked."""
-    known = all(ledger.load(r) is not None for r in holders)
-    return known and len(holders) < max_copies and not opening
 
 
 class CopyBook:

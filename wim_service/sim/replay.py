@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from wim_service.placement.copies import CopyBook, may_open_copy, place_query, weigh_afresh
+from wim_service.placement.copies import CopyBook, QuerySteps
 from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.no_room import NoRoomSteps, Step
 from wim_service.placement.policy import PlacementPolicy, make_policy
@@ -310,28 +310,20 @@ class Replay:
 
     def _holder(self, work: Work) -> tuple[str, Booking | None]:
         """Where a query of a held document runs, as the router decides it
-        (`DocumentCopies.holder`): on the holder or new copy the policy picks, booked there,
-        among the copies read; else on its session's primary, unbooked."""
+        (`DocumentCopies.holder`), by the same steps (`QuerySteps`): on the holder or new copy
+        the policy picks among the copies read, booked there; else on its session's primary."""
         document = work.document
         assert document is not None
         held = [e for e in self.engines if document in e.copies]
         holders = [e.name for e in held if e.copies[document].read]
-        booking = place_query(self.ledger, work, holders)
-        if booking is not None and weigh_afresh(self.ledger, booking):
-            self.ledger.cancel(booking)
+        steps = QuerySteps(self.ledger, work)
+        while steps.place(holders):
             self._ask_fresh()
-            booking = place_query(self.ledger, work, holders)
-        primaries = [e.name for e in held if (document, e.name) not in self.copies]
-        home = (primaries or holders or [held[0].name])[0]
-        if booking is None:
-            return home, None
-        opening = document in self._copying
-        if not booking.placement.open_copy or may_open_copy(
-            self.ledger, holders, self.settings.max_copies, opening
-        ):
+        booking = steps.settle(holders, self.settings.max_copies, document in self._copying)
+        if booking is not None:
             return booking.replica, booking
-        self.ledger.cancel(booking)
-        return home, None
+        primaries = [e.name for e in held if (document, e.name) not in self.copies]
+        return (primaries or holders or [held[0].name])[0], None
 
     def _copy_read(self, job: Job, now: float) -> None:
         """A query's new copy is read: its read stops counting in the ledger (the router's

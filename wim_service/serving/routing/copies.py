@@ -19,7 +19,8 @@ policy weighed may be a poll interval old, and a holder's report taken while a q
 (this router's or another's) still counts that query after it ended. Before a copy opens, the
 replicas' loads are asked again (`ReplicaFleet.fresh_loads`: at most once per
 `FRESH_LOADS_S`, whatever the number of queries deciding at once) and the query placed again
-on them, by a policy that weighs loads (round robin would only take another turn).
+on them, by a policy that weighs loads (round robin would only take another turn): the steps
+`wim sim` takes too (`placement.copies.QuerySteps`).
 
 Copies are part of the session: DELETE and expiry close every one, and every router claims
 them like the primary, so that no replica reaps one as an orphan. A copy that no query of this
@@ -44,7 +45,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from wim_service.placement.copies import CopyBook, may_open_copy, place_query, weigh_afresh
+from wim_service.placement.copies import CopyBook, QuerySteps
 from wim_service.placement.ledger import Booking
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceError
@@ -130,24 +131,19 @@ class DocumentCopies:
             query=query,
             segments=session.segments,
         )
-        booking = place_query(ledger, work, holders)
-        if booking is not None and weigh_afresh(ledger, booking):
-            ledger.cancel(booking)
+        steps = QuerySteps(ledger, work)
+        while steps.place(holders):
             await self.fleet.fresh_loads.get()
             holders = [r for r in holders if ledger.is_live(r)]
-            booking = place_query(ledger, work, holders) if holders else None
+        opening = session.session_id in self._opening
+        booking = steps.settle(holders, self.config.max_copies, opening)
         home = session.replica or holders[0]
         if booking is None:
-            # The holders' admission control queues a query; only new copies need room.
             return HolderChoice(home, None)
         if not booking.placement.open_copy:
             return HolderChoice(booking.replica, booking)
-        opening = session.session_id in self._opening
-        if may_open_copy(ledger, holders, self.config.max_copies, opening):
-            self._opening.add(session.session_id)
-            return HolderChoice(booking.replica, booking, copy_of=session, fallback=home)
-        ledger.cancel(booking)  # nothing runs there after all
-        return HolderChoice(home, None)
+        self._opening.add(session.session_id)
+        return HolderChoice(booking.replica, booking, copy_of=session, fallback=home)
 
     async def read_copy(self, choice: HolderChoice) -> HolderChoice:
         """Read the copy `choice` asks for and record it (without the session's lock: the
