@@ -53,6 +53,9 @@ ROUTER = {
     "max_body_bytes": 2**20,
     # Short, so that a test of held bodies ends soon (tests/live/test_edge_live.py).
     "body_timeout_s": 5,
+    # Short, so that every streamed answer carries heartbeats between the engines' events
+    # (tests/live/test_openai_live.py).
+    "stream_heartbeat_s": 0.1,
     "max_document_chars": 200_000,
     # Every application's sessions in Redis (`LiveStack`'s server): switching between one
     # router and two is then a change of replica count, not of the application's args.
