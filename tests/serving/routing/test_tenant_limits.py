@@ -8,7 +8,8 @@ run concurrently.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 
 import httpx
@@ -19,6 +20,8 @@ from tests.harness.redis_server import RedisServer
 from tests.serving.routing.test_router_store import Routers, on_redis
 from wim_service.serving.replica.contracts import ReplicaLoad
 from wim_service.serving.routing.quotas import over_fair_share
+from wim_service.serving.routing.router import WiMRouter
+from wim_service.serving.store.redis_store import RedisSessionStore
 from wim_service.serving.tenants import ApiKeys, KeysConfig, hash_key
 from wim_service.wim.events import WiMEvent
 
@@ -101,25 +104,57 @@ async def test_a_tenants_concurrent_jobs_are_counted_across_routers(routers: Rou
     assert (await second.post("/wim", json=JOB, headers=key("acme"))).status_code == 200
 
 
+async def job_lease(router: WiMRouter) -> tuple[float | None, float]:
+    """The lease end of `router`'s one running job (None once it ran out and was dropped) and
+    the time now, both by Redis' clock (the store's, which judges leases), in ms."""
+    store = router.gate.store
+    assert isinstance(store, RedisSessionStore)
+    ((tenant, job_id),) = router.gate._jobs
+    end = await store.client.zscore(store._tenant_key(tenant, "jobs"), job_id)
+    seconds, micros = await store.client.time()
+    return end, seconds * 1000 + micros / 1000
+
+
+async def until_lease(
+    router: WiMRouter, what: str, ready: Callable[[float | None, float], bool]
+) -> None:
+    """Wait until `ready(lease end, now)` holds, asking the store: the lease's clock is Redis',
+    so the test waits on what the store says, not for a time of its own."""
+    for _ in range(600):  # a bound, so that a lease that never changes fails, not hangs
+        if ready(*await job_lease(router)):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the job's lease was never {what}: {await job_lease(router)}")
+
+
 async def test_the_jobs_of_a_router_that_died_stop_counting_after_their_lease(
     routers: Routers,
 ) -> None:
     a = FakeReplica("a")
     keys = tenants(acme={"concurrent_jobs": 1})
     held = HeldJobs(a)
-    # Renewed every 0.7 s: a renewal that fails on a busy machine (a 1 s connect timeout) is
-    # made up by the next.
-    lease = {"job_lease_s": 2.1}
+    # Renewed every second: a renewal up to two seconds late (a busy machine) still finds it
+    # running.
+    lease_ms = 3000.0
+    lease = {"job_lease_s": lease_ms / 1000}
     first, dying = await routers.new(keys=keys, client=held, **lease)
     second, _ = await routers.new(a, keys=keys, **lease)
     running = asyncio.create_task(first.post("/wim", json=JOB, headers=key("acme")))
     await held.started.wait()
-    await asyncio.sleep(3.0)  # longer than the lease: renewed while its router lives
+    first_end, _ = await job_lease(dying)
+    assert first_end is not None
+    # Renewed while its router lives: a renewal made after its first lease ended (Redis
+    # renews only a lease still running), so it counted all along.
+    renewed = "renewed past its first end"
+    await until_lease(dying, renewed, lambda end, _: end is not None and end - lease_ms > first_end)
     refused(await second.post("/wim", json=JOB, headers=key("acme")))
     # The router dies: it renews nothing and never ends its job.
-    assert dying.gate._renewing is not None
-    dying.gate._renewing.cancel()
-    await asyncio.sleep(2.5)
+    renewing = dying.gate._renewing
+    assert renewing is not None
+    renewing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await renewing
+    await until_lease(dying, "over", lambda end, now: end is None or end <= now)
     assert (await second.post("/wim", json=JOB, headers=key("acme"))).status_code == 200
     running.cancel()
 
