@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.types import Message
 
-from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica
+from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica, job_events
 from wim_service.serving.http.keepalive import HEARTBEAT, with_heartbeats
 from wim_service.serving.http.responses import Item, started
 from wim_service.serving.ingress import build_http_app
@@ -193,3 +193,35 @@ async def test_a_streamed_job_silent_past_the_heartbeat_is_answered_200_then_an_
     assert len(frames) == 1 and frames[0].startswith("event: error\ndata: ")
     error = json.loads(frames[0].removeprefix("event: error\ndata: "))
     assert error["code"] == "unavailable" and error["retry_after_s"] == 5
+
+
+class StuckAfterFirst(FakeClient):
+    """Every job sends its first event, then nothing ever again."""
+
+    async def stream(
+        self, replica: str, events: AsyncIterator[WiMEvent]
+    ) -> AsyncIterator[WiMEvent]:
+        yield job_events()[0]
+        await asyncio.Event().wait()
+
+
+async def test_a_streamed_job_past_its_deadline_ends_with_an_error_event() -> None:
+    """The job deadline (`request_timeout_s`) holds for a stream whose steps run in tasks of
+    their own: the job is stopped and the stream ends with `deadline_exceeded`, instead of
+    heartbeats forever (a deadline timed across a yield cancelled a task long finished)."""
+    config = {
+        "router": {"replica_wait_s": 0, "stream_heartbeat_s": BEAT_S, "request_timeout_s": 0.2}
+    }
+    router = WiMRouter(
+        None, config, client=StuckAfterFirst(FakeReplica("a")), http_host="127.0.0.1"
+    )
+    app = build_http_app(router)
+    exchange = Exchange({"context": DOCUMENT, "query": "q", "stream": True}, lambda _: None)
+    try:
+        await asyncio.wait_for(app(exchange.scope(), exchange.receive, exchange.send), HANG_S)
+    finally:
+        router.shutdown()
+    frames = [f for f in exchange.text.split("\n\n") if f and f + "\n\n" != HEARTBEAT]
+    assert exchange.status == 200 and HEARTBEAT in exchange.text
+    assert [f.split("\n")[0] for f in frames] == ["event: segment", "event: error"]
+    assert json.loads(frames[1].split("data: ", 1)[1])["code"] == "deadline_exceeded"

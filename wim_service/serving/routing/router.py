@@ -254,12 +254,11 @@ class WiMRouter:
         deadline, with metrics; the request's status is counted once it ends."""
         observer = JobObserver(self.metrics)
         status = "error"
+        deadline = asyncio.get_running_loop().time() + self.config.router.request_timeout_s
         try:
-            async with (
-                self.gate.job(tenant, lease),
-                asyncio.timeout(self.config.router.request_timeout_s),
-            ):
-                async for replica, event in items:
+            async with self.gate.job(tenant, lease):
+                while (item := await _next_by(deadline, items)) is not None:
+                    replica, event = item
                     observer.observe(event)
                     if event.type == "error":
                         status = str(status_of(event.code))
@@ -357,8 +356,7 @@ class WiMRouter:
         return await started(events, self._streamed_after(stream))
 
     def _streamed_after(self, stream: bool) -> float | None:
-        """How long a streamed answer waits for its job's first event (None: not streamed)."""
-        return self.config.router.stream_heartbeat_s if stream else None
+        return self.config.router.stream_heartbeat_s if stream else None  # `started`'s wait
 
     # -- documents -------------------------------------------------------------------------
 
@@ -419,6 +417,17 @@ class WiMRouter:
             return_exceptions=True,
         )
         return {r: t for r, t in zip(replicas, texts, strict=True) if isinstance(t, str)}
+
+
+async def _next_by(deadline: float, items: AsyncIterator[Item]) -> Item | None:
+    """The next item (None at the end); TimeoutError past `deadline`. Timed per step, not across
+    a yield: `asyncio.timeout` cancels the task that entered it, and a stream's steps may each
+    run in a task of their own (`http/keepalive.py`)."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await anext(items)
+    except StopAsyncIteration:
+        return None
 
 
 def _serve_http_host() -> str:
