@@ -225,15 +225,15 @@ class WiMRouter:
                 if replica in held:
                     held[replica].append(session.session_id)
         timeout = self.config.router.orphan_timeout_s
-        # A claim is answered from memory; one that does not come is retried next turn (a
-        # replica reaps only after `orphan_timeout_s`), not waited for.
-        await asyncio.gather(
-            *(
-                asyncio.wait_for(self.client.replica(r).claim(ids, timeout), CLAIM_TIMEOUT_S)
-                for r, ids in held.items()
-            ),
-            return_exceptions=True,
-        )
+
+        async def claim(replica: str, ids: list[str]) -> int:
+            # A claim is answered from memory; one that does not come is retried next turn (a
+            # replica reaps only after `orphan_timeout_s`), not waited for. The call is made
+            # inside the task, so a turn cancelled before it starts leaves no call unawaited.
+            call = self.client.replica(replica).claim(ids, timeout)
+            return await asyncio.wait_for(call, CLAIM_TIMEOUT_S)
+
+        await asyncio.gather(*(claim(r, ids) for r, ids in held.items()), return_exceptions=True)
 
     async def _retire_copies(self) -> None:
         """Close the copies of hot documents that went idle (`routing/copies.py`), as of the
