@@ -45,6 +45,7 @@ from typing import Any
 import httpx
 from loopback import require_loopback
 
+from wim_service.serving.errors import status_of
 from wim_service.sim.report import KEYS, figures, table
 from wim_service.sim.traces import Request, read_trace
 
@@ -155,6 +156,13 @@ class Record:
     def fail(self, why: str) -> None:
         self.status, self.error = "failed", self.error or why
 
+    def fail_in_stream(self, code: str | None, kind: str) -> None:
+        """A failure reported inside a 200 stream: a streamed job refused after the stream
+        began (its first event later than the service's heartbeat) counts as the status the
+        refusal would have had (429), as `wim sim` counts its refusals."""
+        self.http_status = status_of(code or "")
+        self.fail(f"{kind}: {code}")
+
 
 async def events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:
     """(event, data) of a server-sent stream as it arrives; `event` is "message" when the
@@ -252,7 +260,7 @@ class Replay:
                     record.ttft_s = record.ttft_s or self.since(arrival)
                     record.answer += payload["text"]
                 elif name == "error":
-                    return record.fail(f"error event: {payload.get('code')}")
+                    return record.fail_in_stream(payload.get("code"), "error event")
                 elif name == "done":
                     usage = payload["usage"]
                     record.prompt_tokens = usage["prompt_tokens_submitted"]
@@ -282,7 +290,7 @@ class Replay:
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    return record.fail(f"error chunk: {chunk['error'].get('code')}")
+                    return record.fail_in_stream(chunk["error"].get("code"), "error chunk")
                 delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
                 if delta.get("content"):
                     record.ttft_s = record.ttft_s or self.since(arrival)

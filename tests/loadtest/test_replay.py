@@ -164,6 +164,9 @@ class Stub(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     pause_s = 0.0
+    # The answers' streams end in an `overloaded` error, as a streamed job refused after its
+    # stream began does.
+    refused_late = False
     calls: list[str]
     url = ""  # the server's base URL, set by the fixture
 
@@ -183,12 +186,15 @@ class Stub(BaseHTTPRequestHandler):
         self.send_header("content-type", "text/event-stream")
         self.send_header("transfer-encoding", "chunked")
         self.end_headers()
-        for frame in frames:
-            data = frame.encode()
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-            self.wfile.flush()
-            time.sleep(self.pause_s)
-        self.wfile.write(b"0\r\n\r\n")
+        try:
+            for frame in frames:
+                data = frame.encode()
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+                time.sleep(self.pause_s)
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a replay cancelled or stopped left mid-stream, as the tests below make it
 
     def do_GET(self) -> None:
         self.calls.append(f"GET {self.path}")
@@ -207,6 +213,11 @@ class Stub(BaseHTTPRequestHandler):
         if self.path == "/documents":
             return self._json(201, {"document_id": f"doc-{len(self.calls)}", "context_tokens": 900})
         usage = {"prompt_tokens_submitted": 60, "prompt_tokens_cached": 40, "margin_tokens": 8}
+        refusal = {"code": "overloaded", "message": "no engine replica had room in time"}
+        if self.refused_late and self.path == "/wim":
+            return self._stream([f"event: error\ndata: {json.dumps(refusal)}\n\n"])
+        if self.refused_late:
+            return self._stream([f"data: {json.dumps({'error': refusal})}\n\n"])
         if self.path == "/wim":
             assert body["options"]["answer_max_tokens"] == 12
             done = {"answer": "1234", "usage": usage, "replica": "r1"}
@@ -260,6 +271,21 @@ def test_a_replay_measures_each_row_and_closes_its_sessions(
     assert report["prefix_reuse"] == round(80 / (60 + 1000 + 60), 4)  # rounded as wim sim does
     assert stub.calls.count("POST /documents") == 1
     assert [c for c in stub.calls if c.startswith("DELETE")] == ["DELETE /documents/doc-3"]
+
+
+def test_a_refusal_inside_a_stream_counts_as_refused(
+    replay: ModuleType, stub: type[Stub], tmp_path: Path
+) -> None:
+    """A streamed job refused after its stream began (200, then an `overloaded` error event or
+    chunk) is counted as the 429 it would have been, WiM and plain rows alike."""
+    stub.refused_late = True
+    trace = write_rows(tmp_path / "t.jsonl", STUB_TRACE)
+    out = tmp_path / "r.json"
+    assert replay.main(["--url", stub.url, "--trace", str(trace), "--json-out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert [r["status"] for r in report["records"]] == ["failed"] * 3
+    assert [r["http_status"] for r in report["records"]] == [429] * 3
+    assert (report["completed"], report["failed"], report["refused"]) == (0, 3, 3)
 
 
 def test_past_its_time_a_replay_cancels_what_is_in_flight(
