@@ -42,6 +42,8 @@ from workload import (
     WEIGHTS,
 )
 
+from wim_service.serving.errors import status_of
+
 # Hard caps, whatever the command line says; the environment may only lower them.
 MAX_RUN_SECONDS = min(1800, int(os.environ.get("WIM_LOADTEST_MAX_SECONDS", 1800)))
 MAX_REQUESTS = min(5000, int(os.environ.get("WIM_LOADTEST_MAX_REQUESTS", 5000)))
@@ -300,7 +302,9 @@ class WiMUser(HttpUser):
                 seen.add(event)
             elif line.startswith("data:") and event == "error":
                 code = _object(line.partition(":")[2]).get("code", "?")
-                return f"error event: {code}"
+                # A job refused after its stream began (its first event later than the
+                # service's heartbeat) is the designed refusal its status would have named.
+                return REFUSALS.get(status_of(code)) or f"error event: {code}"
         return "" if "done" in seen else "stream ended without a done event"
 
 

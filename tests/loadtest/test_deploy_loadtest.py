@@ -253,6 +253,14 @@ class FailingStub(StubService):
         self._json(503, {"error": {"message": "no replica", "type": "server_error"}})
 
 
+class RefusedLateStub(StubService):
+    """Every WiM stream refused after it began: a margin, then an `overloaded` error event."""
+
+    def wim(self, body: dict[str, Any]) -> None:
+        margin = {"segment": 0, "text": "", "relevant": False}
+        self._stream([("margin", margin), ("error", {"code": "overloaded", "message": "full"})])
+
+
 @contextmanager
 def serve(handler: type[StubService]) -> Iterator[tuple[str, type[StubService]]]:
     """A stub server on 127.0.0.1 with a handler class of its own; yields its URL and class."""
@@ -475,6 +483,14 @@ def test_failures_are_named_by_their_reason(tmp_path: Path) -> None:
     assert set(run.keys) == {"Bearer sk-option"}
     assert not run.metrics  # no sampler without --wim-metrics-csv
     assert "GET /metrics" not in run.requests
+
+
+def test_a_refusal_inside_a_stream_is_named_as_the_designed_refusal(tmp_path: Path) -> None:
+    run = run_on_stub(RefusedLateStub, tmp_path, "--run-time", "3s", "--wim-rate", "2")
+    assert run.failures == {
+        ("POST", "/wim one-shot"): "CatchResponseError('429 overloaded')",
+        ("POST", "/wim session"): "CatchResponseError('429 overloaded')",
+    }
 
 
 # -- measure.py (no service: its summary from fixture CSVs, its options) ---------------------
