@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 HEARTBEAT = ": keep-alive\n\n"
 
 
-async def _next(frames: AsyncIterator[str]) -> str | None:
-    """The next frame; None at the end (a StopAsyncIteration does not cross a task)."""
+async def next_or_none(items: AsyncIterator[T]) -> T | None:
+    """The next item; None at the end (a StopAsyncIteration does not cross a task, nor a
+    timeout's scope)."""
     try:
-        return await anext(frames)
+        return await anext(items)
     except StopAsyncIteration:
         return None
 
@@ -35,7 +39,7 @@ async def with_heartbeats(frames: AsyncGenerator[str, None], every_s: float) -> 
     try:
         while True:
             if pending is None:
-                pending = asyncio.create_task(_next(frames))
+                pending = asyncio.create_task(next_or_none(frames))
             done, _ = await asyncio.wait({pending}, timeout=every_s)
             if not done:
                 yield HEARTBEAT

@@ -33,6 +33,7 @@ from typing import Any
 from wim_service.serving.config import ServiceConfig
 from wim_service.serving.errors import ServiceError, status_of
 from wim_service.serving.http.bodies import DocumentRequest, DocumentResponse, WiMRequest
+from wim_service.serving.http.keepalive import next_or_none
 from wim_service.serving.http.pdf import PdfExtractor
 from wim_service.serving.http.responses import Item, started
 from wim_service.serving.observability.loop_lag import LoopLagMonitor
@@ -423,11 +424,8 @@ async def _next_by(deadline: float, items: AsyncIterator[Item]) -> Item | None:
     """The next item (None at the end); TimeoutError past `deadline`. Timed per step, not across
     a yield: `asyncio.timeout` cancels the task that entered it, and a stream's steps may each
     run in a task of their own (`http/keepalive.py`)."""
-    try:
-        async with asyncio.timeout_at(deadline):
-            return await anext(items)
-    except StopAsyncIteration:
-        return None
+    async with asyncio.timeout_at(deadline):
+        return await next_or_none(items)
 
 
 def _serve_http_host() -> str:
