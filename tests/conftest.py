@@ -132,13 +132,16 @@ def _replica_step(item: pytest.Item) -> int:
     return marker.args[0] if marker else 0
 
 
-# `./test.sh` runs the suite on two xdist workers (`-n 2 --dist loadgroup`): the multi-node
-# cluster's tests on one, the tests of real engines (the engine tests' shared engine, then the
-# local real stack) on the other, and the fast tests on whichever is free. A group runs on one
-# worker, in the order below; the two groups overlap, as the cluster's faults mostly wait and
-# most engine tests run on one core (docs/testing.md).
+# `./test.sh` runs the suite on two xdist workers (`-n 2 --dist loadgroup`): the tests that
+# start and stop what they run in processes of their own (the multi-node cluster, engines in
+# their own process trees) on one, the tests of the shared real engines (the engine tests'
+# shared engine, then the local real stack) on the other, and the fast tests on whichever is
+# free. A group runs on one worker, in the order below; the two groups overlap, as the
+# cluster's faults mostly wait and most engine tests run on one core (docs/testing.md). Of
+# these markers, the first a test has decides its group.
 WORKER_GROUPS = (
-    ("multinode", "multinode"),
+    ("multinode", "own_processes"),
+    ("own_engines", "own_processes"),
     ("engine", "engines"),
     ("serving", "engines"),
     ("reference", "engines"),

@@ -30,8 +30,9 @@ from tests.harness.kv_engine_proc import DTYPE_ENV
 from tests.harness.process_tree import ProcessTree
 from tests.harness.redis_server import RedisServer, redis_binary
 
-# Two engine starts and five reads of the document: minutes on two busy cores.
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
+# Four engine starts and several reads of the document: minutes on two busy cores. None uses
+# the shared engine, so they run on the cluster tests' worker, which has time to spare.
+pytestmark = [pytest.mark.engine, pytest.mark.own_engines, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[3]
 BLOCK = 32
