@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from tests.fakes.profile import PROFILE, PROFILE_FIELDS
-from wim_service.placement.policy import RoundRobin, first_token_s, job_s
+from wim_service.placement.policy import (
+    ExpectedWait,
+    RoundRobin,
+    first_token_s,
+    fits_holder,
+    job_s,
+)
 from wim_service.placement.profile import EngineProfile, ProfileError, RestoreCost
 from wim_service.placement.state import NoRoom, PrefixCache, ReplicaState, Work
 
@@ -101,6 +107,72 @@ def test_a_jobs_cost_charges_a_copys_read_only_when_asked() -> None:
     idle = ReplicaState("r", free_blocks=200, free_sessions=1)
     read = PROFILE.prefill.seconds(3000)
     assert job_s(PROFILE, work, idle, copy=True) == pytest.approx(job_s(PROFILE, work, idle) + read)
+
+
+def _prefill_s(new: int, cached: int) -> float:
+    """The tests' profile's prefill, written out: 0.02 s, then per new token 0.3 ms and 10 ns
+    per token of its mean context."""
+    return 0.02 + new * (3e-4 + 1e-8 * (cached + new / 2))
+
+
+def _margins_s(margins: int, margin_tokens: int, running: int, context: int) -> float:
+    """The margins' 60-token prompts prefilled after `context` tokens, then their tokens
+    decoded in a batch of `running` + `margins` sequences, each over the whole context."""
+    step = 0.02 + (running + margins) * 1e-3 + margins * context * 1e-7
+    return _prefill_s(margins * 60, context) + margin_tokens * step
+
+
+def test_a_wim_querys_first_token_is_its_query_then_its_margins_in_the_batch_they_join() -> None:
+    """A query of a 3,000-token document (40 tokens of its own, 3 margins of 5 tokens) on a
+    replica running 2 sequences: the query and the 50 early answer tokens prefilled after the
+    document, then the margins. On a replica without a copy the document is read first."""
+    work = Work(
+        prompt_tokens=3040,
+        answer_tokens=10,
+        document="a",
+        document_tokens=3000,
+        document_blocks=100,
+        margins=3,
+        margin_tokens=5,
+    )
+    busy = ReplicaState("r", free_blocks=200, free_sessions=1, running=2)
+    held = _prefill_s(40 + 50, 3000) + _margins_s(3, 5, 2, 3000)
+    assert first_token_s(PROFILE, work, busy) == pytest.approx(held, rel=1e-12)
+    copied = first_token_s(PROFILE, work, busy, copy=True)
+    assert copied == pytest.approx(_prefill_s(3000, 0) + held, rel=1e-12)
+
+
+def test_a_one_shot_jobs_first_token_prefills_what_the_replica_does_not_cache() -> None:
+    """A one-shot WiM job of 2,000 prompt tokens whose first 512-token block the replica
+    caches: the other 1,488 and the 50 early answer tokens prefilled after it, then its 2
+    margins of 4 tokens over the whole prompt."""
+    work = Work(prompt_tokens=2000, answer_tokens=10, prefix=(7, 8), margins=2, margin_tokens=4)
+    cache = PrefixCache(4)
+    cache.insert((7,))
+    replica = ReplicaState("r", free_blocks=200, free_sessions=1, running=1, prefix_cache=cache)
+    expected = _prefill_s(1488 + 50, 512) + _margins_s(2, 4, 1, 2000)
+    assert first_token_s(PROFILE, work, replica) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_plain_request_is_charged_ten_times_the_prefill_its_replica_does_not_cache() -> None:
+    """Expected wait's cost of a plain request: its wait for the first token, plus
+    `RECOMPUTE_CHARGE` (10) times the prefill of the 1,488 tokens this replica does not
+    cache after its 512."""
+    work = Work(prompt_tokens=2000, answer_tokens=10, kv_blocks=70, prefix=(7, 8))
+    cache = PrefixCache(4)
+    cache.insert((7,))
+    replica = ReplicaState("r", free_blocks=200, free_sessions=1, backlog_s=3.0, prefix_cache=cache)
+    policy = ExpectedWait(PROFILE)
+    recompute = _prefill_s(1488, 512)
+    assert policy.start_s(work, replica, copy=False) == pytest.approx(3.0 + recompute, rel=1e-12)
+    cost = policy.cost_s(work, replica, copy=False)
+    assert cost == pytest.approx(3.0 + recompute + 10 * recompute, rel=1e-12)
+
+
+def test_a_holder_with_exactly_the_jobs_blocks_free_takes_it() -> None:
+    work = Work(prompt_tokens=3040, answer_tokens=10, kv_blocks=40, document="a")
+    assert fits_holder(work, ReplicaState("r", free_blocks=40, free_sessions=0))
+    assert not fits_holder(work, ReplicaState("r", free_blocks=39, free_sessions=0))
 
 
 # -- round robin ----------------------------------------------------------------------------
