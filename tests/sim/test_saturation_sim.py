@@ -42,3 +42,18 @@ def test_a_burst_at_one_instant_opens_one_copy_of_its_document(tmp_path: Path) -
     result = simulate(trace, "expected_wait", 6, RESTORING, SimSettings())
     assert result.refused == 0 and len(result.outcomes) == 7
     assert result.copies_opened == 2  # the session's read, and one copy
+
+
+def test_max_copies_one_keeps_a_hot_document_on_its_first_holder(tmp_path: Path) -> None:
+    rows = [doc_row(0, "a", wim=True)] + [doc_row(60 + 0.2 * i, "a", wim=True) for i in range(6)]
+    trace = document_trace(rows, tmp_path)
+    result = simulate(trace, "expected_wait", 6, RESTORING, SimSettings(max_copies=1))
+    assert result.refused == 0 and len(result.outcomes) == 7
+    assert result.copies_opened == 1  # the session's read alone
+    assert {o.replica for o in result.outcomes} == {result.outcomes[0].replica}
+
+
+def test_goodput_is_per_second_from_the_first_arrival_to_the_last(tmp_path: Path) -> None:
+    rows = [doc_row(5, "a", wim=True), doc_row(9, "a", wim=False), doc_row(12, "a", wim=True)]
+    result = simulate(document_trace(rows, tmp_path), "sticky", 1, PROFILE, SimSettings())
+    assert (result.requests, result.offered_s) == (3, 7.0)

@@ -205,6 +205,9 @@ def test_a_generated_trace_is_one_the_reader_takes(monkeypatch: pytest.MonkeyPat
         ({"copy_idle_s": math.nan}, "copy_idle_s must be within 0-1e+09, not nan"),
         ({"slots": 10**12}, "slots must be within 1-65,536"),
         ({"max_copies": 65}, "max_copies must be within 1-64"),
+        ({"load_poll_s": 0.0}, "load_poll_s must be within 0.001-1e+09, not 0"),
+        ({"retries": -1}, "retries must be within 0-"),
+        ({"deadline_s": 0.0005}, "deadline_s must be within 0.001-1e+09, not 0.0005"),
     ],
 )
 def test_simulator_settings_are_bounded_as_the_service_is(
@@ -213,6 +216,10 @@ def test_simulator_settings_are_bounded_as_the_service_is(
     with pytest.raises(ValueError) as refused:
         SimSettings(**change).check()
     assert str(refused.value).startswith(message)
+
+
+def test_simulator_settings_take_subsecond_polls_and_deadlines() -> None:
+    SimSettings(load_poll_s=0.5, deadline_s=0.5, retries=0).check()
 
 
 # -- the engine profile -------------------------------------------------------------------
