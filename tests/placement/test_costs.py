@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -96,17 +97,18 @@ def test_a_jobs_cost_is_its_first_token_then_its_answer_in_the_batch_it_joins() 
     assert job_s(PROFILE, work, busy) == pytest.approx(first + answer, rel=1e-12)
 
 
+# A query of a 3,000-token document, 40 tokens of its own.
+QUERY = Work(
+    prompt_tokens=3040, answer_tokens=10, document="a", document_tokens=3000, document_blocks=100
+)
+
+
 def test_a_jobs_cost_charges_a_copys_read_only_when_asked() -> None:
-    work = Work(
-        prompt_tokens=3040,
-        answer_tokens=10,
-        document="a",
-        document_tokens=3000,
-        document_blocks=100,
-    )
     idle = ReplicaState("r", free_blocks=200, free_sessions=1)
     read = PROFILE.prefill.seconds(3000)
-    assert job_s(PROFILE, work, idle, copy=True) == pytest.approx(job_s(PROFILE, work, idle) + read)
+    assert job_s(PROFILE, QUERY, idle, copy=True) == pytest.approx(
+        job_s(PROFILE, QUERY, idle) + read
+    )
 
 
 def _prefill_s(new: int, cached: int) -> float:
@@ -126,15 +128,7 @@ def test_a_wim_querys_first_token_is_its_query_then_its_margins_in_the_batch_the
     """A query of a 3,000-token document (40 tokens of its own, 3 margins of 5 tokens) on a
     replica running 2 sequences: the query and the 50 early answer tokens prefilled after the
     document, then the margins. On a replica without a copy the document is read first."""
-    work = Work(
-        prompt_tokens=3040,
-        answer_tokens=10,
-        document="a",
-        document_tokens=3000,
-        document_blocks=100,
-        margins=3,
-        margin_tokens=5,
-    )
+    work = replace(QUERY, margins=3, margin_tokens=5)
     busy = ReplicaState("r", free_blocks=200, free_sessions=1, running=2)
     held = _prefill_s(40 + 50, 3000) + _margins_s(3, 5, 2, 3000)
     assert first_token_s(PROFILE, work, busy) == pytest.approx(held, rel=1e-12)
