@@ -22,8 +22,9 @@ from wim_service.sim.engine import DecodeRun
 from wim_service.sim.floor import ttft_floor
 from wim_service.sim.generate import GeneratorOptions, generate, write_trace
 from wim_service.sim.jobs import work_for
-from wim_service.sim.replay import RunResult, simulate
+from wim_service.sim.replay import simulate
 from wim_service.sim.report import KEYS, figures, percentile, summarise, table
+from wim_service.sim.result import RunResult
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import DOCUMENT_BLOCK_TOKENS, Request, Trace, TraceError, read_trace
 

@@ -141,6 +141,14 @@ def _add_admission_arguments(group: argparse._ArgumentGroup) -> None:
         "rows that do not say (`retries`) (%(default)s)",
     )
     group.add_argument(
+        "--cheapest-first",
+        action=argparse.BooleanOptionalAction,
+        default=d.cheapest_first,
+        help="expected_wait refuses the costliest arrivals first while the fleet is short, as "
+        "the service's router does (its cheapest_first); --no-cheapest-first: it refuses only "
+        "what finds no room (default: on)",
+    )
+    group.add_argument(
         "--deadline-s",
         type=float,
         default=d.deadline_s,
@@ -255,6 +263,7 @@ def settings_from(args: argparse.Namespace) -> SimSettings:
         max_copies=args.max_copies,
         restore_copies=args.restore_copies,
         retries=args.retries,
+        cheapest_first=args.cheapest_first,
         deadline_s=args.deadline_s,
     )
     settings.check()

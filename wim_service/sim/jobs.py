@@ -105,6 +105,9 @@ class Job:
     # When the router stops it (`RouterConfig.request_timeout_s` after it was sent; a query
     # failed over keeps its request's clock); a session's read has none.
     due_s: float = math.inf
+    # Its cost as cheapest-first admission booked it (`placement/admission.py`) when it was
+    # admitted; None: not admitted by the rule (not yet, or the rule is off).
+    cost: float | None = None
     _turn: Callable[[float], None] | None = None  # its start in its copy's turn
 
     def start(self, engine: Engine, now: float) -> None:

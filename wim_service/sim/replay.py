@@ -8,8 +8,10 @@ placed since booked on top in the router's ledger; the policy (the code the live
 picks a replica, and a query's copy opens by the router's rules (`placement/copies.py`). What
 finds no room is refused as the service refuses it (`429` with Retry-After): a new session or
 job no replica has room for, after idle spare copies were reclaimed, and a call past the engine
-replicas' queue bound. Its client sends it again after the Retry-After if its trace row says so
-(`retries`); the waits count in its time to first token.
+replicas' queue bound; with `expected_wait`, while the fleet is short, an arrival costlier than
+cheapest-first admission's water level (`placement/admission.py`). Its client sends it again
+after the Retry-After if its trace row says so (`retries`); the waits count in its time to
+first token.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from wim_service.placement.admission import AdmissionRule, CheapestFirst, arrival_cost
 from wim_service.placement.copies import CopyBook, QuerySteps
 from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.no_room import NoRoomSteps, Step
@@ -31,6 +33,7 @@ from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import NoRoom, Work
 from wim_service.sim.engine import Engine
 from wim_service.sim.jobs import Job, read_work, work_for
+from wim_service.sim.result import Outcome, RunResult
 from wim_service.sim.settings import SimSettings
 from wim_service.sim.traces import Request, Trace
 
@@ -39,40 +42,6 @@ ARRIVAL, ENGINE, RETIRE, RETRY, LOSE, POLL, DEADLINE = 0, 1, 2, 3, 4, 5, 6
 Loss = tuple[float, int]
 # A copy retires once idle for copy_idle_s; float sums may land a hair short of it.
 IDLE_SLACK_S = 1e-9
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One completed request."""
-
-    index: int
-    arrival_s: float
-    first_token_s: float
-    end_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    replica: int
-
-
-@dataclass
-class RunResult:
-    policy: str
-    replicas: int
-    requests: int
-    outcomes: list[Outcome] = field(default_factory=list)
-    too_large: int = 0  # requests no empty replica could hold: never placed
-    refused: int = 0  # answered 429 with no retry left (a session's queries with its read)
-    retried: int = 0  # refusals whose client sent the request again after the Retry-After
-    # Stopped this long after it was sent, as the router stops a job: no answer. An answer
-    # that ends later than this after its request's first send (a retry's clock starts at
-    # its own send) is not goodput.
-    deadline_s: float = math.inf
-    timed_out: int = 0  # jobs stopped at their deadline (504 `deadline_exceeded`)
-    offered_s: float = 0.0  # from the trace's first arrival to its last
-    copies_opened: int = 0
-    copies_retired: int = 0
-    copies_reclaimed: int = 0  # of those, retired early to make room (`Replay._reclaim`)
-    events: int = 0
 
 
 class Replay:
@@ -96,6 +65,12 @@ class Replay:
         self.now = 0.0
         self.ledger = Ledger(self.policy, profile, clock=lambda: self.now, estimate_prefixes=False)
         self._fresh = Fresh()  # when a refusal or a copy asks for the reports again
+        # The router's admission at arrival (`Dispatcher`): `expected_wait`'s, if set on.
+        self.admission = (
+            CheapestFirst(AdmissionRule(), clock=lambda: self.now)
+            if settings.cheapest_first and self.policy.name == "expected_wait"
+            else None
+        )
         # Documents whose copy is being read, by the query it opened for: the router reads
         # one copy of a document at a time, and a copy takes queries once read.
         self._copying: dict[str, Job] = {}
@@ -155,8 +130,8 @@ class Replay:
                     subject.wake(now)
             elif kind == ARRIVAL:
                 self._arrive(subject, now)
-            elif kind == RETRY:
-                self._submit(subject, now)
+            elif kind == RETRY:  # a request sent again: its session opened again if need be
+                (self._submit if subject.work.reads_only else self._begin)(subject, now)
             elif kind == LOSE:
                 self._lose(subject, now)
             elif kind == DEADLINE:
@@ -190,6 +165,10 @@ class Replay:
             self._opening[document].append(job)  # placed once the session is open
             return
         if document is not None and not self._held(document):
+            if not self._admitted(job):  # opened as its first query is admitted
+                self.result.turned_away += 1
+                self._refuse(job, now)
+                return
             # As the live client does: open the session (placed on its own), then ask. A
             # session whose every holder was lost is rebuilt so: its KV restored if saved.
             self._opening[document] = [job]
@@ -204,10 +183,27 @@ class Replay:
         return any(document in engine.copies for engine in self.engines)
 
     def _submit(self, job: Job, now: float) -> None:
-        """Place the job, or refuse it. A query of a held document needs no new room: it
-        queues at a copy, as a live query waits its session's turn."""
-        if not self._place(job, now):
+        """Admit and place the job, or refuse it. A query of a held document needs no new
+        room: it queues at a copy, as a live query waits its session's turn."""
+        if not self._admitted(job):
+            self.result.turned_away += 1
             self._refuse(job, now)
+        elif not self._place(job, now):
+            if self.admission is not None:
+                self.admission.no_room()
+            self._refuse(job, now)
+
+    def _admitted(self, job: Job) -> bool:
+        """Whether cheapest-first admission takes the job, as the router's `Dispatcher` asks
+        it: a query (once its session is open), a plain request or a retry of either; a
+        session's read, and a job failed over (admitted already), are not asked."""
+        if self.admission is None or job.work.reads_only or job.cost is not None:
+            return True
+        cost = arrival_cost(self.profile, job.work, self.ledger.prefixes.values())
+        if not self.admission.arrive(cost):
+            return False
+        job.cost = cost
+        return True
 
     def _refuse(self, job: Job, now: float) -> None:
         """`429` with Retry-After: the client sends the request again after it if its row
@@ -219,6 +215,7 @@ class Replay:
         if self._refusals[request.index] <= retries:
             self.result.retried += 1
             job.due_s = math.inf  # a new send: the router's clock starts again
+            job.cost = None  # and admission asked again
             self._push(now + self.settings.retry_after_s, RETRY, job, None)
         elif job.work.reads_only:
             assert job.work.document is not None
@@ -374,7 +371,9 @@ class Replay:
         jobs, self._on[engine.index] = self._on[engine.index], set()
         self._copying = {d: j for d, j in self._copying.items() if j not in jobs}
         for job in sorted(jobs, key=lambda j: (j.placed_s, j.request.index)):
-            again = Job(job.request, job.work, self.settings, job.on_done, due_s=job.due_s)
+            again = Job(
+                job.request, job.work, self.settings, job.on_done, due_s=job.due_s, cost=job.cost
+            )
             held = job.work.document
             if held is None:
                 self._refuse(again, now)
@@ -386,6 +385,8 @@ class Replay:
 
     def _done(self, job: Job, engine: Engine, now: float) -> None:
         assert job.first_token_s is not None
+        if self.admission is not None and job.cost is not None:
+            self.admission.answered(job.cost)
         request = job.request
         self.result.outcomes.append(
             Outcome(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from wim_service.sim.replay import RunResult
+from wim_service.sim.result import RunResult
 
 # Dynamo's replay table: completed requests, TTFT (mean, p95, p99), mean end-to-end latency,
 # throughput, and the share of prompt tokens served from a cache; the TTFT p50 that the
@@ -34,6 +34,7 @@ EXTRA_KEYS = (
     "requests",
     "too_large",
     "refused",
+    "turned_away",
     "timed_out",
     "retried",
     "copies_opened",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from wim_service.placement.admission import DEFAULT_CHEAPEST_FIRST
 from wim_service.placement.copies import DEFAULT_COPY_IDLE_S
 from wim_service.placement.policy import DEFAULT_MAX_COPIES
 from wim_service.placement.polls import DEFAULT_LOAD_POLL_S
@@ -64,6 +65,9 @@ class SimSettings:
     # Times a refused request is sent again (after its Retry-After) when its trace row does not
     # say (`retries`).
     retries: int = 0
+    # Whether `expected_wait` refuses the costliest arrivals first while the fleet is short
+    # (`placement/admission.py`; `RouterConfig.cheapest_first`).
+    cheapest_first: bool = DEFAULT_CHEAPEST_FIRST
 
     def check(self) -> None:
         """Within the bounds the live service takes (`WiMOptions`, `RouterConfig`)."""

@@ -1,0 +1,167 @@
+"""Cheapest-first admission: what `expected_wait` refuses at arrival while the fleet is short.
+
+When work arrives faster than the engines answer it, some of it is refused (`429` with
+Retry-After) whatever the policy does. Without a rule, what is refused is whatever arrives when
+no replica has room: a new session's read or a plain request, cheap or not, while the queries of
+held documents queue behind the costly ones. Refusing the costliest arrivals first answers more
+requests in the same engine time. On hot-document traces at 8 replicas, where a hot long
+document's WiM queries cost more engine time than all else, `wim sim` answered more with this
+rule than with round robin or sticky on most traces, and changed nothing with room to spare
+(docs/routing.md, "Cheapest-first admission at saturation").
+
+The rule, one `CheapestFirst` per router (and per `wim sim` replay), at the router's clock:
+
+- Each arrival (a query of a document session, a one-shot job, a plain request) is costed by
+  `arrival_cost`: its engine seconds (`job_s`) on a representative replica running
+  `RUNNING_JOBS` jobs, with the document held and no copy read, a plain request's longest
+  cached prefix as the router believes it. Its retries arrive again; a session's read, a
+  failover and a copy's read are not arrivals.
+- The rule acts only while the fleet is short: some placement found no room (`no_room`) within
+  the last `short_s` (the rule's own refusals do not count), and not in the first `window_s`
+  after the first arrival (its books need a window of answers first).
+- The water level is the largest cost at which the last `window_s` of arrivals, cheapest
+  first, fit `slack` times the summed costs of the jobs answered in that window: the fleet's
+  measured rate, in the estimate's own units, for the mix it is running. Arrivals costing more
+  are refused; those within `MARGINAL_BAND` of it are admitted in the share that fits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from wim_service.placement.policy import job_s
+from wim_service.placement.profile import EngineProfile
+from wim_service.placement.state import PrefixCache, ReplicaState, Work
+
+# The batch an arrival is costed in: a busy replica's, so that long answers (decoded beside
+# others) weigh as they do at saturation, when the rule acts.
+RUNNING_JOBS = 4
+# Arrivals within this fraction of the water level (one document's queries, which cost about
+# the same) are admitted in the share of them that fits, not all or none.
+MARGINAL_BAND = 0.02
+DEFAULT_WINDOW_S = 120.0
+DEFAULT_SHORT_S = 60.0
+DEFAULT_SLACK = 1.5
+# Whether `expected_wait` admits so (`RouterConfig.cheapest_first`, `SimSettings`).
+DEFAULT_CHEAPEST_FIRST = True
+
+
+@dataclass(frozen=True)
+class AdmissionRule:
+    """The rule's settings: the window its books keep, how long after a placement found no
+    room it acts, and how much more than the fleet answered it admits."""
+
+    window_s: float = DEFAULT_WINDOW_S
+    short_s: float = DEFAULT_SHORT_S
+    slack: float = DEFAULT_SLACK
+
+
+def arrival_cost(profile: EngineProfile, work: Work, prefixes: Iterable[PrefixCache]) -> float:
+    """`work`'s engine seconds on a representative busy replica (see the module's doc)."""
+    best = None
+    if work.document is None and work.prefix:
+        best = max(prefixes, key=lambda cache: cache.match(work.prefix), default=None)
+    state = ReplicaState(
+        "representative",
+        free_blocks=1 << 30,
+        free_sessions=1 << 10,
+        running=RUNNING_JOBS,
+        documents=frozenset([work.document]) if work.document is not None else frozenset(),
+        prefix_cache=best,
+    )
+    return job_s(profile, work, state, copy=False)
+
+
+@dataclass(frozen=True)
+class WaterLevel:
+    """Arrivals costing under `low` are admitted, over `high` refused; between the two, the
+    `share` of them that fits."""
+
+    low: float = math.inf
+    high: float = math.inf
+    share: float = 1.0
+
+
+OPEN = WaterLevel()  # everything admitted
+
+
+class CheapestFirst:
+    """One router's books of arrivals and answers, and its admission decisions."""
+
+    def __init__(self, rule: AdmissionRule, clock: Callable[[], float]) -> None:
+        self.rule = rule
+        self.clock = clock
+        self._arrivals: deque[tuple[float, float]] = deque()  # (when, cost), oldest first
+        self._costs: list[float] = []  # the window's arrival costs, sorted
+        self._answers: deque[tuple[float, float]] = deque()  # (when, cost) of jobs answered
+        self._answered_s = 0.0  # their summed cost
+        self._first: float | None = None  # the first arrival's time
+        self._no_room_at = -math.inf  # when a placement last found no room
+        self._credit = 0.0  # the marginal band's admissions owed
+
+    def arrive(self, cost: float) -> bool:
+        """Book an arrival costing `cost`: whether it is admitted."""
+        now = self.clock()
+        if self._first is None:
+            self._first = now
+        self._arrivals.append((now, cost))
+        bisect.insort(self._costs, cost)
+        self._forget(now)
+        level = self.level(now)
+        if cost < level.low:
+            return True
+        if cost > level.high:
+            return False
+        self._credit += level.share
+        if self._credit >= 1.0:
+            self._credit -= 1.0
+            return True
+        return False
+
+    def answered(self, cost: float) -> None:
+        """A job admitted at `cost` was answered."""
+        self._answers.append((self.clock(), cost))
+        self._answered_s += cost
+
+    def no_room(self) -> None:
+        """A placement found no room on any replica (and its work was refused)."""
+        self._no_room_at = self.clock()
+
+    def level(self, now: float) -> WaterLevel:
+        """The water level at `now` (`OPEN` while the fleet is not short)."""
+        rule = self.rule
+        if self._first is None or now - self._first < rule.window_s:
+            return OPEN
+        if now - self._no_room_at > rule.short_s:
+            return OPEN
+        self._forget(now)
+        capacity = rule.slack * self._answered_s
+        below = 0.0
+        for cost in self._costs:
+            if below + cost > capacity:
+                return self._band(cost, capacity)
+            below += cost
+        return OPEN
+
+    def _band(self, cost: float, capacity: float) -> WaterLevel:
+        """The marginal band around `cost`, the first arrival cost that does not fit."""
+        low, high = cost * (1 - MARGINAL_BAND), cost * (1 + MARGINAL_BAND)
+        start = bisect.bisect_left(self._costs, low)
+        end = bisect.bisect_right(self._costs, high)
+        below = sum(self._costs[:start])
+        band = sum(self._costs[start:end])
+        share = min(1.0, max(0.0, (capacity - below) / band)) if band > 0 else 0.0
+        return WaterLevel(low, high, share)
+
+    def _forget(self, now: float) -> None:
+        """Drop what left the window."""
+        since = now - self.rule.window_s
+        while self._arrivals and self._arrivals[0][0] < since:
+            _, cost = self._arrivals.popleft()
+            del self._costs[bisect.bisect_left(self._costs, cost)]
+        while self._answers and self._answers[0][0] < since:
+            self._answered_s -= self._answers.popleft()[1]
