@@ -1,0 +1,236 @@
+"""Cheapest-first admission (`placement/admission.py`) at a fake clock: when it acts, the water
+level and the marginal band's share worked out by hand, the window its books keep, and the cost
+of an arrival on a representative busy replica."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.fakes.profile import PROFILE
+from wim_service.placement.admission import (
+    DEFAULT_CHEAPEST_FIRST,
+    OPEN,
+    AdmissionRule,
+    CheapestFirst,
+    WaterLevel,
+    arrival_cost,
+)
+from wim_service.placement.policy import job_s
+from wim_service.placement.state import PrefixCache, ReplicaState, Work
+
+
+class Clock:
+    """The router's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def short_fleet(slack: float = 1.5, window_s: float = 10.0) -> tuple[CheapestFirst, Clock]:
+    """A rule past its first window, with a placement that found no room just now and no
+    arrival or answer left in its books (the first arrival, at 0, has left the window)."""
+    clock = Clock()
+    rule = CheapestFirst(AdmissionRule(window_s=window_s, short_s=100.0, slack=slack), clock)
+    assert rule.arrive(1000.0)
+    clock.now = 2 * window_s
+    rule.no_room()
+    return rule, clock
+
+
+def answer(rule: CheapestFirst, *costs: float) -> None:
+    for cost in costs:
+        rule.answered(cost)
+
+
+# -- when the rule acts -----------------------------------------------------------------------
+
+
+def test_the_defaults_are_the_documented_window_shortness_and_slack() -> None:
+    # The module's doc and the router's configuration state these figures.
+    assert AdmissionRule() == AdmissionRule(window_s=120.0, short_s=60.0, slack=1.5)
+    assert DEFAULT_CHEAPEST_FIRST is True
+
+
+def test_the_level_is_open_before_any_arrival_whatever_found_no_room() -> None:
+    clock = Clock()
+    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=100.0), clock)
+    clock.now = 50.0
+    rule.no_room()
+    assert rule.level(50.0) is OPEN
+    assert WaterLevel(math.inf, math.inf, 1.0) == OPEN
+
+
+def test_everything_is_admitted_in_the_first_window_after_the_first_arrival() -> None:
+    # Nothing was answered, so once the rule acts it admits nothing costly; until the first
+    # window has passed (10 s after the first arrival at 5 s) it admits whatever comes.
+    clock = Clock()
+    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=100.0), clock)
+    clock.now = 5.0
+    assert rule.arrive(1.0)
+    rule.no_room()
+    clock.now = 14.5
+    assert rule.arrive(50.0)
+    assert rule.level(14.5) is OPEN
+    clock.now = 15.0  # exactly one window after the first arrival: the rule acts
+    assert not rule.arrive(50.0)
+    assert rule.level(15.0) != OPEN
+
+
+def test_everything_is_admitted_when_no_placement_found_no_room_lately() -> None:
+    clock = Clock()
+    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=5.0), clock)
+    assert rule.arrive(1.0)
+    clock.now = 30.0  # past the first window, nothing answered, never short: all admitted
+    assert rule.arrive(100.0) and rule.arrive(100.0)
+    rule.no_room()
+    clock.now = 35.0  # exactly `short_s` after the last no-room: still short
+    assert not rule.arrive(100.0)
+    clock.now = 35.5  # past it: open again
+    assert rule.arrive(100.0)
+    assert rule.level(35.5) is OPEN
+
+
+# -- the water level --------------------------------------------------------------------------
+
+
+def test_arrivals_that_fit_slack_times_the_answered_cost_exactly_are_all_admitted() -> None:
+    # Answers 4 + 6 = 10, slack 1.5: 15 s of arrivals fit. 5, 4, 3, 2, 1 sum to 15, so each
+    # is admitted, the costliest first; a second 5 no longer fits whole.
+    rule, clock = short_fleet(slack=1.5)
+    answer(rule, 4.0, 6.0)
+    assert [rule.arrive(cost) for cost in (5.0, 4.0, 3.0, 2.0, 1.0)] == [True] * 5
+    assert rule.level(clock.now) is OPEN
+    # 1 + 2 + 3 + 4 = 10 fit below the two 5s, which fit 5 of their 10: half of them, so
+    # half an admission is owed.
+    assert not rule.arrive(5.0)
+    assert rule.level(clock.now) == WaterLevel(
+        pytest.approx(4.9), pytest.approx(5.1), pytest.approx(0.5)
+    )
+    # A third 5: the band is 15 s, of which 5 fit; with the half owed, not yet one.
+    assert not rule.arrive(5.0)
+    assert rule.level(clock.now).share == pytest.approx(1 / 3)
+
+
+def test_the_costliest_arrivals_are_refused_once_the_cheaper_ones_fill_the_level() -> None:
+    # Answers 2 + 4 = 6, slack 1.5: 9 s fit. Arrivals 1, 2, 3 (6 s) fit whole; with 4 they
+    # would take 10: the level is 4, its band 3.92 to 4.08, of which 9 - 6 = 3 of 4 fits.
+    rule, clock = short_fleet(slack=1.5)
+    answer(rule, 2.0, 4.0)
+    assert [rule.arrive(cost) for cost in (1.0, 2.0, 3.0)] == [True, True, True]
+    assert not rule.arrive(4.0)  # in the band: three quarters owed, not yet one
+    assert rule.level(clock.now) == WaterLevel(
+        pytest.approx(3.92), pytest.approx(4.08), pytest.approx(0.75)
+    )
+    assert not rule.arrive(5.0)  # above the band
+    # A cheap one still fits below: 1, 1, 2, 3 (7 s) leave 2 of the band's 4.
+    assert rule.arrive(1.0)
+    assert rule.level(clock.now).share == pytest.approx(0.5)
+    # Another 4: the band is 8 s, of which 2 fit (a quarter), and with the three quarters
+    # owed since the first 4, one whole admission is owed: it is admitted.
+    assert rule.arrive(4.0)
+
+
+def test_the_marginal_band_is_admitted_in_the_share_that_fits() -> None:
+    # Slack 1: every 2 s arrival of one document's queries comes after a 1 s answer, so the
+    # band holds twice what fits whenever one arrives: every second one is admitted. Costs
+    # within 2% of the level (1.97 to 2.03 s) are the same band.
+    rule, clock = short_fleet(slack=1.0)
+    admitted = []
+    for cost in (2.0, 1.97, 2.0, 2.03, 2.0, 2.0):
+        answer(rule, cost / 2)
+        admitted.append(rule.arrive(cost))
+        assert rule.level(clock.now).share == pytest.approx(0.5)
+    assert admitted == [False, True, False, True, False, True]
+
+
+def test_a_cost_just_outside_the_band_is_refused_above_and_admitted_below() -> None:
+    # Answers of 10 s at slack 1 fit 10 s: arrivals 10 and 10 make the band 9.8 to 10.2.
+    rule, clock = short_fleet(slack=1.0)
+    answer(rule, 10.0)
+    assert rule.arrive(10.0)
+    assert not rule.arrive(10.0)  # half the band fits: half an admission owed
+    assert rule.arrive(9.7)  # below the band: 9.7 fits whole
+    assert not rule.arrive(10.3)  # above it
+    assert rule.level(clock.now).high == pytest.approx(10.2)
+
+
+# -- the window -------------------------------------------------------------------------------
+
+
+def test_arrivals_and_answers_leave_the_books_after_one_window() -> None:
+    clock = Clock()
+    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=100.0, slack=1.0), clock)
+    assert rule.arrive(8.0)  # t = 0
+    clock.now = 5.0
+    rule.answered(4.0)
+    clock.now = 10.0
+    rule.no_room()
+    # The arrival is exactly one window old: still in the books. 4 s answered fit half of it.
+    assert rule.level(10.0) == WaterLevel(
+        pytest.approx(7.84), pytest.approx(8.16), pytest.approx(0.5)
+    )
+    assert rule.level(10.5) is OPEN  # it has left: nothing in the books to refuse
+    clock.now = 15.0  # the answer is exactly one window old: it still counts
+    assert rule.arrive(3.0)
+    clock.now = 15.5  # it has left: nothing answered, and 3 + 3 > 0
+    assert not rule.arrive(3.0)
+    # Answers at 15.5 bring the level back: 6 s answered fit both 3s.
+    answer(rule, 3.0, 3.0)
+    assert rule.level(15.5) is OPEN
+
+
+def test_the_level_forgets_what_left_the_window_without_an_arrival() -> None:
+    rule, clock = short_fleet(slack=1.0)
+    answer(rule, 1.0)
+    assert not rule.arrive(5.0)
+    assert rule.level(clock.now) != OPEN
+    assert rule.level(clock.now + 10.5) is OPEN
+
+
+# -- the cost of an arrival -------------------------------------------------------------------
+
+
+def test_a_querys_cost_is_its_job_on_a_busy_holder_without_a_read() -> None:
+    query = Work(
+        prompt_tokens=3040,
+        answer_tokens=16,
+        document="a",
+        document_tokens=3000,
+        margins=3,
+        margin_tokens=24,
+    )
+    # The test profile's figures, four jobs running: the query's 40 tokens and the 50 of the
+    # answers started early over the document's 3,000 (no read), three margins' 60-token
+    # prompts, their 24 tokens decoded in a batch of 4 + 3 over 3 x 3,000 tokens, then the
+    # answer's 16 in a batch of 5 over 3,056.
+    answer = 0.02 + 90 * (3e-4 + 1e-8 * (3000 + 45))
+    prompts = 0.02 + 180 * (3e-4 + 1e-8 * (3000 + 90))
+    margins = 24 * (0.02 + 7 * 1e-3 + 9000 * 1e-7)
+    decode = 16 * (0.02 + 5 * 1e-3 + 3056 * 1e-7)
+    assert arrival_cost(PROFILE, query, []) == pytest.approx(
+        answer + prompts + margins + decode, rel=1e-12
+    )
+
+
+def test_a_plain_requests_cost_counts_the_best_cached_prefix_as_the_router_believes() -> None:
+    # 2,000 tokens in blocks of 512: one cache holds its first block, another its first three.
+    plain = Work(prompt_tokens=2000, answer_tokens=8, prefix=(1, 2, 3, 4))
+    one, three, none = PrefixCache(100), PrefixCache(100), PrefixCache(100)
+    one.insert((1, 9))
+    three.insert((1, 2, 3))
+    none.insert((7,))
+    # 2000 - 3 x 512 = 464 tokens prefilled over 1,536 cached, then 8 tokens decoded in a
+    # batch of five (four running) over 2,008.
+    prefill = 0.02 + 464 * (3e-4 + 1e-8 * (1536 + 232))
+    decode = 8 * (0.02 + 5 * 1e-3 + 2008 * 1e-7)
+    cost = arrival_cost(PROFILE, plain, [one, three, none])
+    assert cost == pytest.approx(prefill + decode, rel=1e-12)
+    assert cost < arrival_cost(PROFILE, plain, [one]) < arrival_cost(PROFILE, plain, [])
+    # The same as the policy's cost of the job on such a replica.
+    state = ReplicaState("r", free_blocks=0, free_sessions=0, running=4, prefix_cache=three)
+    assert cost == job_s(PROFILE, plain, state)
