@@ -9,6 +9,7 @@ import math
 import pytest
 
 from tests.fakes.profile import PROFILE
+from wim_service.placement import admission
 from wim_service.placement.admission import (
     DEFAULT_CHEAPEST_FIRST,
     OPEN,
@@ -17,7 +18,7 @@ from wim_service.placement.admission import (
     WaterLevel,
     arrival_cost,
 )
-from wim_service.placement.policy import job_s
+from wim_service.placement.policy import fits_holder, job_s, with_room
 from wim_service.placement.state import PrefixCache, ReplicaState, Work
 
 
@@ -136,16 +137,34 @@ def test_the_costliest_arrivals_are_refused_once_the_cheaper_ones_fill_the_level
 
 
 def test_the_marginal_band_is_admitted_in_the_share_that_fits() -> None:
-    # Slack 1: every 2 s arrival of one document's queries comes after a 1 s answer, so the
-    # band holds twice what fits whenever one arrives: every second one is admitted. Costs
-    # within 2% of the level (1.97 to 2.03 s) are the same band.
+    # Slack 1: every 0.2 s arrival of one document's queries comes after a 0.1 s answer, so
+    # the band holds twice what fits whenever one arrives: every second one is admitted.
+    # Costs within 2% of the level (0.197 to 0.203 s) are the same band.
     rule, clock = short_fleet(slack=1.0)
     admitted = []
-    for cost in (2.0, 1.97, 2.0, 2.03, 2.0, 2.0):
+    for cost in (0.2, 0.197, 0.2, 0.203, 0.2, 0.2):
         answer(rule, cost / 2)
         admitted.append(rule.arrive(cost))
         assert rule.level(clock.now).share == pytest.approx(0.5)
     assert admitted == [False, True, False, True, False, True]
+
+
+def test_a_cost_exactly_at_either_edge_of_the_band_is_in_the_band() -> None:
+    # Low edge: 60 s answered at slack 1. 50 arrives and fits; then 49 (50 x 0.98): 49 fits
+    # below, 50 no longer does, so the band is 49 to 51: 99 s of which 60 fit. 49 is in it,
+    # admitted in that share: 0.61 of an admission owed, not yet one.
+    rule, clock = short_fleet(slack=1.0)
+    answer(rule, 60.0)
+    assert rule.arrive(50.0)
+    assert not rule.arrive(49.0)
+    assert rule.level(clock.now) == WaterLevel(49.0, 51.0, pytest.approx(60 / 99))
+    # High edge: 40 s answered. 50 does not fit: 0.8 of it owed. Then 51 (50 x 1.02) is in
+    # the band 49 to 51 (101 s, of which 40 fit): 0.8 + 0.4 owed, one admission.
+    rule, clock = short_fleet(slack=1.0)
+    answer(rule, 40.0)
+    assert not rule.arrive(50.0)
+    assert rule.arrive(51.0)
+    assert rule.level(clock.now) == WaterLevel(49.0, 51.0, pytest.approx(40 / 101))
 
 
 def test_a_cost_just_outside_the_band_is_refused_above_and_admitted_below() -> None:
@@ -231,6 +250,35 @@ def test_a_plain_requests_cost_counts_the_best_cached_prefix_as_the_router_belie
     cost = arrival_cost(PROFILE, plain, [one, three, none])
     assert cost == pytest.approx(prefill + decode, rel=1e-12)
     assert cost < arrival_cost(PROFILE, plain, [one]) < arrival_cost(PROFILE, plain, [])
+    # Without a prefix no cache counts: the whole prompt is prefilled.
+    whole = Work(prompt_tokens=2000, answer_tokens=8)
+    prefill = 0.02 + 2000 * (3e-4 + 1e-8 * 1000)
+    assert arrival_cost(PROFILE, whole, [three]) == pytest.approx(prefill + decode, rel=1e-12)
     # The same as the policy's cost of the job on such a replica.
     state = ReplicaState("r", free_blocks=0, free_sessions=0, running=4, prefix_cache=three)
     assert cost == job_s(PROFILE, plain, state)
+
+
+def test_the_representative_replica_holds_the_document_has_room_and_runs_four_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What `job_s` is asked: the document's own holder (its query reads no copy), room for
+    # anything, four jobs running; a request without a document holds none. (`job_s` reads
+    # only some of these today; the representative is what the module's doc promises.)
+    asked: list[tuple[ReplicaState, object]] = []
+
+    def spy(profile: object, work: Work, state: ReplicaState, *, copy: object) -> float:
+        asked.append((state, copy))
+        return 1.0
+
+    monkeypatch.setattr(admission, "job_s", spy)
+    query = Work(prompt_tokens=3040, answer_tokens=16, document="a", document_tokens=3000)
+    plain = Work(prompt_tokens=2000, answer_tokens=8, kv_blocks=1 << 20, takes_session=True)
+    arrival_cost(PROFILE, query, [])
+    arrival_cost(PROFILE, plain, [])
+    (held, copy), (none, _) = asked
+    assert copy is False
+    assert (held.documents, none.documents) == (frozenset({"a"}), frozenset())
+    assert (held.running, held.draining, held.backlog_s) == (4, False, 0.0)
+    for state in (held, none):
+        assert fits_holder(plain, state) and with_room(plain, [state]) == [state]
