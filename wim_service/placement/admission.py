@@ -16,9 +16,11 @@ The rule, one `CheapestFirst` per router (and per `wim sim` replay), at the rout
   `RUNNING_JOBS` jobs, with the document held and no copy read, a plain request's longest
   cached prefix as the router believes it. Its retries arrive again; a session's read, a
   failover and a copy's read are not arrivals.
-- The rule acts only while the fleet is short: some placement found no room (`no_room`) within
-  the last `short_s` (the rule's own refusals do not count), and not in the first `window_s`
-  after the first arrival (its books need a window of answers first).
+- The rule acts only while the fleet is short, and has been for a while: some placement found
+  no room (`no_room`; the rule's own refusals do not count) within the last `short_s`, and
+  placements have kept finding none, never `short_s` apart, for at least `short_s`. A burst
+  that fills the fleet for a moment (after an idle spell, when few answers are in the books)
+  is refused only what finds no room, as without the rule.
 - The water level is the largest cost at which the last `window_s` of arrivals, cheapest
   first, fit `slack` times the summed costs of the jobs answered in that window: the fleet's
   measured rate, in the estimate's own units, for the mix it is running. Arrivals costing more
@@ -52,8 +54,9 @@ DEFAULT_CHEAPEST_FIRST = True
 
 @dataclass(frozen=True)
 class AdmissionRule:
-    """The rule's settings: the window its books keep, how long after a placement found no
-    room it acts, and how much more than the fleet answered it admits."""
+    """The rule's settings: the window its books keep, how long the fleet must have been short
+    for it to act (and how long after the last placement that found no room it still does),
+    and how much more than the fleet answered it admits."""
 
     window_s: float = DEFAULT_WINDOW_S
     short_s: float = DEFAULT_SHORT_S
@@ -99,15 +102,13 @@ class CheapestFirst:
         self._costs: list[float] = []  # the window's arrival costs, sorted
         self._answers: deque[tuple[float, float]] = deque()  # (when, cost) of jobs answered
         self._answered_s = 0.0  # their summed cost
-        self._first: float | None = None  # the first arrival's time
         self._no_room_at = -math.inf  # when a placement last found no room
+        self._short_since = math.inf  # when the fleet's current spell of being short began
         self._credit = 0.0  # the marginal band's admissions owed
 
     def arrive(self, cost: float) -> bool:
         """Book an arrival costing `cost`: whether it is admitted."""
         now = self.clock()
-        if self._first is None:
-            self._first = now
         self._arrivals.append((now, cost))
         bisect.insort(self._costs, cost)
         self._forget(now)
@@ -129,14 +130,15 @@ class CheapestFirst:
 
     def no_room(self) -> None:
         """A placement found no room on any replica (and its work was refused)."""
-        self._no_room_at = self.clock()
+        now = self.clock()
+        if now - self._no_room_at > self.rule.short_s:
+            self._short_since = now
+        self._no_room_at = now
 
     def level(self, now: float) -> WaterLevel:
         """The water level at `now` (`OPEN` while the fleet is not short)."""
         rule = self.rule
-        if self._first is None or now - self._first < rule.window_s:
-            return OPEN
-        if now - self._no_room_at > rule.short_s:
+        if now - self._no_room_at > rule.short_s or now - self._short_since < rule.short_s:
             return OPEN
         self._forget(now)
         capacity = rule.slack * self._answered_s
