@@ -33,12 +33,12 @@ class Clock:
 
 
 def short_fleet(slack: float = 1.5, window_s: float = 10.0) -> tuple[CheapestFirst, Clock]:
-    """A rule past its first window, with a placement that found no room just now and no
-    arrival or answer left in its books (the first arrival, at 0, has left the window)."""
+    """A rule that acts: placements found no room at 0 s and at 20 s (`short_s` apart, so the
+    fleet has been short for `short_s`), its clock at 20 s, nothing in its books."""
     clock = Clock()
-    rule = CheapestFirst(AdmissionRule(window_s=window_s, short_s=100.0, slack=slack), clock)
-    assert rule.arrive(1000.0)
-    clock.now = 2 * window_s
+    rule = CheapestFirst(AdmissionRule(window_s=window_s, short_s=20.0, slack=slack), clock)
+    rule.no_room()
+    clock.now = 20.0
     rule.no_room()
     return rule, clock
 
@@ -61,43 +61,53 @@ def test_the_defaults_are_the_documented_window_shortness_and_slack() -> None:
     assert DEFAULT_CHEAPEST_FIRST is True
 
 
-def test_the_level_is_open_before_any_arrival_whatever_found_no_room() -> None:
-    clock = Clock()
-    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=100.0), clock)
-    clock.now = 50.0
-    rule.no_room()
-    assert rule.level(50.0) is OPEN
+def test_the_level_is_open_with_nothing_in_the_books_however_short_the_fleet() -> None:
+    rule, clock = short_fleet()
+    assert rule.level(clock.now) is OPEN
     assert WaterLevel(math.inf, math.inf, 1.0) == OPEN
 
 
-def test_everything_is_admitted_in_the_first_window_after_the_first_arrival() -> None:
-    # Nothing was answered, so once the rule acts it admits nothing costly; until the first
-    # window has passed (10 s after the first arrival at 5 s) it admits whatever comes.
+def test_the_rule_acts_once_placements_have_kept_finding_no_room_for_short_s() -> None:
+    # Nothing is answered, so once the rule acts it admits nothing.
     clock = Clock()
-    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=100.0), clock)
-    clock.now = 5.0
+    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=5.0), clock)
     assert rule.arrive(1.0)
+    clock.now = 1.0
+    rule.no_room()  # the spell begins
+    clock.now = 3.0
+    assert rule.arrive(50.0)  # short for 2 s only
+    clock.now = 4.0
     rule.no_room()
-    clock.now = 14.5
+    clock.now = 5.9
     assert rule.arrive(50.0)
-    assert rule.level(14.5) is OPEN
-    clock.now = 15.0  # exactly one window after the first arrival: the rule acts
+    clock.now = 6.0  # exactly `short_s` into the spell
     assert not rule.arrive(50.0)
-    assert rule.level(15.0) != OPEN
+    # More than `short_s` without a no-room ends the spell: the next one begins another.
+    clock.now = 20.0
+    rule.no_room()
+    clock.now = 24.0
+    assert rule.arrive(50.0)
+    rule.no_room()
+    clock.now = 29.0  # exactly `short_s` after the last: the spell since 20 s goes on
+    rule.no_room()
+    assert not rule.arrive(50.0)
 
 
 def test_everything_is_admitted_when_no_placement_found_no_room_lately() -> None:
     clock = Clock()
     rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=5.0), clock)
     assert rule.arrive(1.0)
-    clock.now = 30.0  # past the first window, nothing answered, never short: all admitted
+    clock.now = 30.0  # nothing answered, never short: all admitted
     assert rule.arrive(100.0) and rule.arrive(100.0)
     rule.no_room()
-    clock.now = 35.0  # exactly `short_s` after the last no-room: still short
+    clock.now = 35.0
+    rule.no_room()  # short for `short_s`
     assert not rule.arrive(100.0)
-    clock.now = 35.5  # past it: open again
+    clock.now = 40.0  # exactly `short_s` after the last no-room: still short
+    assert not rule.arrive(100.0)
+    clock.now = 40.5  # past it: open again
     assert rule.arrive(100.0)
-    assert rule.level(35.5) is OPEN
+    assert rule.level(40.5) is OPEN
 
 
 # -- the water level --------------------------------------------------------------------------
@@ -183,12 +193,13 @@ def test_a_cost_just_outside_the_band_is_refused_above_and_admitted_below() -> N
 
 def test_arrivals_and_answers_leave_the_books_after_one_window() -> None:
     clock = Clock()
-    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=100.0, slack=1.0), clock)
+    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=10.0, slack=1.0), clock)
+    rule.no_room()
     assert rule.arrive(8.0)  # t = 0
     clock.now = 5.0
     rule.answered(4.0)
     clock.now = 10.0
-    rule.no_room()
+    rule.no_room()  # short since 0 s: the rule acts
     # The arrival is exactly one window old: still in the books. 4 s answered fit half of it.
     assert figures(rule.level(10.0)) == pytest.approx((7.84, 8.16, 0.5))
     assert rule.level(10.5) is OPEN  # it has left: nothing in the books to refuse
