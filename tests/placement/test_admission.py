@@ -17,7 +17,9 @@ from wim_service.placement.admission import (
     CheapestFirst,
     WaterLevel,
     arrival_cost,
+    has_idle_replica,
 )
+from wim_service.placement.ledger import LoadReport
 from wim_service.placement.policy import fits_holder, job_s, with_room
 from wim_service.placement.state import PrefixCache, ReplicaState, Work
 
@@ -55,6 +57,30 @@ def answer(rule: CheapestFirst, *costs: float) -> None:
 # -- when the rule acts -----------------------------------------------------------------------
 
 
+def test_an_arrival_a_replica_could_start_at_once_is_admitted_and_booked() -> None:
+    rule, _ = short_fleet(slack=1.0)
+    answer(rule, 1.0)
+    assert not rule.arrive(5.0)  # 1 s answered leaves no room for 5 s
+    assert rule.arrive(5.0, idle=True)
+    # Booked all the same: two 5 s arrivals in the books now, so the band holds 10 s.
+    assert figures(rule.level(20.0)) == pytest.approx((4.9, 5.1, 0.1))
+
+
+def test_an_idle_replica_is_healthy_undrained_unloaded_with_a_slot_free() -> None:
+    idle = LoadReport("a", capacity_blocks=10, reserved_blocks=0, sessions=0, max_sessions=1)
+    assert has_idle_replica([idle])
+    assert not has_idle_replica([])
+    for busy in (
+        LoadReport("a", 10, 0, sessions=0, max_sessions=1, healthy=False),
+        LoadReport("a", 10, 0, sessions=0, max_sessions=1, draining=True),
+        LoadReport("a", 10, 0, sessions=0, max_sessions=1, running=1),
+        LoadReport("a", 10, 0, sessions=0, max_sessions=1, backlog_s=0.5),
+        LoadReport("a", 10, 0, sessions=1, max_sessions=1),
+    ):
+        assert not has_idle_replica([busy])
+        assert has_idle_replica([busy, idle])
+
+
 def test_the_defaults_are_the_documented_window_shortness_and_slack() -> None:
     # The module's doc and the router's configuration state these figures.
     assert AdmissionRule() == AdmissionRule(window_s=120.0, short_s=60.0, slack=1.5)
@@ -68,11 +94,12 @@ def test_the_level_is_open_with_nothing_in_the_books_however_short_the_fleet() -
 
 
 def test_the_rule_acts_once_placements_have_kept_finding_no_room_for_short_s() -> None:
-    # Nothing is answered, so once the rule acts it admits nothing.
+    # A 1 s answer (1.5 s at slack 1.5) leaves no room for a 50 s arrival once the rule acts.
     clock = Clock()
     rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=5.0), clock)
     assert rule.arrive(1.0)
     clock.now = 1.0
+    rule.answered(1.0)
     rule.no_room()  # the spell begins
     clock.now = 3.0
     assert rule.arrive(50.0)  # short for 2 s only
@@ -87,6 +114,7 @@ def test_the_rule_acts_once_placements_have_kept_finding_no_room_for_short_s() -
     rule.no_room()
     clock.now = 24.0
     assert rule.arrive(50.0)
+    rule.answered(1.0)
     rule.no_room()
     clock.now = 29.0  # exactly `short_s` after the last: the spell since 20 s goes on
     rule.no_room()
@@ -97,7 +125,8 @@ def test_everything_is_admitted_when_no_placement_found_no_room_lately() -> None
     clock = Clock()
     rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=5.0), clock)
     assert rule.arrive(1.0)
-    clock.now = 30.0  # nothing answered, never short: all admitted
+    clock.now = 30.0  # little answered, never short: all admitted
+    rule.answered(1.0)
     assert rule.arrive(100.0) and rule.arrive(100.0)
     rule.no_room()
     clock.now = 35.0
@@ -205,8 +234,9 @@ def test_arrivals_and_answers_leave_the_books_after_one_window() -> None:
     assert rule.level(10.5) is OPEN  # it has left: nothing in the books to refuse
     clock.now = 15.0  # the answer is exactly one window old: it still counts
     assert rule.arrive(3.0)
-    clock.now = 15.5  # it has left: nothing answered, and 3 + 3 > 0
-    assert not rule.arrive(3.0)
+    clock.now = 15.5  # it has left: with nothing answered the rule has no measure
+    assert rule.arrive(3.0)
+    assert rule.level(15.5) is OPEN
     # Answers at 15.5 bring the level back: 6 s answered fit both 3s.
     answer(rule, 3.0, 3.0)
     assert rule.level(15.5) is OPEN

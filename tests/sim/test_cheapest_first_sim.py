@@ -108,7 +108,7 @@ class Scripted(CheapestFirst):
         self.answers: list[float] = []
         self.short = 0
 
-    def arrive(self, cost: float) -> bool:
+    def arrive(self, cost: float, *, idle: bool = False) -> bool:
         self.asked.append(cost)
         return len(self.asked) - 1 not in self.refuse
 

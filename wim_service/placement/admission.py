@@ -21,6 +21,8 @@ The rule, one `CheapestFirst` per router (and per `wim sim` replay), at the rout
   placements have kept finding none, never `short_s` apart, for at least `short_s`. A burst
   that fills the fleet for a moment (after an idle spell, when few answers are in the books)
   is refused only what finds no room, as without the rule.
+- An arrival some replica could start at once (`has_idle_replica`) is admitted, and with no
+  answer in the window (every job timed out, say) the rule refuses nothing: it has no measure.
 - The water level is the largest cost at which the last `window_s` of arrivals, cheapest
   first, fit `slack` times the summed costs of the jobs answered in that window: the fleet's
   measured rate, in the estimate's own units, for the mix it is running. Arrivals costing more
@@ -35,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from wim_service.placement.ledger import LoadReport
 from wim_service.placement.policy import job_s
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import PrefixCache, ReplicaState, Work
@@ -79,6 +82,27 @@ def arrival_cost(profile: EngineProfile, work: Work, prefixes: Iterable[PrefixCa
     return job_s(profile, work, state, copy=False)
 
 
+def cheapest_first(
+    policy: str, on: bool, rule: AdmissionRule, clock: Callable[[], float]
+) -> CheapestFirst | None:
+    """The router's (and `wim sim`'s) admission under `policy`: cheapest first with
+    `expected_wait` if `on` (`RouterConfig.cheapest_first`), else none."""
+    return CheapestFirst(rule, clock) if on and policy == "expected_wait" else None
+
+
+def has_idle_replica(loads: Iterable[LoadReport]) -> bool:
+    """Whether some replica could start work at once, as placement sees the replicas: healthy,
+    not draining, nothing running or queued there, a session slot free."""
+    return any(
+        load.healthy
+        and not load.draining
+        and load.running == 0
+        and load.backlog_s <= 0
+        and load.sessions < load.max_sessions
+        for load in loads
+    )
+
+
 @dataclass(frozen=True)
 class WaterLevel:
     """Arrivals costing under `low` are admitted, over `high` refused; between the two, the
@@ -106,12 +130,16 @@ class CheapestFirst:
         self._short_since = math.inf  # when the fleet's current spell of being short began
         self._credit = 0.0  # the marginal band's admissions owed
 
-    def arrive(self, cost: float) -> bool:
-        """Book an arrival costing `cost`: whether it is admitted."""
+    def arrive(self, cost: float, *, idle: bool = False) -> bool:
+        """Book an arrival costing `cost`: whether it is admitted. `idle`: some replica could
+        start it at once (`has_idle_replica`): admitted whatever the level, as refusing it
+        would leave that replica idle for nothing."""
         now = self.clock()
         self._arrivals.append((now, cost))
         bisect.insort(self._costs, cost)
         self._forget(now)
+        if idle:
+            return True
         level = self.level(now)
         if cost < level.low:
             return True
@@ -122,6 +150,11 @@ class CheapestFirst:
             self._credit -= 1.0
             return True
         return False
+
+    @property
+    def arrivals(self) -> int:
+        """The arrivals in the books: those of the last `window_s` as of the latest."""
+        return len(self._arrivals)
 
     def answered(self, cost: float) -> None:
         """A job admitted at `cost` was answered."""
@@ -141,6 +174,8 @@ class CheapestFirst:
         if now - self._no_room_at > rule.short_s or now - self._short_since < rule.short_s:
             return OPEN
         self._forget(now)
+        if not self._answers:  # no measure of what the fleet answers: nothing to refuse by
+            return OPEN
         capacity = rule.slack * self._answered_s
         below = 0.0
         for cost in self._costs:

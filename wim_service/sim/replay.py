@@ -23,7 +23,12 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from wim_service.placement.admission import AdmissionRule, CheapestFirst, arrival_cost
+from wim_service.placement.admission import (
+    AdmissionRule,
+    arrival_cost,
+    cheapest_first,
+    has_idle_replica,
+)
 from wim_service.placement.copies import CopyBook, QuerySteps
 from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.no_room import NoRoomSteps, Step
@@ -66,10 +71,8 @@ class Replay:
         self.ledger = Ledger(self.policy, profile, clock=lambda: self.now, estimate_prefixes=False)
         self._fresh = Fresh()  # when a refusal or a copy asks for the reports again
         # The router's admission at arrival (`Dispatcher`): `expected_wait`'s, if set on.
-        self.admission = (
-            CheapestFirst(AdmissionRule(), clock=lambda: self.now)
-            if settings.cheapest_first and self.policy.name == "expected_wait"
-            else None
+        self.admission = cheapest_first(
+            self.policy.name, settings.cheapest_first, AdmissionRule(), lambda: self.now
         )
         # Documents whose copy is being read, by the query it opened for: the router reads
         # one copy of a document at a time, and a copy takes queries once read.
@@ -90,13 +93,7 @@ class Replay:
         self.by_name = {engine.name: engine for engine in self.engines}
         self.ledger.prefixes = {engine.name: engine.cache for engine in self.engines}
         arrivals = [r.arrival_s for r in trace.requests]
-        self.result = RunResult(
-            policy,
-            replicas,
-            len(trace.requests),
-            deadline_s=settings.deadline_s,
-            offered_s=max(arrivals, default=0.0) - min(arrivals, default=0.0),
-        )
+        self.result = RunResult.before(policy, replicas, arrivals, settings.deadline_s)
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._order = itertools.count()  # ties in time: first scheduled, first handled
         # Documents whose session is being opened: the queries that wait for it, in order.
@@ -200,7 +197,7 @@ class Replay:
         if self.admission is None or job.work.reads_only or job.cost is not None:
             return True
         cost = arrival_cost(self.profile, job.work, self.ledger.prefixes.values())
-        if not self.admission.arrive(cost):
+        if not self.admission.arrive(cost, idle=has_idle_replica(self.ledger.loads.values())):
             return False
         job.cost = cost
         return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -40,3 +41,11 @@ class RunResult:
     copies_retired: int = 0
     copies_reclaimed: int = 0  # of those, retired early to make room (`Replay._reclaim`)
     events: int = 0
+
+    @classmethod
+    def before(
+        cls, policy: str, replicas: int, arrivals: Sequence[float], deadline_s: float
+    ) -> RunResult:
+        """A replay's result before it runs, of a trace whose requests arrive at `arrivals`."""
+        offered_s = max(arrivals, default=0.0) - min(arrivals, default=0.0)
+        return cls(policy, replicas, len(arrivals), deadline_s=deadline_s, offered_s=offered_s)
