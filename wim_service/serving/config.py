@@ -8,6 +8,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from wim_service.engine.config import EngineConfig
+from wim_service.placement.admission import (
+    DEFAULT_CHEAPEST_FIRST,
+    DEFAULT_SHORT_S,
+    DEFAULT_SLACK,
+    DEFAULT_WINDOW_S,
+)
 from wim_service.placement.copies import DEFAULT_COPY_IDLE_S
 from wim_service.placement.policy import DEFAULT_MAX_COPIES, policy_name
 from wim_service.placement.polls import DEFAULT_LOAD_POLL_S
@@ -131,6 +137,16 @@ class RouterConfig(BaseModel):
     # too; docs/kv-store.md). False for a store that often misses (a bound far below the
     # documents held): its copies then cost a re-read after the failed restore.
     restore_copies: bool | None = None
+    # With `expected_wait`: once the fleet has been short for `cheapest_first_short_s`
+    # (placements finding no room, never that far apart), arrivals costlier than what the
+    # engines answered in the last `cheapest_first_window_s` (times `cheapest_first_slack`)
+    # are refused first (429 with Retry-After), so that the engines answer more of the cheaper
+    # work (wim_service/placement/admission.py, docs/routing.md). False: only what finds no
+    # room is refused.
+    cheapest_first: bool = DEFAULT_CHEAPEST_FIRST
+    cheapest_first_window_s: float = Field(DEFAULT_WINDOW_S, gt=0, le=3600)
+    cheapest_first_short_s: float = Field(DEFAULT_SHORT_S, gt=0, le=3600)
+    cheapest_first_slack: float = Field(DEFAULT_SLACK, gt=0, le=100)
     # Where document sessions (text, options, binding, expiry) live.
     store: StoreConfig = Field(default_factory=StoreConfig)
 

@@ -3,6 +3,7 @@ re-exported beside them from every engine replica, with a `replica` label."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -103,6 +104,19 @@ class WiMMetrics:
         self._work(self.registry)
         self._copies(self.registry)
         self.event_loop_lag = event_loop_lag(self.registry)
+        self.admission_refused = Counter(
+            "wim_admission_refused",
+            "Requests refused (429) by cheapest-first admission while the fleet was short: "
+            "costlier than what the engines answer (docs/routing.md).",
+            registry=self.registry,
+        )
+        self.admission_level = Gauge(
+            "wim_admission_water_level_seconds",
+            "Cheapest-first admission's water level: arrivals costing more engine seconds "
+            "are refused (+Inf while the fleet is not short, or the rule is off).",
+            registry=self.registry,
+        )
+        self.admission_level.set(math.inf)
         self.maintenance_failures = Counter(
             "wim_maintenance_failures",
             "Steps of the router's maintenance loop that failed (each is logged with its "
@@ -314,6 +328,8 @@ METRIC_NAMES = (
     "wim_document_copies",
     "wim_metrics_renders_total",
     "wim_maintenance_failures_total",
+    "wim_admission_refused_total",
+    "wim_admission_water_level_seconds",
     "wim_kv_saved_tokens_total",
     "wim_kv_restored_tokens_total",
     "wim_kv_restore_seconds",

@@ -24,7 +24,7 @@ from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
 from wim_service.serving.replica.watch import ReplicaSilent
-from wim_service.serving.replica.work import one_shot_work, plain_work
+from wim_service.serving.replica.work import one_shot_work, plain_work, session_work
 from wim_service.serving.routing.bindings import BindResult
 from wim_service.serving.routing.copies import DocumentCopies, HolderChoice, close_on
 from wim_service.serving.routing.documents import DocumentTable
@@ -65,6 +65,7 @@ class _Job:
     failovers: int = 0
     transient_retries: int = 0
     copy_lease: str | None = None  # held in the store while this attempt runs on a copy
+    cost: float | None = None  # what cheapest-first admission admitted it at (`fleet.admit`)
     tenant: str | None = None  # whose job: a reclaim for it closes only its copies if over
 
 
@@ -183,7 +184,20 @@ class Dispatcher:
         unbound when it ends; a query on a document session (`record`) goes to the session's
         replica, and holds the session (no TTL ends it) while it runs.
         """
+        cost = None
         if record is not None:
+            cost = self.fleet.first_query(record.session_id)
+            if cost is None:
+                cost = self.fleet.admit(
+                    session_work(
+                        record.session_id,
+                        record.context_tokens,
+                        record.kv_blocks,
+                        options,
+                        query=query,
+                        segments=record.segments,
+                    )
+                )
             await self.documents.hold(record.session_id)
         job = _Job(
             session_id,
@@ -191,9 +205,11 @@ class Dispatcher:
             # What log lines name the job by: a document id stays out of logs (docs/security.md).
             session_id if record is None else "a document query",
             tenant=record.tenant if record is not None else tenant,
+            cost=cost,
         )
         try:
             async for item in self._attempts(job, query, options, context):
+                self._answered(job.cost, item)
                 yield item
         finally:
             if record is None:
@@ -220,13 +236,18 @@ class Dispatcher:
         work = plain_work(
             len(prompt_ids), params.max_tokens, needed, prefix=prefix, block_tokens=block
         )
+        cost = self.fleet.admit(work)
         reclaim = functools.partial(self.copies.reclaim, tenant)
         booking = await self.fleet.place(session_id, work, reclaim=reclaim)
         replica = booking.replica
         self.metrics.binding.labels(BindResult.NEW).inc()
         try:
             async for event in self.client.replica(replica).complete(prompt_ids, params):
+                self._answered(cost, (replica, event))
                 yield replica, event
+        except WiMError as exc:
+            self._refused_by_replica(exc.code)
+            raise
         except ReplicaLost as exc:
             self.fleet.lost(replica, "replica_lost")
             raise logged_failure(
@@ -252,7 +273,10 @@ class Dispatcher:
                     if job.progress.fresh(event):
                         yield replica, event
                 return
-            except (ServiceError, WiMError, asyncio.CancelledError):
+            except WiMError as exc:
+                self._refused_by_replica(exc.code)
+                raise
+            except (ServiceError, asyncio.CancelledError):
                 raise
             except ReplicaLost as exc:
                 await self._recover(job, replica, exc)
@@ -295,6 +319,8 @@ class Dispatcher:
             shape = await self.sizer.shape(context or "", options, query)
             blocks = self.sizer.blocks(shape, one_shot=True)
             work = one_shot_work(shape.context_tokens, shape.segments, blocks, options, query)
+            if not job.failovers:  # an arrival; its failovers were admitted with it
+                job.cost = self.fleet.admit(work)
             # No room: spare copies are closed; only the tenant's own if it is over its share.
             reclaim = functools.partial(self.copies.reclaim, job.tenant)
             job.booking = await self.fleet.place(job.session_id, work, job.exclude, reclaim=reclaim)
@@ -302,7 +328,20 @@ class Dispatcher:
             self.metrics.binding.labels(BindResult.REPIN if job.failovers else BindResult.NEW).inc()
         return job.replica, self.client.replica(job.replica).run(context or "", query, options)
 
+    def _answered(self, cost: float | None, item: Item) -> None:
+        """Count a job's answer in admission's books once its `done` event passes."""
+        if item[1].type == "done":
+            self.fleet.answered(cost)
+
+    def _refused_by_replica(self, code: str | ErrorCode) -> None:
+        """A replica refused a call for want of room (its queue, its KV admission): the
+        fleet is short, as when placement finds no room (`ReplicaFleet.no_room`)."""
+        if code == ErrorCode.OVERLOADED:
+            self.fleet.no_room()
+
     def _check_event(self, job: _Job, replica: str, event: WiMEvent) -> None:
+        if isinstance(event, ErrorEvent):
+            self._refused_by_replica(event.code)
         if job.record is not None and (
             isinstance(event, ErrorEvent) and event.code == ErrorCode.NOT_FOUND.value
         ):

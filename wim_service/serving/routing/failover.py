@@ -75,6 +75,16 @@ class SessionFailover:
         reached it is closed too, before the tenant's reservation of it goes back."""
         shape = await self.sizer.shape(text, session.options, None)
         blocks = self.sizer.blocks(shape, one_shot=False)
+        if fresh:  # a new session opens as its first query, not yet asked, is admitted
+            first = session_work(
+                session.session_id,
+                shape.context_tokens,
+                blocks,
+                session.options,
+                query="",
+                segments=shape.segments,
+            )
+            self.fleet.admit(first, opens=session.session_id)
         work = session_work(
             session.session_id, shape.context_tokens, blocks, session.options, restorable=not fresh
         )
@@ -99,6 +109,8 @@ class SessionFailover:
                 raise
             if isinstance(result, ErrorEvent):
                 self.fleet.ledger.cancel(booking)
+                if result.code == ErrorCode.OVERLOADED:
+                    self.fleet.no_room()
                 raise ServiceError(result.code, result.message, result.retry_after_s)
             assert isinstance(result, DocumentOpened)
             # Read: a query placed next must not wait behind it.

@@ -3,7 +3,8 @@
 `ReplicaFleet` polls every live replica's load into the ledger (`placement/ledger.py`: the
 reports as taken, and the work placed since), places work by the configured policy
 (`RouterConfig.placement`, waiting a while when no replica is up, closing spare copies it is
-given a `reclaim` for before it refuses), and marks replicas lost.
+given a `reclaim` for before it refuses), and marks replicas lost. With `expected_wait` it also
+admits arrivals cheapest first while the fleet is short (`admit`, `placement/admission.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 from wim_service.engine.kv_transfer.documents import store_url
+from wim_service.placement.admission import (
+    AdmissionRule,
+    arrival_cost,
+    cheapest_first,
+    has_idle_replica,
+)
 from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.no_room import NoRoomSteps, Step
 from wim_service.placement.policy import make_policy
@@ -70,6 +77,17 @@ class ReplicaFleet:
         # copy's read), at most once per FRESH_LOADS_S however many decide at once.
         self.fresh_loads = Recent(self.refresh_loads, FRESH_LOADS_S)
         self._dtypes_seen: set[str] = set()  # the engines' dtypes checked against the profile
+        # Cheapest-first admission, `expected_wait`'s unless turned off; its books are this
+        # router's arrivals and answers, at this router's clock.
+        rule = AdmissionRule(
+            config.cheapest_first_window_s,
+            config.cheapest_first_short_s,
+            config.cheapest_first_slack,
+        )
+        self.admission = cheapest_first(policy.name, config.cheapest_first, rule, time.monotonic)
+        # Sessions opened as their first query was admitted (`admit`'s `opens`), with that
+        # query's cost and when: the query is not asked again (`first_query`).
+        self._opened: dict[str, tuple[float, float]] = {}
 
     async def refresh_loads(self) -> None:
         replicas = sorted(await self.client.live_replicas())
@@ -141,7 +159,9 @@ class ReplicaFleet:
         return asyncio.get_running_loop().create_task(self._load_of(replica, self.ledger.mark()))
 
     def _export(self, loads: list[ReplicaLoad]) -> None:
-        """The replicas' reports as the router's gauges."""
+        """The replicas' reports, and the admission's water level, as the router's gauges."""
+        if self.admission is not None:
+            self.metrics.admission_level.set(self.admission.level(self.admission.clock()).high)
         self.metrics.sessions_active.clear()
         self.metrics.resident_kv_tokens.clear()
         self.metrics.kv_reserved_blocks.clear()
@@ -212,10 +232,50 @@ class ReplicaFleet:
                 await asyncio.sleep(1.0)
             await self.refresh_loads()
 
+    def admit(self, work: Work, *, opens: str | None = None) -> float | None:
+        """Admit an arrival, `work` (a query, a one-shot job, a plain request), or refuse it
+        (429 `overloaded`): its cost as admitted, None if no rule admits. `opens`: the
+        session being opened as `work`, its first query, is admitted (`wim sim` opens a
+        session with its first query); that query is then not asked again."""
+        if self.admission is None:
+            return None
+        cost = arrival_cost(self.ledger.profile, work, self.ledger.prefixes.values())
+        if not self.admission.arrive(cost, idle=has_idle_replica(self.ledger.loads.values())):
+            self.metrics.admission_refused.inc()
+            raise ServiceError(
+                ErrorCode.OVERLOADED,
+                "the engines are answering less than is asked and this request costs more "
+                "engine time than most; retry later, or ask about a shorter document",
+                self.config.retry_after_s,
+            )
+        if opens is not None:
+            now = time.monotonic()
+            since = now - self.admission.rule.window_s  # past the books' window: forgotten
+            self._opened = {s: held for s, held in self._opened.items() if held[1] >= since}
+            self._opened[opens] = (cost, now)
+        return cost
+
+    def first_query(self, session: str) -> float | None:
+        """The cost a session's first query was admitted at as the session opened (None:
+        not opened so, or asked for already)."""
+        held = self._opened.pop(session, None)
+        return None if held is None else held[0]
+
+    def answered(self, cost: float | None) -> None:
+        """Work admitted at `cost` was answered (None: no rule admitted it)."""
+        if self.admission is not None and cost is not None:
+            self.admission.answered(cost)
+
+    def no_room(self) -> None:
+        """A replica refused work for want of room (its queue or KV admission full)."""
+        if self.admission is not None:
+            self.admission.no_room()
+
     def _refusal(self, exc: NoRoom) -> ServiceError:
         """The error of work `place` refuses: every live replica full, or none live."""
         self.metrics.binding.labels(BindResult.REJECTED).inc()
         if exc.replicas:
+            self.no_room()
             return ServiceError(
                 ErrorCode.OVERLOADED,
                 f"every engine replica's KV is committed ({exc}); retry later",
