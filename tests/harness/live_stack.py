@@ -56,6 +56,10 @@ ROUTER = {
     # Short, so that every streamed answer carries heartbeats between the engines' events
     # (tests/live/test_openai_live.py).
     "stream_heartbeat_s": 0.1,
+    # Short, so that cheapest-first admission acts within seconds of the fleet being full
+    # (tests/live/test_saturation_live.py); shipped, it waits out a minute of being short.
+    "cheapest_first_short_s": 2,
+    "cheapest_first_window_s": 10,
     "max_document_chars": 200_000,
     # Every application's sessions in Redis (`LiveStack`'s server): switching between one
     # router and two is then a change of replica count, not of the application's args.
