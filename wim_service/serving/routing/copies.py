@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from wim_service.placement.copies import CopyBook, QuerySteps
 from wim_service.placement.ledger import Booking
+from wim_service.placement.state import Work
 from wim_service.serving.config import RouterConfig
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.observability.metrics import WiMMetrics
@@ -92,6 +93,18 @@ class HolderChoice:
     fallback: str = ""
 
 
+def query_work(session: StoredSession, query: str, options: WiMOptions) -> Work:
+    """A query of `session` as placement and admission see it."""
+    return session_work(
+        session.session_id,
+        session.context_tokens,
+        session.kv_blocks,
+        options,
+        query=query,
+        segments=session.segments,
+    )
+
+
 class DocumentCopies:
     def __init__(
         self,
@@ -123,15 +136,7 @@ class DocumentCopies:
         copy on first (`copy_of`). Called under the session's lock."""
         ledger = self.fleet.ledger
         holders = [r for r in session.holders if ledger.is_live(r)]
-        work = session_work(
-            session.session_id,
-            session.context_tokens,
-            session.kv_blocks,
-            options,
-            query=query,
-            segments=session.segments,
-        )
-        steps = QuerySteps(ledger, work)
+        steps = QuerySteps(ledger, query_work(session, query, options))
         while steps.place(holders):
             await self.fleet.fresh_loads.get()
             holders = [r for r in holders if ledger.is_live(r)]

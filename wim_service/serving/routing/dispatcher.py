@@ -24,9 +24,9 @@ from wim_service.serving.observability.metrics import WiMMetrics
 from wim_service.serving.replica.client import ReplicaClient, ReplicaLost
 from wim_service.serving.replica.plain import PlainParams, plain_blocks
 from wim_service.serving.replica.watch import ReplicaSilent
-from wim_service.serving.replica.work import one_shot_work, plain_work, session_work
+from wim_service.serving.replica.work import one_shot_work, plain_work
 from wim_service.serving.routing.bindings import BindResult
-from wim_service.serving.routing.copies import DocumentCopies, HolderChoice, close_on
+from wim_service.serving.routing.copies import DocumentCopies, HolderChoice, close_on, query_work
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.failover import SessionFailover, SessionMissing, session_gone
 from wim_service.serving.routing.fleet import ReplicaFleet
@@ -188,16 +188,7 @@ class Dispatcher:
         if record is not None:
             cost = self.fleet.first_query(record.session_id)
             if cost is None:
-                cost = self.fleet.admit(
-                    session_work(
-                        record.session_id,
-                        record.context_tokens,
-                        record.kv_blocks,
-                        options,
-                        query=query,
-                        segments=record.segments,
-                    )
-                )
+                cost = self.fleet.admit(query_work(record, query, options))
             await self.documents.hold(record.session_id)
         job = _Job(
             session_id,
