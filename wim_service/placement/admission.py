@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from wim_service.placement.ledger import LoadReport
+from wim_service.placement.ledger import Ledger, LoadReport
 from wim_service.placement.policy import job_s
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import PrefixCache, ReplicaState, Work
@@ -129,6 +129,13 @@ class CheapestFirst:
         self._no_room_at = -math.inf  # when a placement last found no room
         self._short_since = math.inf  # when the fleet's current spell of being short began
         self._credit = 0.0  # the marginal band's admissions owed
+
+    def admit(self, ledger: Ledger, work: Work) -> float | None:
+        """Book `work`'s arrival, costed (`arrival_cost`) and judged on the replicas as
+        `ledger` sees them (`has_idle_replica`): its cost if admitted, None if refused. The
+        router and `wim sim` both ask this."""
+        cost = arrival_cost(ledger.profile, work, ledger.prefixes.values())
+        return cost if self.arrive(cost, idle=has_idle_replica(ledger.loads.values())) else None
 
     def arrive(self, cost: float, *, idle: bool = False) -> bool:
         """Book an arrival costing `cost`: whether it is admitted. `idle`: some replica could

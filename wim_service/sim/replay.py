@@ -23,12 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from wim_service.placement.admission import (
-    AdmissionRule,
-    arrival_cost,
-    cheapest_first,
-    has_idle_replica,
-)
+from wim_service.placement.admission import AdmissionRule, cheapest_first
 from wim_service.placement.copies import CopyBook, QuerySteps
 from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.no_room import NoRoomSteps, Step
@@ -162,9 +157,7 @@ class Replay:
             self._opening[document].append(job)  # placed once the session is open
             return
         if document is not None and not self._held(document):
-            if not self._admitted(job):  # opened as its first query is admitted
-                self.result.turned_away += 1
-                self._refuse(job, now)
+            if self._turned_away(job, now):  # opened as its first query is admitted
                 return
             # As the live client does: open the session (placed on its own), then ask. A
             # session whose every holder was lost is rebuilt so: its KV restored if saved.
@@ -182,24 +175,25 @@ class Replay:
     def _submit(self, job: Job, now: float) -> None:
         """Admit and place the job, or refuse it. A query of a held document needs no new
         room: it queues at a copy, as a live query waits its session's turn."""
-        if not self._admitted(job):
-            self.result.turned_away += 1
-            self._refuse(job, now)
-        elif not self._place(job, now):
+        if self._turned_away(job, now):
+            return
+        if not self._place(job, now):
             if self.admission is not None:
                 self.admission.no_room()
             self._refuse(job, now)
 
-    def _admitted(self, job: Job) -> bool:
-        """Whether cheapest-first admission takes the job, as the router's `Dispatcher` asks
-        it: a query (once its session is open), a plain request or a retry of either; a
-        session's read, and a job failed over (admitted already), are not asked."""
+    def _turned_away(self, job: Job, now: float) -> bool:
+        """Whether cheapest-first admission refuses the job (then refused here), as the
+        router's `Dispatcher` asks it: a query (a new session's as it opens), a plain request
+        or a retry of either; a session's read, and a job failed over (admitted already), are
+        not asked."""
         if self.admission is None or job.work.reads_only or job.cost is not None:
-            return True
-        cost = arrival_cost(self.profile, job.work, self.ledger.prefixes.values())
-        if not self.admission.arrive(cost, idle=has_idle_replica(self.ledger.loads.values())):
             return False
-        job.cost = cost
+        job.cost = self.admission.admit(self.ledger, job.work)
+        if job.cost is not None:
+            return False
+        self.result.turned_away += 1
+        self._refuse(job, now)
         return True
 
     def _refuse(self, job: Job, now: float) -> None:

@@ -237,7 +237,7 @@ class Dispatcher:
                 self._answered(cost, (replica, event))
                 yield replica, event
         except WiMError as exc:
-            self._refused_by_replica(exc.code)
+            self.fleet.refused_by_replica(exc.code)
             raise
         except ReplicaLost as exc:
             self.fleet.lost(replica, "replica_lost")
@@ -265,7 +265,7 @@ class Dispatcher:
                         yield replica, event
                 return
             except WiMError as exc:
-                self._refused_by_replica(exc.code)
+                self.fleet.refused_by_replica(exc.code)
                 raise
             except (ServiceError, asyncio.CancelledError):
                 raise
@@ -324,15 +324,9 @@ class Dispatcher:
         if item[1].type == "done":
             self.fleet.answered(cost)
 
-    def _refused_by_replica(self, code: str | ErrorCode) -> None:
-        """A replica refused a call for want of room (its queue, its KV admission): the
-        fleet is short, as when placement finds no room (`ReplicaFleet.no_room`)."""
-        if code == ErrorCode.OVERLOADED:
-            self.fleet.no_room()
-
     def _check_event(self, job: _Job, replica: str, event: WiMEvent) -> None:
         if isinstance(event, ErrorEvent):
-            self._refused_by_replica(event.code)
+            self.fleet.refused_by_replica(event.code)
         if job.record is not None and (
             isinstance(event, ErrorEvent) and event.code == ErrorCode.NOT_FOUND.value
         ):

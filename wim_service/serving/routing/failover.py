@@ -109,8 +109,7 @@ class SessionFailover:
                 raise
             if isinstance(result, ErrorEvent):
                 self.fleet.ledger.cancel(booking)
-                if result.code == ErrorCode.OVERLOADED:
-                    self.fleet.no_room()
+                self.fleet.refused_by_replica(result.code)
                 raise ServiceError(result.code, result.message, result.retry_after_s)
             assert isinstance(result, DocumentOpened)
             # Read: a query placed next must not wait behind it.

@@ -16,12 +16,7 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 from wim_service.engine.kv_transfer.documents import store_url
-from wim_service.placement.admission import (
-    AdmissionRule,
-    arrival_cost,
-    cheapest_first,
-    has_idle_replica,
-)
+from wim_service.placement.admission import AdmissionRule, cheapest_first
 from wim_service.placement.ledger import Booking, Ledger
 from wim_service.placement.no_room import NoRoomSteps, Step
 from wim_service.placement.policy import make_policy
@@ -239,8 +234,8 @@ class ReplicaFleet:
         session with its first query); that query is then not asked again."""
         if self.admission is None:
             return None
-        cost = arrival_cost(self.ledger.profile, work, self.ledger.prefixes.values())
-        if not self.admission.arrive(cost, idle=has_idle_replica(self.ledger.loads.values())):
+        cost = self.admission.admit(self.ledger, work)
+        if cost is None:
             self.metrics.admission_refused.inc()
             raise ServiceError(
                 ErrorCode.OVERLOADED,
@@ -249,7 +244,7 @@ class ReplicaFleet:
                 self.config.retry_after_s,
             )
         if opens is not None:
-            now = time.monotonic()
+            now = self.admission.clock()
             since = now - self.admission.rule.window_s  # past the books' window: forgotten
             self._opened = {s: held for s, held in self._opened.items() if held[1] >= since}
             self._opened[opens] = (cost, now)
@@ -266,8 +261,13 @@ class ReplicaFleet:
         if self.admission is not None and cost is not None:
             self.admission.answered(cost)
 
-    def no_room(self) -> None:
-        """A replica refused work for want of room (its queue or KV admission full)."""
+    def refused_by_replica(self, code: str) -> None:
+        """A replica refused a call with `code`: for want of room (its queue or its KV
+        admission full, `overloaded`), the fleet is short, as when placement finds none."""
+        if code == ErrorCode.OVERLOADED:
+            self._short()
+
+    def _short(self) -> None:
         if self.admission is not None:
             self.admission.no_room()
 
@@ -275,7 +275,7 @@ class ReplicaFleet:
         """The error of work `place` refuses: every live replica full, or none live."""
         self.metrics.binding.labels(BindResult.REJECTED).inc()
         if exc.replicas:
-            self.no_room()
+            self._short()
             return ServiceError(
                 ErrorCode.OVERLOADED,
                 f"every engine replica's KV is committed ({exc}); retry later",
