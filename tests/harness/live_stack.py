@@ -57,9 +57,12 @@ ROUTER = {
     # (tests/live/test_openai_live.py).
     "stream_heartbeat_s": 0.1,
     # Short, so that cheapest-first admission acts within seconds of the fleet being full
-    # (tests/live/test_saturation_live.py); shipped, it waits out a minute of being short.
+    # (tests/live/test_saturation_live.py); shipped, it waits out a minute and 120 arrivals
+    # of being short.
     "cheapest_first_short_s": 2,
     "cheapest_first_window_s": 10,
+    "cheapest_first_short_arrivals": 0,
+    "cheapest_first_window_arrivals": 0,
     "max_document_chars": 200_000,
     # Every application's sessions in Redis (`LiveStack`'s server): switching between one
     # router and two is then a change of replica count, not of the application's args.

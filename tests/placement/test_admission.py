@@ -34,14 +34,19 @@ class Clock:
         return self.now
 
 
+def seconds_rule(**settings: float) -> AdmissionRule:
+    """A rule whose spans are its seconds only (no least number of arrivals)."""
+    return AdmissionRule(window_arrivals=0, short_arrivals=0, **settings)
+
+
 def short_fleet(slack: float = 1.5, window_s: float = 10.0) -> tuple[CheapestFirst, Clock]:
     """A rule that acts: placements found no room at 0 s and at 20 s (`short_s` apart, so the
     fleet has been short for `short_s`), its clock at 20 s, nothing in its books."""
     clock = Clock()
-    rule = CheapestFirst(AdmissionRule(window_s=window_s, short_s=20.0, slack=slack), clock)
-    rule.no_room()
+    rule = CheapestFirst(seconds_rule(window_s=window_s, short_s=20.0, slack=slack), clock)
+    rule.fell_short()
     clock.now = 20.0
-    rule.no_room()
+    rule.fell_short()
     return rule, clock
 
 
@@ -83,7 +88,9 @@ def test_an_idle_replica_is_healthy_undrained_unloaded_with_a_slot_free() -> Non
 
 def test_the_defaults_are_the_documented_window_shortness_and_slack() -> None:
     # The module's doc and the router's configuration state these figures.
-    assert AdmissionRule() == AdmissionRule(window_s=120.0, short_s=60.0, slack=1.5)
+    assert AdmissionRule() == AdmissionRule(
+        window_s=120.0, short_s=60.0, slack=1.5, window_arrivals=240, short_arrivals=120
+    )
     assert DEFAULT_CHEAPEST_FIRST is True
 
 
@@ -96,41 +103,41 @@ def test_the_level_is_open_with_nothing_in_the_books_however_short_the_fleet() -
 def test_the_rule_acts_once_placements_have_kept_finding_no_room_for_short_s() -> None:
     # A 1 s answer (1.5 s at slack 1.5) leaves no room for a 50 s arrival once the rule acts.
     clock = Clock()
-    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=5.0), clock)
+    rule = CheapestFirst(seconds_rule(window_s=10.0, short_s=5.0), clock)
     assert rule.arrive(1.0)
     clock.now = 1.0
     rule.answered(1.0)
-    rule.no_room()  # the spell begins
+    rule.fell_short()  # the spell begins
     clock.now = 3.0
     assert rule.arrive(50.0)  # short for 2 s only
     clock.now = 4.0
-    rule.no_room()
+    rule.fell_short()
     clock.now = 5.9
     assert rule.arrive(50.0)
     clock.now = 6.0  # exactly `short_s` into the spell
     assert not rule.arrive(50.0)
     # More than `short_s` without a no-room ends the spell: the next one begins another.
     clock.now = 20.0
-    rule.no_room()
+    rule.fell_short()
     clock.now = 24.0
     assert rule.arrive(50.0)
     rule.answered(1.0)
-    rule.no_room()
+    rule.fell_short()
     clock.now = 29.0  # exactly `short_s` after the last: the spell since 20 s goes on
-    rule.no_room()
+    rule.fell_short()
     assert not rule.arrive(50.0)
 
 
 def test_everything_is_admitted_when_no_placement_found_no_room_lately() -> None:
     clock = Clock()
-    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=5.0), clock)
+    rule = CheapestFirst(seconds_rule(window_s=10.0, short_s=5.0), clock)
     assert rule.arrive(1.0)
     clock.now = 30.0  # little answered, never short: all admitted
     rule.answered(1.0)
     assert rule.arrive(100.0) and rule.arrive(100.0)
-    rule.no_room()
+    rule.fell_short()
     clock.now = 35.0
-    rule.no_room()  # short for `short_s`
+    rule.fell_short()  # short for `short_s`
     assert not rule.arrive(100.0)
     clock.now = 40.0  # exactly `short_s` after the last no-room: still short
     assert not rule.arrive(100.0)
@@ -217,18 +224,60 @@ def test_a_cost_just_outside_the_band_is_refused_above_and_admitted_below() -> N
     assert rule.level(clock.now).high == pytest.approx(10.2)
 
 
+def slow_stream(rule: CheapestFirst, clock: Clock, arrivals: int) -> list[bool]:
+    """One arrival every 13 s, costing 50 s each third and 1 s otherwise; every third, a
+    10 s answer and the fleet falling short (39 s apart): whether each was admitted."""
+    admitted = []
+    for n in range(arrivals):
+        clock.now = 13.0 * n
+        admitted.append(rule.arrive(50.0 if n % 3 == 2 else 1.0))
+        if n % 3 == 0:
+            rule.answered(10.0)
+            rule.fell_short()
+    return admitted
+
+
+def test_a_slow_stream_stays_short_within_short_arrivals_and_the_rule_acts() -> None:
+    # Falling short 39 s apart, over `short_s` (20 s) but within `short_arrivals` (4): one
+    # spell, from the first arrival. It acts once it has lasted 20 s and 4 arrivals, and then
+    # refuses the 50 s arrivals (two 10 s answers at slack 1.5 carry the 1 s ones only).
+    clock = Clock()
+    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=20.0, short_arrivals=4), clock)
+    admitted = slow_stream(rule, clock, 9)
+    assert admitted == [True, True, True, True, True, False, True, True, False]
+    # Counted in seconds only, every fall starts a spell that ends before it is 20 s old.
+    clock = Clock()
+    seconds_only = CheapestFirst(seconds_rule(window_s=10.0, short_s=20.0), clock)
+    assert all(slow_stream(seconds_only, clock, 9))
+    # `short_arrivals` arrivals and `short_s` without falling short end the spell: the last
+    # fall was at n = 6.
+    clock.now = 13.0 * 9
+    assert rule.arrive(1.0) and rule.level(clock.now) is not OPEN  # 3 arrivals on
+    clock.now = 13.0 * 10
+    assert rule.arrive(50.0) and rule.level(clock.now) is OPEN  # 4 arrivals on
+
+
+def test_the_books_keep_at_least_window_arrivals_however_old() -> None:
+    clock = Clock()
+    rule = CheapestFirst(AdmissionRule(window_s=10.0, window_arrivals=3), clock)
+    for n in range(5):
+        clock.now = 100.0 * n
+        rule.arrive(1.0)
+    assert rule.arrivals == 3  # 400 s old and more, kept: the window's seconds hold one
+
+
 # -- the window -------------------------------------------------------------------------------
 
 
 def test_arrivals_and_answers_leave_the_books_after_one_window() -> None:
     clock = Clock()
-    rule = CheapestFirst(AdmissionRule(window_s=10.0, short_s=10.0, slack=1.0), clock)
-    rule.no_room()
+    rule = CheapestFirst(seconds_rule(window_s=10.0, short_s=10.0, slack=1.0), clock)
+    rule.fell_short()
     assert rule.arrive(8.0)  # t = 0
     clock.now = 5.0
     rule.answered(4.0)
     clock.now = 10.0
-    rule.no_room()  # short since 0 s: the rule acts
+    rule.fell_short()  # short since 0 s: the rule acts
     # The arrival is exactly one window old: still in the books. 4 s answered fit half of it.
     assert figures(rule.level(10.0)) == pytest.approx((7.84, 8.16, 0.5))
     assert rule.level(10.5) is OPEN  # it has left: nothing in the books to refuse

@@ -115,7 +115,7 @@ class Scripted(CheapestFirst):
     def answered(self, cost: float) -> None:
         self.answers.append(cost)
 
-    def no_room(self) -> None:
+    def fell_short(self) -> None:
         self.short += 1
 
 
@@ -192,3 +192,24 @@ def test_a_failed_over_query_is_not_asked_again(tmp_path: Path) -> None:
     assert answered.replica != first.replica
     assert len(script.asked) == 1 and script.answers == script.asked
     assert (result.turned_away, result.retried, result.refused) == (0, 0, 0)
+
+
+def test_a_job_stopped_at_the_deadline_tells_the_rule_the_fleet_fell_short() -> None:
+    # A short plain request, then alone a long one, the deadline between their durations:
+    # the long one is stopped and timed out, and the rule hears the fleet fell short (with
+    # KV to spare nothing finds no room: overload shows as time-outs only).
+    trace = Trace(
+        "mooncake",
+        tuple(
+            Request(index=i, arrival_s=at, prompt_tokens=tokens, answer_tokens=4, prefix=(i,))
+            for i, (at, tokens) in enumerate(((0.0, 1000), (100.0, 8000)))
+        ),
+    )
+    alone = Scripted()
+    short, long = scripted(trace, 1, alone).outcomes
+    took = (short.end_s - short.arrival_s, long.end_s - long.arrival_s)
+    assert took[0] < took[1] and alone.short == 0
+    script = Scripted()
+    result = scripted(trace, 1, script, deadline_s=sum(took) / 2)
+    assert (result.timed_out, result.refused, len(result.outcomes)) == (1, 0, 1)
+    assert script.short == 1

@@ -16,15 +16,22 @@ The rule, one `CheapestFirst` per router (and per `wim sim` replay), at the rout
   `RUNNING_JOBS` jobs, with the document held and no copy read, a plain request's longest
   cached prefix as the router believes it. Its retries arrive again; a session's read, a
   failover and a copy's read are not arrivals.
-- The rule acts only while the fleet is short, and has been for a while: some placement found
-  no room (`no_room`; the rule's own refusals do not count) within the last `short_s`, and
-  placements have kept finding none, never `short_s` apart, for at least `short_s`. A burst
-  that fills the fleet for a moment (after an idle spell, when few answers are in the books)
-  is refused only what finds no room, as without the rule.
+- The rule acts only while the fleet is short, and has been for a while. The fleet falls
+  short (`fell_short`) when a placement finds no room or a replica refuses a call for want of
+  it (the rule's own refusals do not count), and when a job runs past the request deadline
+  and is stopped: with KV to spare, an overloaded fleet queues work until it times out
+  instead of refusing it. The rule acts once the fleet has kept falling short, never more
+  than `short_s` and `short_arrivals` arrivals apart, for at least `short_s` and
+  `short_arrivals` arrivals. A burst that fills the fleet for a moment (after an idle spell,
+  when few answers are in the books) is refused only what finds no room, as without the rule.
+  Counting arrivals as well as seconds keeps a slow stream's spells whole: with one arrival
+  every 13 s (Mooncake's trace stretched 40 times), 60 s spanned about five arrivals, a few
+  admitted in a row broke every spell, and at one replica the rule never acted.
 - An arrival some replica could start at once (`has_idle_replica`) is admitted, and with no
   answer in the window (every job timed out, say) the rule refuses nothing: it has no measure.
-- The water level is the largest cost at which the last `window_s` of arrivals, cheapest
-  first, fit `slack` times the summed costs of the jobs answered in that window: the fleet's
+- The water level is the largest cost at which the arrivals in the books (those of the last
+  `window_s`, and at least the last `window_arrivals`), cheapest first, fit `slack` times the
+  summed costs of the jobs answered since the oldest of them: the fleet's
   measured rate, in the estimate's own units, for the mix it is running. Arrivals costing more
   are refused; those within `MARGINAL_BAND` of it are admitted in the share that fits.
 """
@@ -51,6 +58,10 @@ MARGINAL_BAND = 0.02
 DEFAULT_WINDOW_S = 120.0
 DEFAULT_SHORT_S = 60.0
 DEFAULT_SLACK = 1.5
+# As many arrivals as the default seconds span at three a second: at that rate or faster the
+# seconds decide, at slower ones the counts (see the module's doc).
+DEFAULT_WINDOW_ARRIVALS = 240
+DEFAULT_SHORT_ARRIVALS = 120
 # Whether `expected_wait` admits so (`RouterConfig.cheapest_first`, `SimSettings`).
 DEFAULT_CHEAPEST_FIRST = True
 
@@ -58,12 +69,15 @@ DEFAULT_CHEAPEST_FIRST = True
 @dataclass(frozen=True)
 class AdmissionRule:
     """The rule's settings: the window its books keep, how long the fleet must have been short
-    for it to act (and how long after the last placement that found no room it still does),
-    and how much more than the fleet answered it admits."""
+    for it to act (and how long after it last fell short it still does), each in seconds and
+    in arrivals (the longer of the two counts), and how much more than the fleet answered it
+    admits."""
 
     window_s: float = DEFAULT_WINDOW_S
     short_s: float = DEFAULT_SHORT_S
     slack: float = DEFAULT_SLACK
+    window_arrivals: int = DEFAULT_WINDOW_ARRIVALS
+    short_arrivals: int = DEFAULT_SHORT_ARRIVALS
 
 
 def arrival_cost(profile: EngineProfile, work: Work, prefixes: Iterable[PrefixCache]) -> float:
@@ -123,11 +137,14 @@ class CheapestFirst:
         self.rule = rule
         self.clock = clock
         self._arrivals: deque[tuple[float, float]] = deque()  # (when, cost), oldest first
+        self._count = 0  # arrivals booked since the rule began: the books' second clock
         self._costs: list[float] = []  # the window's arrival costs, sorted
         self._answers: deque[tuple[float, float]] = deque()  # (when, cost) of jobs answered
         self._answered_s = 0.0  # their summed cost
-        self._no_room_at = -math.inf  # when a placement last found no room
-        self._short_since = math.inf  # when the fleet's current spell of being short began
+        # When the fleet last fell short, and when its current spell of falling short began:
+        # each as (seconds, arrivals) on the rule's two clocks.
+        self._short_at = (-math.inf, -math.inf)
+        self._short_since = (math.inf, math.inf)
         self._credit = 0.0  # the marginal band's admissions owed
 
     def admit(self, ledger: Ledger, work: Work) -> float | None:
@@ -142,6 +159,7 @@ class CheapestFirst:
         start it at once (`has_idle_replica`): admitted whatever the level, as refusing it
         would leave that replica idle for nothing."""
         now = self.clock()
+        self._count += 1
         self._arrivals.append((now, cost))
         bisect.insort(self._costs, cost)
         self._forget(now)
@@ -160,7 +178,8 @@ class CheapestFirst:
 
     @property
     def arrivals(self) -> int:
-        """The arrivals in the books: those of the last `window_s` as of the latest."""
+        """The arrivals in the books: those of the last `window_s` as of the latest, and at
+        least the last `window_arrivals`."""
         return len(self._arrivals)
 
     def answered(self, cost: float) -> None:
@@ -168,17 +187,26 @@ class CheapestFirst:
         self._answers.append((self.clock(), cost))
         self._answered_s += cost
 
-    def no_room(self) -> None:
-        """A placement found no room on any replica (and its work was refused)."""
-        now = self.clock()
-        if now - self._no_room_at > self.rule.short_s:
+    def fell_short(self) -> None:
+        """The fleet fell short: a placement found no room on any replica, a replica refused
+        a call for want of room, or a job was stopped at the request deadline."""
+        now = (self.clock(), self._count)
+        if not self._within_short(self._short_at, now):  # a new spell begins
             self._short_since = now
-        self._no_room_at = now
+        self._short_at = now
+
+    def _within_short(self, then: tuple[float, float], now: tuple[float, float]) -> bool:
+        """Whether `then` is at most `short_s`, or fewer than `short_arrivals` arrivals, before
+        `now`."""
+        return now[0] - then[0] <= self.rule.short_s or now[1] - then[1] < self.rule.short_arrivals
 
     def level(self, now: float) -> WaterLevel:
         """The water level at `now` (`OPEN` while the fleet is not short)."""
-        rule = self.rule
-        if now - self._no_room_at > rule.short_s or now - self._short_since < rule.short_s:
+        rule, at = self.rule, (now, self._count)
+        spell_s, spell_arrivals = at[0] - self._short_since[0], at[1] - self._short_since[1]
+        if not self._within_short(self._short_at, at):
+            return OPEN
+        if spell_s < rule.short_s or spell_arrivals < rule.short_arrivals:
             return OPEN
         self._forget(now)
         if not self._answers:  # no measure of what the fleet answers: nothing to refuse by
@@ -204,8 +232,10 @@ class CheapestFirst:
     def _forget(self, now: float) -> None:
         """Drop what left the window."""
         since = now - self.rule.window_s
-        while self._arrivals and self._arrivals[0][0] < since:
+        while len(self._arrivals) > self.rule.window_arrivals and self._arrivals[0][0] < since:
             _, cost = self._arrivals.popleft()
             del self._costs[bisect.bisect_left(self._costs, cost)]
+        if self._arrivals:  # the answers of the span the arrivals kept cover
+            since = min(since, self._arrivals[0][0])
         while self._answers and self._answers[0][0] < since:
             self._answered_s -= self._answers.popleft()[1]

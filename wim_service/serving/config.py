@@ -10,8 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.admission import (
     DEFAULT_CHEAPEST_FIRST,
+    DEFAULT_SHORT_ARRIVALS,
     DEFAULT_SHORT_S,
     DEFAULT_SLACK,
+    DEFAULT_WINDOW_ARRIVALS,
     DEFAULT_WINDOW_S,
 )
 from wim_service.placement.copies import DEFAULT_COPY_IDLE_S
@@ -137,16 +139,20 @@ class RouterConfig(BaseModel):
     # too; docs/kv-store.md). False for a store that often misses (a bound far below the
     # documents held): its copies then cost a re-read after the failed restore.
     restore_copies: bool | None = None
-    # With `expected_wait`: once the fleet has been short for `cheapest_first_short_s`
-    # (placements finding no room, never that far apart), arrivals costlier than what the
-    # engines answered in the last `cheapest_first_window_s` (times `cheapest_first_slack`)
-    # are refused first (429 with Retry-After), so that the engines answer more of the cheaper
-    # work (wim_service/placement/admission.py, docs/routing.md). False: only what finds no
-    # room is refused.
+    # With `expected_wait`: once the fleet has been short for `cheapest_first_short_s` and
+    # `cheapest_first_short_arrivals` arrivals (placements finding no room, or jobs stopped
+    # at the deadline, never that far apart), arrivals costlier than what the engines
+    # answered over the last `cheapest_first_window_s` (and at least the last
+    # `cheapest_first_window_arrivals` arrivals; times `cheapest_first_slack`) are refused
+    # first (429 with Retry-After), so that the engines answer more of the cheaper work
+    # (wim_service/placement/admission.py, docs/routing.md). False: only what finds no room
+    # is refused.
     cheapest_first: bool = DEFAULT_CHEAPEST_FIRST
     cheapest_first_window_s: float = Field(DEFAULT_WINDOW_S, gt=0, le=3600)
     cheapest_first_short_s: float = Field(DEFAULT_SHORT_S, gt=0, le=3600)
     cheapest_first_slack: float = Field(DEFAULT_SLACK, gt=0, le=100)
+    cheapest_first_window_arrivals: int = Field(DEFAULT_WINDOW_ARRIVALS, ge=0, le=100_000)
+    cheapest_first_short_arrivals: int = Field(DEFAULT_SHORT_ARRIVALS, ge=0, le=100_000)
     # Where document sessions (text, options, binding, expiry) live.
     store: StoreConfig = Field(default_factory=StoreConfig)
 

@@ -179,7 +179,7 @@ class Replay:
             return
         if not self._place(job, now):
             if self.admission is not None:
-                self.admission.no_room()
+                self.admission.fell_short()
             self._refuse(job, now)
 
     def _turned_away(self, job: Job, now: float) -> bool:
@@ -394,9 +394,12 @@ class Replay:
 
     def _expire(self, job: Job, engine: Engine, now: float) -> None:
         """A job still on its engine at its deadline is stopped, as the router stops it:
-        the engine aborts it, its booking ends, and it is counted as timed out."""
+        the engine aborts it, its booking ends, and it is counted as timed out (the fleet
+        fell short, for cheapest-first admission, as the router tells it)."""
         if job in self._on[engine.index]:  # else answered, or failed over
             self.result.timed_out += 1
+            if self.admission is not None:
+                self.admission.fell_short()
             self._ended(job, engine, now, unread=job.stop(engine, now))
 
     def _ended(self, job: Job, engine: Engine, now: float, *, unread: bool = False) -> None:

@@ -49,6 +49,8 @@ def short_service(**router: object) -> tuple[TestClient, WiMRouter, Clock]:
         replica,
         cheapest_first_short_s=SHORT_S,
         cheapest_first_window_s=60,
+        cheapest_first_short_arrivals=0,
+        cheapest_first_window_arrivals=0,
         cheapest_first_slack=2,
         **router,
     )
@@ -151,9 +153,9 @@ async def test_the_water_level_is_exported_while_short_and_infinite_otherwise() 
     admission.answered(1.0)
     for _ in range(3):
         admission.arrive(5.0)
-    admission.no_room()
+    admission.fell_short()
     clock.now = 0.6 * SHORT_S
-    admission.no_room()
+    admission.fell_short()
     clock.now = 1.2 * SHORT_S
     await router.fleet.refresh_loads()
     # Slack 2 over 1 s answered: no 5 s arrival fits; the level is the band around 5 s.

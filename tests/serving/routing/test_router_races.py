@@ -48,7 +48,7 @@ class TransientlyDown(FakeClient):
             yield event
 
 
-def test_a_job_past_its_deadline_is_stopped_with_504() -> None:
+def test_a_job_past_its_deadline_is_stopped_with_504_and_the_fleet_fell_short() -> None:
     class Stuck(FakeClient):
         async def stream(
             self, replica: str, events: AsyncIterator[WiMEvent]
@@ -63,10 +63,15 @@ def test_a_job_past_its_deadline_is_stopped_with_504() -> None:
         keys=ApiKeys(None),
         http_host="127.0.0.1",
     )
+    admission = router.fleet.admission
+    assert admission is not None
+    falls: list[None] = []
+    admission.fell_short = lambda: falls.append(None)  # type: ignore[method-assign]
     client = TestClient(build_http_app(router))
     response = client.post("/wim", json={"context": DOCUMENT, "query": "q"})
     assert response.status_code == 504 and response.json()["code"] == "deadline_exceeded"
     assert router.fleet.ledger.bindings == {}
+    assert falls == [None]  # told to cheapest-first admission, as a placement with no room
 
 
 def test_a_delete_during_failover_never_brings_the_session_back() -> None:

@@ -78,6 +78,8 @@ class ReplicaFleet:
             config.cheapest_first_window_s,
             config.cheapest_first_short_s,
             config.cheapest_first_slack,
+            config.cheapest_first_window_arrivals,
+            config.cheapest_first_short_arrivals,
         )
         self.admission = cheapest_first(policy.name, config.cheapest_first, rule, time.monotonic)
         # Sessions opened as their first query was admitted (`admit`'s `opens`), with that
@@ -267,9 +269,14 @@ class ReplicaFleet:
         if code == ErrorCode.OVERLOADED:
             self._short()
 
+    def timed_out(self) -> None:
+        """A job ran past the request deadline and was stopped: the fleet is short, as when
+        placement finds no room (with KV to spare, overload queues work until it times out)."""
+        self._short()
+
     def _short(self) -> None:
         if self.admission is not None:
-            self.admission.no_room()
+            self.admission.fell_short()
 
     def _refusal(self, exc: NoRoom) -> ServiceError:
         """The error of work `place` refuses: every live replica full, or none live."""

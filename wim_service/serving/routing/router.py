@@ -268,6 +268,7 @@ class WiMRouter:
                     yield replica, event
         except TimeoutError as exc:
             status = str(status_of(ErrorCode.DEADLINE_EXCEEDED))
+            self.fleet.timed_out()
             raise WiMError(
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"the job ran past {self.config.router.request_timeout_s:g} s and was stopped",
