@@ -36,7 +36,7 @@ SEGMENTS = 3
 DOCUMENT = "The night gate code is 4417. " * 40
 
 
-def job_events(answer: str = "The code is 4417.") -> list[WiMEvent]:
+def job_events(answer: str = "The code is 4417.", took_s: float = 0.0) -> list[WiMEvent]:
     events: list[WiMEvent] = []
     for i in range(SEGMENTS):
         events.append(
@@ -64,7 +64,7 @@ def job_events(answer: str = "The code is 4417.") -> list[WiMEvent]:
         DoneEvent(
             answer=answer,
             usage=Usage(context_tokens=30, segments=SEGMENTS, prompt_tokens_cached=7),
-            timings=Timings(),
+            timings=Timings(total_s=took_s),
         )
     )
     return events
@@ -85,6 +85,7 @@ class FakeReplica:
         self.dead = False
         self.backlog_s = 0.0  # the expected seconds of work it reports queued
         self.running = 0  # the jobs it reports running
+        self.took_s = 0.0  # the engine seconds each of its jobs reports taking (`Timings`)
         self.max_sessions = 1 << 30
         self.dtype = "bfloat16"  # the dtype it reports its engine runs in
         self.opens: list[tuple[str, str, bool]] = []  # (tenant, document, restore) of each read
@@ -132,11 +133,11 @@ class FakeReplica:
         return "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
 
     async def run(self, document: str, query: str, options: WiMOptions) -> AsyncIterator[WiMEvent]:
-        for event in job_events():
+        for event in job_events(took_s=self.took_s):
             yield event.model_copy()
 
     async def complete(self, prompt_ids: list[int], params: PlainParams) -> AsyncIterator[WiMEvent]:
-        for event in job_events():
+        for event in job_events(took_s=self.took_s):
             yield event.model_copy()
 
     async def query_document(
@@ -145,7 +146,7 @@ class FakeReplica:
         if document_id not in self.documents:
             yield ErrorEvent(code="not_found", message="not on this replica")
             return
-        for event in job_events():
+        for event in job_events(took_s=self.took_s):
             yield event.model_copy()
 
 

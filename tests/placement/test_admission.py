@@ -13,14 +13,17 @@ from wim_service.placement import admission
 from wim_service.placement.admission import (
     DEFAULT_CHEAPEST_FIRST,
     OPEN,
+    PACE_ANSWERS,
     AdmissionRule,
     CheapestFirst,
+    Verdict,
     WaterLevel,
     arrival_cost,
+    cheapest_first,
     has_idle_replica,
 )
-from wim_service.placement.ledger import LoadReport
-from wim_service.placement.policy import fits_holder, job_s, with_room
+from wim_service.placement.ledger import Ledger, LoadReport
+from wim_service.placement.policy import ExpectedWait, fits_holder, job_s, with_room
 from wim_service.placement.state import PrefixCache, ReplicaState, Work
 
 
@@ -370,3 +373,60 @@ def test_the_representative_replica_holds_the_document_has_room_and_runs_four_jo
     assert (held.running, held.draining, held.backlog_s) == (4, False, 0.0)
     for state in (held, none):
         assert fits_holder(plain, state) and with_room(plain, [state]) == [state]
+
+
+# -- too long for the deadline ----------------------------------------------------------------
+
+
+def test_the_pace_is_a_low_quantile_of_the_answers_measured_time_over_their_cost() -> None:
+    clock = Clock()
+    rule = CheapestFirst(AdmissionRule(), clock)
+    rule.answered(1.0)  # no measure: not in the pace
+    for took in range(PACE_ANSWERS - 1):
+        rule.answered(2.0, took_s=2.0 * (took + 1))  # 1x, 2x, ... the cost
+    assert rule.pace() is None  # too few measured
+    rule.answered(4.0, took_s=2.0)  # 0.5x
+    assert rule.pace() == 0.5  # the 10th percentile of ten: the least
+    for _ in range(PACE_ANSWERS):
+        rule.answered(1.0, took_s=3.0)
+    # Twenty: 0.5, 1, 2, 3 ... The 10th percentile is at index 1.9, rounded down: 1.
+    assert rule.pace() == 1.0
+    clock.now = 121.0  # the answers left the window with their arrivals' span
+    rule.arrive(1.0)
+    assert rule.pace() is None
+
+
+def paced(took_over_cost: float, deadline_s: float) -> tuple[CheapestFirst, Ledger]:
+    """A rule whose books hold `PACE_ANSWERS` answers measured at `took_over_cost` their cost,
+    with `deadline_s`, and an empty fleet's ledger (no replica: none idle)."""
+    clock = Clock()
+    rule = CheapestFirst(AdmissionRule(), clock, deadline_s)
+    for _ in range(PACE_ANSWERS):
+        rule.answered(1.0, took_s=took_over_cost)
+    return rule, Ledger(ExpectedWait(PROFILE), PROFILE, clock=clock)
+
+
+def test_an_arrival_that_would_run_past_the_deadline_at_the_pace_is_refused_at_once() -> None:
+    plain = Work(prompt_tokens=2000, answer_tokens=8)
+    cost = arrival_cost(PROFILE, plain, [])
+    # At twice the profile's pace the job takes 2 x cost: past a deadline of 1.9 x cost, not
+    # past one of 2.1 x; at half the pace, past neither.
+    rule, ledger = paced(2.0, deadline_s=1.9 * cost)
+    verdict = rule.admit(ledger, plain)
+    assert verdict == Verdict(cost, admitted=False, too_long_s=pytest.approx(2.0 * cost))
+    assert rule.arrivals == 0  # refused before it is booked: it is not the fleet's load
+    rule, ledger = paced(2.0, deadline_s=2.1 * cost)
+    assert rule.admit(ledger, plain) == Verdict(cost, admitted=True)
+    assert rule.arrivals == 1
+    rule, ledger = paced(0.5, deadline_s=1.9 * cost)
+    assert rule.admit(ledger, plain) == Verdict(cost, admitted=True)
+    # With no measured pace nothing is refused for it, however long the job.
+    rule = CheapestFirst(AdmissionRule(), Clock(), deadline_s=1e-3)
+    assert rule.admit(ledger, plain).admitted
+
+
+def test_the_router_and_the_simulator_give_the_rule_their_deadline() -> None:
+    rule = cheapest_first("expected_wait", True, AdmissionRule(), Clock(), 900.0)
+    assert rule is not None and rule.deadline_s == 900.0
+    assert cheapest_first("round_robin", True, AdmissionRule(), Clock(), 900.0) is None
+    assert cheapest_first("expected_wait", False, AdmissionRule(), Clock(), 900.0) is None

@@ -112,7 +112,7 @@ class Scripted(CheapestFirst):
         self.asked.append(cost)
         return len(self.asked) - 1 not in self.refuse
 
-    def answered(self, cost: float) -> None:
+    def answered(self, cost: float, took_s: float | None = None) -> None:
         self.answers.append(cost)
 
     def fell_short(self) -> None:
@@ -213,3 +213,24 @@ def test_a_job_stopped_at_the_deadline_tells_the_rule_the_fleet_fell_short() -> 
     result = scripted(trace, 1, script, deadline_s=sum(took) / 2)
     assert (result.timed_out, result.refused, len(result.outcomes)) == (1, 0, 1)
     assert script.short == 1
+
+
+def test_a_request_too_long_for_the_deadline_at_the_measured_pace_is_refused_at_once() -> None:
+    # Twelve short plain requests answered one by one measure the pace; then a long one that
+    # alone takes longer than the deadline: without the rule it runs until stopped, with it
+    # it is refused as it arrives (turned away), and nothing times out.
+    rows = [(5.0 * i, 1000) for i in range(12)] + [(100.0, 8000)]
+    trace = Trace(
+        "mooncake",
+        tuple(
+            Request(index=i, arrival_s=at, prompt_tokens=tokens, answer_tokens=4, prefix=(i,))
+            for i, (at, tokens) in enumerate(rows)
+        ),
+    )
+    alone = run(trace, "expected_wait", 1, cheapest_first=False)
+    took = {o.index: o.end_s - o.arrival_s for o in alone.outcomes}
+    deadline_s = (max(took[i] for i in range(12)) + took[12]) / 2
+    off = run(trace, "expected_wait", 1, cheapest_first=False, deadline_s=deadline_s)
+    assert (off.timed_out, off.turned_away, len(off.outcomes)) == (1, 0, 12)
+    on = run(trace, "expected_wait", 1, deadline_s=deadline_s)
+    assert (on.timed_out, on.turned_away, on.refused, len(on.outcomes)) == (0, 1, 1, 12)

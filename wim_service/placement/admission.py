@@ -29,6 +29,12 @@ The rule, one `CheapestFirst` per router (and per `wim sim` replay), at the rout
   admitted in a row broke every spell, and at one replica the rule never acted.
 - An arrival some replica could start at once (`has_idle_replica`) is admitted, and with no
   answer in the window (every job timed out, say) the rule refuses nothing: it has no measure.
+- Whatever the fleet's state, an arrival that would run past the request deadline even at the
+  fleet's measured pace is refused at once (`Verdict.too_long_s`): its engine seconds, its
+  cost times the pace (a low quantile, `PACE_QUANTILE`, of the answers' measured engine time
+  over their cost), over the deadline. Such a job held a replica until the deadline stopped it
+  and delayed what queued behind it; the pace, measured, keeps a profile of other hardware
+  from refusing work its engines finish in time.
 - The water level is the largest cost at which the arrivals in the books (those of the last
   `window_s`, and at least the last `window_arrivals`), cheapest first, fit `slack` times the
   summed costs of the jobs answered since the oldest of them: the fleet's
@@ -62,6 +68,11 @@ DEFAULT_SLACK = 1.5
 # seconds decide, at slower ones the counts (see the module's doc).
 DEFAULT_WINDOW_ARRIVALS = 240
 DEFAULT_SHORT_ARRIVALS = 120
+# The answers with a measured engine time the pace needs, and the quantile of their measured
+# time over their cost it takes: a low one, so that only an arrival that even the fleet's
+# quickest answers say would run past the deadline is refused for it.
+PACE_ANSWERS = 10
+PACE_QUANTILE = 0.1
 # Whether `expected_wait` admits so (`RouterConfig.cheapest_first`, `SimSettings`).
 DEFAULT_CHEAPEST_FIRST = True
 
@@ -97,11 +108,14 @@ def arrival_cost(profile: EngineProfile, work: Work, prefixes: Iterable[PrefixCa
 
 
 def cheapest_first(
-    policy: str, on: bool, rule: AdmissionRule, clock: Callable[[], float]
+    policy: str, on: bool, rule: AdmissionRule, clock: Callable[[], float], deadline_s: float
 ) -> CheapestFirst | None:
     """The router's (and `wim sim`'s) admission under `policy`: cheapest first with
-    `expected_wait` if `on` (`RouterConfig.cheapest_first`), else none."""
-    return CheapestFirst(rule, clock) if on and policy == "expected_wait" else None
+    `expected_wait` if `on` (`RouterConfig.cheapest_first`), else none. `deadline_s`: when the
+    router stops a job (`request_timeout_s`)."""
+    if not on or policy != "expected_wait":
+        return None
+    return CheapestFirst(rule, clock, deadline_s)
 
 
 def has_idle_replica(loads: Iterable[LoadReport]) -> bool:
@@ -130,16 +144,31 @@ class WaterLevel:
 OPEN = WaterLevel()  # everything admitted
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """Admission's answer on an arrival: its cost, whether it is admitted, and for one refused
+    because it would run past the deadline, the engine seconds it is expected to take (None:
+    refused, if so, for the water level)."""
+
+    cost: float
+    admitted: bool
+    too_long_s: float | None = None
+
+
 class CheapestFirst:
     """One router's books of arrivals and answers, and its admission decisions."""
 
-    def __init__(self, rule: AdmissionRule, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, rule: AdmissionRule, clock: Callable[[], float], deadline_s: float = math.inf
+    ) -> None:
         self.rule = rule
         self.clock = clock
+        self.deadline_s = deadline_s
         self._arrivals: deque[tuple[float, float]] = deque()  # (when, cost), oldest first
         self._count = 0  # arrivals booked since the rule began: the books' second clock
         self._costs: list[float] = []  # the window's arrival costs, sorted
-        self._answers: deque[tuple[float, float]] = deque()  # (when, cost) of jobs answered
+        # (when, cost, measured engine seconds over cost if known) of the jobs answered
+        self._answers: deque[tuple[float, float, float | None]] = deque()
         self._answered_s = 0.0  # their summed cost
         # When the fleet last fell short, and when its current spell of falling short began:
         # each as (seconds, arrivals) on the rule's two clocks.
@@ -147,12 +176,16 @@ class CheapestFirst:
         self._short_since = (math.inf, math.inf)
         self._credit = 0.0  # the marginal band's admissions owed
 
-    def admit(self, ledger: Ledger, work: Work) -> float | None:
-        """Book `work`'s arrival, costed (`arrival_cost`) and judged on the replicas as
-        `ledger` sees them (`has_idle_replica`): its cost if admitted, None if refused. The
-        router and `wim sim` both ask this."""
+    def admit(self, ledger: Ledger, work: Work) -> Verdict:
+        """Judge `work`'s arrival, costed (`arrival_cost`): refused if it would run past the
+        deadline at the fleet's pace, else booked and judged on the replicas as `ledger` sees
+        them (`has_idle_replica`). The router and `wim sim` both ask this."""
         cost = arrival_cost(ledger.profile, work, ledger.prefixes.values())
-        return cost if self.arrive(cost, idle=has_idle_replica(ledger.loads.values())) else None
+        self._forget(self.clock())
+        pace = self.pace()
+        if pace is not None and cost * pace > self.deadline_s:
+            return Verdict(cost, admitted=False, too_long_s=cost * pace)
+        return Verdict(cost, self.arrive(cost, idle=has_idle_replica(ledger.loads.values())))
 
     def arrive(self, cost: float, *, idle: bool = False) -> bool:
         """Book an arrival costing `cost`: whether it is admitted. `idle`: some replica could
@@ -182,10 +215,20 @@ class CheapestFirst:
         least the last `window_arrivals`."""
         return len(self._arrivals)
 
-    def answered(self, cost: float) -> None:
-        """A job admitted at `cost` was answered."""
-        self._answers.append((self.clock(), cost))
+    def answered(self, cost: float, took_s: float | None = None) -> None:
+        """A job admitted at `cost` was answered, in `took_s` seconds on its engine if known
+        (the engine's own measure, its wait for admission left out)."""
+        ratio = took_s / cost if took_s is not None and cost > 0 else None
+        self._answers.append((self.clock(), cost, ratio))
         self._answered_s += cost
+
+    def pace(self) -> float | None:
+        """The engine seconds an estimated second takes, as the answers in the books measured
+        it (their `PACE_QUANTILE`); None with fewer than `PACE_ANSWERS` measured."""
+        ratios = sorted(ratio for _, _, ratio in self._answers if ratio is not None)
+        if len(ratios) < PACE_ANSWERS:
+            return None
+        return ratios[int(PACE_QUANTILE * (len(ratios) - 1))]
 
     def fell_short(self) -> None:
         """The fleet fell short: a placement found no room on any replica, a replica refused

@@ -66,8 +66,9 @@ class Replay:
         self.ledger = Ledger(self.policy, profile, clock=lambda: self.now, estimate_prefixes=False)
         self._fresh = Fresh()  # when a refusal or a copy asks for the reports again
         # The router's admission at arrival (`Dispatcher`): `expected_wait`'s, if set on.
+        on, deadline_s = settings.cheapest_first, settings.deadline_s
         self.admission = cheapest_first(
-            self.policy.name, settings.cheapest_first, AdmissionRule(), lambda: self.now
+            self.policy.name, on, AdmissionRule(), lambda: self.now, deadline_s
         )
         # Documents whose copy is being read, by the query it opened for: the router reads
         # one copy of a document at a time, and a copy takes queries once read.
@@ -189,8 +190,9 @@ class Replay:
         not asked."""
         if self.admission is None or job.work.reads_only or job.cost is not None:
             return False
-        job.cost = self.admission.admit(self.ledger, job.work)
-        if job.cost is not None:
+        verdict = self.admission.admit(self.ledger, job.work)
+        if verdict.admitted:
+            job.cost = verdict.cost
             return False
         self.result.turned_away += 1
         self._refuse(job, now)
@@ -377,7 +379,8 @@ class Replay:
     def _done(self, job: Job, engine: Engine, now: float) -> None:
         assert job.first_token_s is not None
         if self.admission is not None and job.cost is not None:
-            self.admission.answered(job.cost)
+            # Its time on the engine, as a replica measures a job's (`Timings`).
+            self.admission.answered(job.cost, now - job.placed_s)
         request = job.request
         self.result.outcomes.append(
             Outcome(

@@ -168,3 +168,20 @@ def test_the_rule_is_off_when_turned_off_or_under_another_policy() -> None:
         assert router.fleet.admission is None
     _, router = make_service(FakeReplica("a"))
     assert router.fleet.admission is not None  # on by default, with expected_wait
+
+
+def test_a_job_past_the_deadline_at_the_engines_measured_pace_is_refused_413() -> None:
+    # Ten answers each reported taking 1,000 engine seconds: at that pace a one-shot job on
+    # DOCUMENT would run past the 900 s deadline, so it is refused as it arrives, whatever
+    # the fleet's load (an idle replica here), with what it would take.
+    replica = FakeReplica("a")
+    replica.took_s = 1000.0
+    client, _ = make_service(replica)
+    for _ in range(10):
+        assert one_shot(client, DOCUMENT)[0] == 200
+    status, body = one_shot(client, DOCUMENT)
+    assert (status, body["code"]) == (413, "too_long"), body
+    assert "past the request deadline of 900 s" in body["message"]
+    assert metric(client, "wim_admission_refused_total", code="too_long") == 1
+    assert metric(client, "wim_admission_refused_total", code="overloaded") == 0
+    assert jobs_on(replica) == 10

@@ -106,10 +106,14 @@ class WiMMetrics:
         self.event_loop_lag = event_loop_lag(self.registry)
         self.admission_refused = Counter(
             "wim_admission_refused",
-            "Requests refused (429) by cheapest-first admission while the fleet was short: "
-            "costlier than what the engines answer (docs/routing.md).",
+            "Requests refused by cheapest-first admission, by code: overloaded (429), costlier "
+            "than what the engines answer while the fleet was short; too_long (413), expected "
+            "to run past the request deadline at the engines' pace (docs/routing.md).",
+            ["code"],
             registry=self.registry,
         )
+        for code in ("overloaded", "too_long"):  # both exported from the start, at 0
+            self.admission_refused.labels(code)
         self.admission_level = Gauge(
             "wim_admission_water_level_seconds",
             "Cheapest-first admission's water level: arrivals costing more engine seconds "

@@ -37,7 +37,7 @@ from wim_service.serving.routing.sizing import JobSizer
 from wim_service.serving.routing.stored_kv import StoredKV
 from wim_service.serving.store import StoredSession
 from wim_service.wim.errors import ErrorCode, WiMError, logged_failure
-from wim_service.wim.events import ErrorEvent, WiMEvent
+from wim_service.wim.events import DoneEvent, ErrorEvent, WiMEvent
 from wim_service.wim.options import WiMOptions
 
 logger = logging.getLogger(__name__)
@@ -320,9 +320,11 @@ class Dispatcher:
         return job.replica, self.client.replica(job.replica).run(context or "", query, options)
 
     def _answered(self, cost: float | None, item: Item) -> None:
-        """Count a job's answer in admission's books once its `done` event passes."""
-        if item[1].type == "done":
-            self.fleet.answered(cost)
+        """Count a job's answer in admission's books once its `done` event passes, with its
+        time on the engine as the replica measured it (its wait for admission left out)."""
+        event = item[1]
+        if isinstance(event, DoneEvent):
+            self.fleet.answered(cost, event.timings.total_s - event.timings.queue_s)
 
     def _check_event(self, job: _Job, replica: str, event: WiMEvent) -> None:
         if isinstance(event, ErrorEvent):

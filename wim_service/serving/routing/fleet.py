@@ -81,7 +81,9 @@ class ReplicaFleet:
             config.cheapest_first_window_arrivals,
             config.cheapest_first_short_arrivals,
         )
-        self.admission = cheapest_first(policy.name, config.cheapest_first, rule, time.monotonic)
+        self.admission = cheapest_first(
+            policy.name, config.cheapest_first, rule, time.monotonic, config.request_timeout_s
+        )
         # Sessions opened as their first query was admitted (`admit`'s `opens`), with that
         # query's cost and when: the query is not asked again (`first_query`).
         self._opened: dict[str, tuple[float, float]] = {}
@@ -231,14 +233,24 @@ class ReplicaFleet:
 
     def admit(self, work: Work, *, opens: str | None = None) -> float | None:
         """Admit an arrival, `work` (a query, a one-shot job, a plain request), or refuse it
-        (429 `overloaded`): its cost as admitted, None if no rule admits. `opens`: the
-        session being opened as `work`, its first query, is admitted (`wim sim` opens a
-        session with its first query); that query is then not asked again."""
+        (429 `overloaded`; 413 `too_long` if it would run past the deadline): its cost as
+        admitted, None if no rule admits. `opens`: the session being opened as `work`, its
+        first query, is admitted (`wim sim` opens a session with its first query); that
+        query is then not asked again."""
         if self.admission is None:
             return None
-        cost = self.admission.admit(self.ledger, work)
-        if cost is None:
-            self.metrics.admission_refused.inc()
+        verdict = self.admission.admit(self.ledger, work)
+        if verdict.too_long_s is not None:
+            self.metrics.admission_refused.labels(ErrorCode.TOO_LONG.value).inc()
+            raise ServiceError(
+                ErrorCode.TOO_LONG,
+                f"this request would take about {verdict.too_long_s:.0f} s on the engines at "
+                "the pace they answer at, past the request deadline of "
+                f"{self.config.request_timeout_s:g} s; send a shorter document or prompt",
+            )
+        cost = verdict.cost
+        if not verdict.admitted:
+            self.metrics.admission_refused.labels(ErrorCode.OVERLOADED.value).inc()
             raise ServiceError(
                 ErrorCode.OVERLOADED,
                 "the engines are answering less than is asked and this request costs more "
@@ -258,10 +270,11 @@ class ReplicaFleet:
         held = self._opened.pop(session, None)
         return None if held is None else held[0]
 
-    def answered(self, cost: float | None) -> None:
-        """Work admitted at `cost` was answered (None: no rule admitted it)."""
+    def answered(self, cost: float | None, took_s: float | None = None) -> None:
+        """Work admitted at `cost` was answered (None: no rule admitted it), in `took_s` on
+        its engine if the replica measured it."""
         if self.admission is not None and cost is not None:
-            self.admission.answered(cost)
+            self.admission.answered(cost, took_s)
 
     def refused_by_replica(self, code: str) -> None:
         """A replica refused a call with `code`: for want of room (its queue or its KV
