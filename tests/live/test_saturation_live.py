@@ -1,10 +1,12 @@
 """A full service on the real stack (two engine replicas of 4 session slots, `MAIN`): placement
 refuses what finds no room (429), and once placements have kept finding none for
 `cheapest_first_short_s` (2 s in the suite's router) the router refuses the costliest arrivals
-first while cheap ones are still answered; emptied, it answers again."""
+first while cheap ones are still answered; emptied, it answers again. The engines' pace, by
+which the router refuses what would run past the deadline, is measured from their answers."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 
@@ -19,6 +21,7 @@ pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800)]
 LIVE_APP = MAIN
 TURNED_AWAY = "wim_admission_refused_total"
 WATER_LEVEL = "wim_admission_water_level_seconds"
+PACE = "wim_admission_pace"
 # The router's refusal by cheapest-first admission (`ReplicaFleet.admit`), not placement's.
 RULE = "costs more engine time than most"
 # Opens refused while the slots stay full, at most; each takes well under a second.
@@ -82,3 +85,8 @@ def test_a_full_service_answers_429_refuses_costliest_first_then_recovers(
     body = {"context": short_report, "query": QUERY, "options": OPTIONS}
     after = client.post("/wim", json=body)
     assert after.status_code == 200, after.text
+    # The pace: what the engines' own timings of their answers say an estimated second takes.
+    for _ in range(10):
+        assert cheap_completion(client) == 200
+    wait_for(lambda: not math.isnan(metric(client, PACE)), "the pace measured", 30)
+    assert 0.01 < metric(client, PACE) < 100

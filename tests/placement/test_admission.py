@@ -396,11 +396,14 @@ def test_the_pace_is_a_low_quantile_of_the_answers_measured_time_over_their_cost
     assert rule.pace() is None
 
 
-def paced(took_over_cost: float, deadline_s: float) -> tuple[CheapestFirst, Ledger]:
-    """A rule whose books hold `PACE_ANSWERS` answers measured at `took_over_cost` their cost,
-    with `deadline_s`, and an empty fleet's ledger (no replica: none idle)."""
+def paced(
+    took_over_cost: float, deadline_s: float, settings: AdmissionRule | None = None
+) -> tuple[CheapestFirst, Ledger]:
+    """A rule (of `settings`, the defaults if None) whose books hold `PACE_ANSWERS` answers
+    measured at `took_over_cost` their cost, with `deadline_s`, and an empty fleet's ledger (no
+    replica: none idle)."""
     clock = Clock()
-    rule = CheapestFirst(AdmissionRule(), clock, deadline_s)
+    rule = CheapestFirst(settings or AdmissionRule(), clock, deadline_s)
     for _ in range(PACE_ANSWERS):
         rule.answered(1.0, took_s=took_over_cost)
     return rule, Ledger(ExpectedWait(PROFILE), PROFILE, clock=clock)
@@ -420,6 +423,13 @@ def test_an_arrival_that_would_run_past_the_deadline_at_the_pace_is_refused_at_o
     assert rule.arrivals == 1
     rule, ledger = paced(0.5, deadline_s=1.9 * cost)
     assert rule.admit(ledger, plain) == Verdict(cost, admitted=True)
+    # Refused so while the fleet is short, the verdict says so.
+    rule, ledger = paced(2.0, deadline_s=1.9 * cost, settings=seconds_rule(short_s=60.0))
+    assert not rule.admit(ledger, plain).short
+    for now in (0.0, 60.0):  # falling short for `short_s`
+        rule.clock.now = now  # type: ignore[attr-defined]
+        rule.fell_short()
+    assert rule.admit(ledger, plain).short
     # With no measured pace nothing is refused for it, however long the job.
     rule = CheapestFirst(AdmissionRule(), Clock(), deadline_s=1e-3)
     assert rule.admit(ledger, plain).admitted

@@ -32,9 +32,12 @@ The rule, one `CheapestFirst` per router (and per `wim sim` replay), at the rout
 - Whatever the fleet's state, an arrival that would run past the request deadline even at the
   fleet's measured pace is refused at once (`Verdict.too_long_s`): its engine seconds, its
   cost times the pace (a low quantile, `PACE_QUANTILE`, of the answers' measured engine time
-  over their cost), over the deadline. Such a job held a replica until the deadline stopped it
-  and delayed what queued behind it; the pace, measured, keeps a profile of other hardware
-  from refusing work its engines finish in time.
+  over their cost), over the deadline. Such a job held a replica until the deadline stopped
+  it and delayed what queued behind it; the pace, measured, keeps a profile of other hardware
+  from refusing work its engines finish in time. The answers' time on their engines counts
+  the engines' own queues too, so while the fleet is short (`Verdict.short`) such a refusal
+  may be the load's as much as the job's: the router then answers `429` (retry later), else
+  `413`.
 - The water level is the largest cost at which the arrivals in the books (those of the last
   `window_s`, and at least the last `window_arrivals`), cheapest first, fit `slack` times the
   summed costs of the jobs answered since the oldest of them: the fleet's
@@ -148,11 +151,13 @@ OPEN = WaterLevel()  # everything admitted
 class Verdict:
     """Admission's answer on an arrival: its cost, whether it is admitted, and for one refused
     because it would run past the deadline, the engine seconds it is expected to take (None:
-    refused, if so, for the water level)."""
+    refused, if so, for the water level) and whether the fleet was short then (its pace may
+    then be its queues as much as its speed: the work may fit later)."""
 
     cost: float
     admitted: bool
     too_long_s: float | None = None
+    short: bool = False
 
 
 class CheapestFirst:
@@ -184,7 +189,8 @@ class CheapestFirst:
         self._forget(self.clock())
         pace = self.pace()
         if pace is not None and cost * pace > self.deadline_s:
-            return Verdict(cost, admitted=False, too_long_s=cost * pace)
+            now = self.clock()
+            return Verdict(cost, admitted=False, too_long_s=cost * pace, short=self.short(now))
         return Verdict(cost, self.arrive(cost, idle=has_idle_replica(ledger.loads.values())))
 
     def arrive(self, cost: float, *, idle: bool = False) -> bool:
@@ -243,14 +249,20 @@ class CheapestFirst:
         `now`."""
         return now[0] - then[0] <= self.rule.short_s or now[1] - then[1] < self.rule.short_arrivals
 
-    def level(self, now: float) -> WaterLevel:
-        """The water level at `now` (`OPEN` while the fleet is not short)."""
+    def short(self, now: float) -> bool:
+        """Whether the fleet has kept falling short long enough, as of `now`, for the rule to
+        act (see the module's doc)."""
         rule, at = self.rule, (now, self._count)
         spell_s, spell_arrivals = at[0] - self._short_since[0], at[1] - self._short_since[1]
         if not self._within_short(self._short_at, at):
+            return False
+        return spell_s >= rule.short_s and spell_arrivals >= rule.short_arrivals
+
+    def level(self, now: float) -> WaterLevel:
+        """The water level at `now` (`OPEN` while the fleet is not short)."""
+        if not self.short(now):
             return OPEN
-        if spell_s < rule.short_s or spell_arrivals < rule.short_arrivals:
-            return OPEN
+        rule = self.rule
         self._forget(now)
         if not self._answers:  # no measure of what the fleet answers: nothing to refuse by
             return OPEN

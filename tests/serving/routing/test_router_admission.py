@@ -185,3 +185,32 @@ def test_a_job_past_the_deadline_at_the_engines_measured_pace_is_refused_413() -
     assert metric(client, "wim_admission_refused_total", code="too_long") == 1
     assert metric(client, "wim_admission_refused_total", code="overloaded") == 0
     assert jobs_on(replica) == 10
+
+
+def test_while_short_a_job_past_the_deadline_is_refused_429_to_be_retried() -> None:
+    # The fleet short, then the pace measured at 1,000 engine seconds per estimated second:
+    # the pace may be the engines' queues as much as their speed, so the refusal is 429.
+    client, router, clock = short_service()
+    make_short(client, clock)
+    admission = router.fleet.admission
+    assert admission is not None
+    for _ in range(10):
+        admission.answered(1.0, took_s=1000.0)
+    status, body = one_shot(client, DOCUMENT)
+    assert (status, body["code"]) == (429, "overloaded"), body
+    assert "past the request deadline" in body["message"]
+    assert "retry later" in body["message"]
+    assert metric(client, "wim_admission_refused_total", code="overloaded") == 1
+
+
+async def test_the_pace_is_exported_once_measured() -> None:
+    _, router = await asyncio.to_thread(make_service, FakeReplica("a"))
+    pace = "wim_admission_pace"
+    await router.fleet.refresh_loads()
+    assert math.isnan(router.metrics.registry.get_sample_value(pace) or 0.0)
+    admission = router.fleet.admission
+    assert admission is not None
+    for took in range(1, 11):
+        admission.answered(2.0, took_s=float(took))  # 0.5x ... 5x the cost
+    await router.fleet.refresh_loads()
+    assert router.metrics.registry.get_sample_value(pace) == 0.5

@@ -104,23 +104,7 @@ class WiMMetrics:
         self._work(self.registry)
         self._copies(self.registry)
         self.event_loop_lag = event_loop_lag(self.registry)
-        self.admission_refused = Counter(
-            "wim_admission_refused",
-            "Requests refused by cheapest-first admission, by code: overloaded (429), costlier "
-            "than what the engines answer while the fleet was short; too_long (413), expected "
-            "to run past the request deadline at the engines' pace (docs/routing.md).",
-            ["code"],
-            registry=self.registry,
-        )
-        for code in ("overloaded", "too_long"):  # both exported from the start, at 0
-            self.admission_refused.labels(code)
-        self.admission_level = Gauge(
-            "wim_admission_water_level_seconds",
-            "Cheapest-first admission's water level: arrivals costing more engine seconds "
-            "are refused (+Inf while the fleet is not short, or the rule is off).",
-            registry=self.registry,
-        )
-        self.admission_level.set(math.inf)
+        self._admission(self.registry)
         self.maintenance_failures = Counter(
             "wim_maintenance_failures",
             "Steps of the router's maintenance loop that failed (each is logged with its "
@@ -147,9 +131,38 @@ class WiMMetrics:
             self.copy_queries.labels(role)
         for step in MAINTENANCE_STEPS:
             self.maintenance_failures.labels(step)
+        for code in ("overloaded", "too_long"):
+            self.admission_refused.labels(code)
         for relevant in ("true", "false"):
             for grounded in ("true", "false"):
                 self.margins.labels(relevant, grounded)
+
+    def _admission(self, r: CollectorRegistry) -> None:
+        """Cheapest-first admission's refusals, water level and pace."""
+        self.admission_refused = Counter(
+            "wim_admission_refused",
+            "Requests refused by cheapest-first admission, by code: overloaded (429), while "
+            "the fleet was short, costlier than what the engines answer or past the request "
+            "deadline at their pace; too_long (413), past the deadline at their pace with the "
+            "fleet not short (docs/routing.md).",
+            ["code"],
+            registry=r,
+        )
+        self.admission_level = Gauge(
+            "wim_admission_water_level_seconds",
+            "Cheapest-first admission's water level: arrivals costing more engine seconds "
+            "are refused (+Inf while the fleet is not short, or the rule is off).",
+            registry=r,
+        )
+        self.admission_level.set(math.inf)
+        self.admission_pace = Gauge(
+            "wim_admission_pace",
+            "Engine seconds an estimated second takes, as the answers measured it (the 10th "
+            "percentile of their engine time over their cost; NaN before ten answers): far "
+            "from 1, the router's cost profile is not the engines' hardware.",
+            registry=r,
+        )
+        self.admission_pace.set(math.nan)
 
     def _sessions(self, r: CollectorRegistry) -> None:
         """Requests, document sessions and the replicas' KV."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
@@ -158,9 +159,12 @@ class ReplicaFleet:
         return asyncio.get_running_loop().create_task(self._load_of(replica, self.ledger.mark()))
 
     def _export(self, loads: list[ReplicaLoad]) -> None:
-        """The replicas' reports, and the admission's water level, as the router's gauges."""
+        """The replicas' reports, and the admission's water level and pace, as the router's
+        gauges."""
         if self.admission is not None:
             self.metrics.admission_level.set(self.admission.level(self.admission.clock()).high)
+            pace = self.admission.pace()
+            self.metrics.admission_pace.set(math.nan if pace is None else pace)
         self.metrics.sessions_active.clear()
         self.metrics.resident_kv_tokens.clear()
         self.metrics.kv_reserved_blocks.clear()
@@ -241,13 +245,7 @@ class ReplicaFleet:
             return None
         verdict = self.admission.admit(self.ledger, work)
         if verdict.too_long_s is not None:
-            self.metrics.admission_refused.labels(ErrorCode.TOO_LONG.value).inc()
-            raise ServiceError(
-                ErrorCode.TOO_LONG,
-                f"this request would take about {verdict.too_long_s:.0f} s on the engines at "
-                "the pace they answer at, past the request deadline of "
-                f"{self.config.request_timeout_s:g} s; send a shorter document or prompt",
-            )
+            raise self._too_long(verdict.too_long_s, short=verdict.short)
         cost = verdict.cost
         if not verdict.admitted:
             self.metrics.admission_refused.labels(ErrorCode.OVERLOADED.value).inc()
@@ -263,6 +261,21 @@ class ReplicaFleet:
             self._opened = {s: held for s, held in self._opened.items() if held[1] >= since}
             self._opened[opens] = (cost, now)
         return cost
+
+    def _too_long(self, seconds: float, *, short: bool) -> ServiceError:
+        """The refusal of an arrival expected to take `seconds`, past the deadline: `413
+        too_long`, or while the fleet is short (its pace partly its queues) `429 overloaded`
+        with Retry-After."""
+        code = ErrorCode.OVERLOADED if short else ErrorCode.TOO_LONG
+        self.metrics.admission_refused.labels(code.value).inc()
+        message = (
+            f"this request would take about {seconds:.0f} s on the engines at the pace they "
+            f"answer at, past the request deadline of {self.config.request_timeout_s:g} s; "
+        )
+        if short:
+            message += "the engines are short of time now: retry later, or send a shorter one"
+            return ServiceError(code, message, self.config.retry_after_s)
+        return ServiceError(code, message + "send a shorter document or prompt")
 
     def first_query(self, session: str) -> float | None:
         """The cost a session's first query was admitted at as the session opened (None:
