@@ -440,3 +440,52 @@ def test_the_router_and_the_simulator_give_the_rule_their_deadline() -> None:
     assert rule is not None and rule.deadline_s == 900.0
     assert cheapest_first("round_robin", True, AdmissionRule(), Clock(), 900.0) is None
     assert cheapest_first("expected_wait", False, AdmissionRule(), Clock(), 900.0) is None
+
+
+def test_the_pace_counts_an_answer_without_cost_out_and_its_quantile_moves_at_eleven() -> None:
+    rule = CheapestFirst(AdmissionRule(), Clock())
+    rule.answered(0.0, took_s=1.0)  # no cost to measure against: booked, not in the pace
+    for took in range(1, 11):
+        rule.answered(1.0, took_s=float(took))
+    assert rule.pace() == 1.0  # ten: index 0.9, the least
+    rule.answered(1.0, took_s=0.5)
+    assert rule.pace() == 1.0  # eleven: index 1.0, the second least (0.5 is the least)
+
+
+def test_a_job_taking_exactly_the_deadline_is_admitted() -> None:
+    plain = Work(prompt_tokens=2000, answer_tokens=8)
+    cost = arrival_cost(PROFILE, plain, [])
+    rule, ledger = paced(2.0, deadline_s=2.0 * cost)
+    assert rule.admit(ledger, plain) == Verdict(cost, admitted=True)
+
+
+def test_admit_asks_whether_a_replica_in_the_ledger_could_start_it_at_once() -> None:
+    # Short, one 1 s answer at slack 1: a request of 20,000 tokens (several seconds) is over
+    # the level, and admitted only while the ledger's replica is idle.
+    rule, clock = short_fleet(slack=1.0)
+    answer(rule, 1.0)
+    ledger = Ledger(ExpectedWait(PROFILE), PROFILE, clock=clock)
+    idle = LoadReport("a", capacity_blocks=10, reserved_blocks=0, sessions=0, max_sessions=1)
+    busy = LoadReport("a", 10, 0, sessions=0, max_sessions=1, running=1)
+    plain = Work(prompt_tokens=20_000, answer_tokens=8)
+    for report, admitted in ((busy, False), (idle, True)):
+        ledger.take_reports(["a"], [report])
+        assert rule.admit(ledger, plain).admitted is admitted
+
+
+def test_an_answer_that_left_the_window_no_longer_counts_in_the_level() -> None:
+    # Two 4 s answers, the first at 0 s: once it has left, 4 s answered (not 8, nor 0) sets
+    # the level: at slack 1, two 3 s arrivals fit in two thirds.
+    clock = Clock()
+    rule = CheapestFirst(seconds_rule(window_s=10.0, short_s=10.0, slack=1.0), clock)
+    rule.fell_short()
+    rule.answered(4.0)
+    clock.now = 8.0
+    rule.answered(4.0)
+    clock.now = 10.0
+    rule.fell_short()
+    clock.now = 10.5
+    rule.fell_short()
+    rule.arrive(3.0)
+    rule.arrive(3.0)
+    assert figures(rule.level(10.5)) == pytest.approx((2.94, 3.06, 2 / 3))
