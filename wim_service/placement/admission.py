@@ -186,10 +186,10 @@ class CheapestFirst:
         deadline at the fleet's pace, else booked and judged on the replicas as `ledger` sees
         them (`has_idle_replica`). The router and `wim sim` both ask this."""
         cost = arrival_cost(ledger.profile, work, ledger.prefixes.values())
-        self._forget(self.clock())
+        now = self.clock()
+        self._forget(now)  # the pace of the answers still in the books
         pace = self.pace()
         if pace is not None and cost * pace > self.deadline_s:
-            now = self.clock()
             return Verdict(cost, admitted=False, too_long_s=cost * pace, short=self.short(now))
         return Verdict(cost, self.arrive(cost, idle=has_idle_replica(ledger.loads.values())))
 

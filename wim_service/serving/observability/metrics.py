@@ -9,6 +9,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from wim_service.serving.errors import STATUS
+from wim_service.wim.errors import ErrorCode
 from wim_service.wim.events import WiMEvent
 
 # `*_created` timestamp series only double the exposition; nothing reads them.
@@ -26,6 +27,8 @@ BINDING_RESULTS = ("hit", "new", "repin", "rejected")  # routing.bindings.BindRe
 COPY_ROLES = ("primary", "copy")
 # The router's maintenance loop's steps (`WiMRouter._maintain`).
 MAINTENANCE_STEPS = ("loads", "expiry", "holds", "claims", "idle_copies", "kv_store")
+# The codes cheapest-first admission refuses with (`ReplicaFleet.admit`).
+ADMISSION_REFUSALS = (ErrorCode.OVERLOADED.value, ErrorCode.TOO_LONG.value)
 
 
 # Why a restore loaded nothing (`engine/kv_transfer`); the document was read instead.
@@ -131,7 +134,7 @@ class WiMMetrics:
             self.copy_queries.labels(role)
         for step in MAINTENANCE_STEPS:
             self.maintenance_failures.labels(step)
-        for code in ("overloaded", "too_long"):
+        for code in ADMISSION_REFUSALS:
             self.admission_refused.labels(code)
         for relevant in ("true", "false"):
             for grounded in ("true", "false"):
@@ -145,7 +148,7 @@ class WiMMetrics:
             "the fleet was short, costlier than what the engines answer or past the request "
             "deadline at their pace; too_long (413), past the deadline at their pace with the "
             "fleet not short (docs/routing.md).",
-            ["code"],
+            ["code"],  # ADMISSION_REFUSALS
             registry=r,
         )
         self.admission_level = Gauge(
