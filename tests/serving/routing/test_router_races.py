@@ -1,6 +1,6 @@
 """The router's deadlines and races over fake replicas (no Ray, no engine): a job past its
 deadline, deletes, store outages and failovers that meet each other, TTLs and held sessions,
-transient replica errors and claims."""
+transient replica errors and claims, and streams closed as they run."""
 
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ from fastapi.testclient import TestClient
 from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica, SlowReader, job_events
 from tests.fakes.router import metric
 from tests.serving.routing.test_router_access import service
+from tests.serving.routing.test_router_deadlines import counted, router_over
 from wim_service.serving.errors import ServiceError
+from wim_service.serving.http.bodies import WiMRequest
 from wim_service.serving.ingress import build_http_app
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.routing.dispatcher import TRANSIENT_RETRIES
 from wim_service.serving.routing.documents import DocumentTable
 from wim_service.serving.routing.router import WiMRouter
 from wim_service.serving.store import MemorySessionStore, StoredSession, StoreUnavailable
-from wim_service.serving.tenants import (
-    ApiKeys,
-)
+from wim_service.serving.tenants import OPEN_TENANT, ApiKeys
 from wim_service.wim.events import WiMEvent
 from wim_service.wim.options import WiMOptions
 
@@ -299,3 +299,35 @@ def test_claims_name_only_the_sessions_bound_to_each_replica() -> None:
     asyncio.run(router._claim_documents())
     assert a.claimed == []
     assert json.dumps(a.claimed) == "[]"
+
+
+async def test_a_stream_closed_between_two_events_counts_as_cancelled() -> None:
+    # A streamed answer's client that leaves as a frame is sent closes the job's events
+    # between two of them (GeneratorExit), not while one is awaited (CancelledError): 499
+    # either way, as the live stack's disconnect test expects.
+    router = router_over(FakeReplica("a"))
+    try:
+        await router.fleet.refresh_loads()
+        body = WiMRequest(context=DOCUMENT, query="code?", stream=True)
+        _, items = await router.start_job(body, OPEN_TENANT)
+        await anext(items)
+        await items.aclose()  # type: ignore[attr-defined]
+    finally:
+        router.shutdown()
+    assert counted(router, "wim_requests_total", status="499") == 1
+    assert counted(router, "wim_requests_total", status="error") == 0
+
+
+async def test_a_job_closed_after_its_answer_stays_answered() -> None:
+    router = router_over(FakeReplica("a"))
+    try:
+        await router.fleet.refresh_loads()
+        _, items = await router.start_job(WiMRequest(context=DOCUMENT, query="q"), OPEN_TENANT)
+        async for _, event in items:
+            if event.type == "done":
+                break  # closed at its last event, before the stream's end
+        await items.aclose()  # type: ignore[attr-defined]
+    finally:
+        router.shutdown()
+    assert counted(router, "wim_requests_total", status="200") == 1
+    assert counted(router, "wim_requests_total", status="499") == 0

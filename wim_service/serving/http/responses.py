@@ -51,9 +51,9 @@ async def first_item(items: AsyncIterator[Item]) -> Item:
 
 async def with_late_errors(first: Item, items: AsyncIterator[Item]) -> AsyncIterator[Item]:
     """The whole job again (first event included); a late failure becomes an error event."""
-    yield first
     replica = first[0]
     try:
+        yield first  # closed here too, the job's events are closed with it
         async for replica, event in items:
             yield replica, event
     except WiMError as exc:

@@ -254,7 +254,7 @@ class WiMRouter:
         """`items` under the tenant's job limit (`lease` if taken already) and the request
         deadline, with metrics; the request's status is counted once it ends."""
         observer = JobObserver(self.metrics)
-        status = "error"
+        status: str | None = None  # until the job ends
         deadline = asyncio.get_running_loop().time() + self.config.router.request_timeout_s
         try:
             async with self.gate.job(tenant, lease):
@@ -276,11 +276,13 @@ class WiMRouter:
         except ServiceError as exc:
             status = str(exc.status)
             raise
-        except asyncio.CancelledError:
-            status = str(status_of(ErrorCode.CANCELLED))
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller went away: cancelled while it awaited the next event, or closed
+            # between two (a stream's client gone as a frame was sent) — unless it had ended.
+            status = status or str(status_of(ErrorCode.CANCELLED))
             raise
         finally:
-            observer.finish(status)
+            observer.finish(status or "error")
 
     def _check_size(self, text: str, tenant: Tenant) -> None:
         limit = self.config.router.max_document_chars
