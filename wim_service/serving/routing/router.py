@@ -277,8 +277,7 @@ class WiMRouter:
             status = str(exc.status)
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            # The caller went away: cancelled while it awaited the next event, or closed
-            # between two (a stream's client gone as a frame was sent) — unless it had ended.
+            # The caller left (cancelled in an await, or closed between two events) before the end.
             status = status or str(status_of(ErrorCode.CANCELLED))
             raise
         finally:
