@@ -1,6 +1,6 @@
 """Document KV that outlives its engine, on real engines (fp32, the default model).
 
-Engine process A reads a 2,400-token document segment by segment into a stored context, asks
+Engine process A reads a 1,200-token document segment by segment into a stored context, asks
 greedy margins and an answer, and is SIGKILLed with its whole process tree. A new engine
 process B restores the document: it computes at most one block and one token of it, and the
 same margins and answer come out token for token. With a directory store, B then runs each
@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.harness.kv_engine_proc import DTYPE_ENV
+from tests.harness.kv_engine_proc import DTYPE_ENV, SEGMENT_TOKENS
 from tests.harness.process_tree import ProcessTree
 from tests.harness.redis_server import RedisServer, redis_binary
 
@@ -128,7 +128,7 @@ def redis_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_a_restored_document_answers_token_for_token(runs: dict[str, dict[str, Any]]) -> None:
     saved, restored = runs["saved"], runs["restored"]
     tokens = saved["tokens"]
-    assert tokens >= 2000
+    assert tokens > 2 * SEGMENT_TOKENS  # three segments
     assert saved["saved_tokens"] == tokens // BLOCK * BLOCK  # every whole block
     restore = restored["restore"]
     assert restore["fallback"] is None and restore["holds_document"]
@@ -137,7 +137,7 @@ def test_a_restored_document_answers_token_for_token(runs: dict[str, dict[str, A
     assert restored["margins"] == saved["margins"]
     assert restored["answer"] == saved["answer"]
     # The margins and the answer read the restored blocks through the prefix cache.
-    ends = [*range(1000, tokens, 1000), tokens, tokens]
+    ends = [*range(SEGMENT_TOKENS, tokens, SEGMENT_TOKENS), tokens, tokens]
     assert restored["cached"] == [end // BLOCK * BLOCK for end in ends]
 
 
