@@ -1,7 +1,7 @@
 """Control-plane and store outages of the multi-node cluster (tests/harness/multinode.py) under
-the scenarios' load (tests/harness/faults.py): an engine node lost while the GCS is down, the
-head away for longer than Ray's default reconnect timeout, Redis restarting while an engine
-node is lost.
+the scenarios' load (tests/harness/faults.py): an engine node lost while the GCS is down, or
+while the head is away for longer than Ray's default reconnect timeout, and Redis restarting
+while an engine node is lost.
 
 The head away: its host lost whole (GCS, raylet, dashboard, Serve's controller and the head's
 proxy) and started again with the same `ray start --head` (docs/deploy.md, "What survives
@@ -110,34 +110,23 @@ def test_engine_node_loss_while_the_head_is_away(
     document: dict,
     record_property: Callable[[str, object], None],
 ) -> None:
+    """The head host lost for longer than Ray's default reconnect timeout, and with it the
+    engine node holding the session: the routers on the other hosts answer throughout from
+    the surviving engine, and the head restarted finds that engine's replica unrestarted
+    (with Ray's default 60 s its raylet would have exited)."""
     node = engine_node(cluster, document)
+    engines = {replica for replica, _ in cluster.replicas()["EngineReplica"]}
     outcome, rounds = through_head_outage(cluster, document, also=node)
     scenario = f"engine node lost while the head is away {HEAD_AWAY_S:.0f} s"
     more = f"; {rounds} rounds of questions{rebuild(document)}"
     report(record_property, scenario, outcome, normal_s, more)
     failed_over(outcome, document)
-
-
-@pytest.mark.replica_step(10)
-def test_head_away_longer_than_rays_default_reconnect_timeout(
-    cluster: Cluster,
-    normal_s: float,
-    document: dict,
-    record_property: Callable[[str, object], None],
-) -> None:
-    """No other fault: the routers and engines on the other hosts answer throughout, and the
-    head restarted finds them all (with Ray's default 60 s they would have exited)."""
-    engines = {replica for replica, _ in cluster.replicas()["EngineReplica"]}
-    outcome, rounds = through_head_outage(cluster, document, also=None)
-    scenario = f"head away {HEAD_AWAY_S:.0f} s (GCS, controller, its proxy)"
-    report(record_property, scenario, outcome, normal_s, f"; {rounds} rounds of questions")
-    assert not outcome.lost, outcome.lost
-    # The same engine replicas, never restarted: their raylets waited for the GCS.
-    assert {replica for replica, _ in cluster.replicas()["EngineReplica"]} == engines
+    survivor = engines - {document["replica"]}
+    assert survivor <= {replica for replica, _ in cluster.replicas()["EngineReplica"]}
     assert {a.body["replica"] for a in outcome.answers} <= engines
 
 
-@pytest.mark.replica_step(11)
+@pytest.mark.replica_step(10)
 def test_redis_restart_while_an_engine_node_is_lost(
     cluster: Cluster,
     normal_s: float,
