@@ -79,10 +79,11 @@ def _command(name: str, tmp: Path) -> list[str]:
     ("command", "signum", "working"),
     [
         # While the engine loads (run, bench) and once it is up (eval). The suite's time
-        # allows one engine-up case: each costs an engine start and a job.
-        ("run", signal.SIGTERM, None),
-        ("eval", signal.SIGTERM, "tasks x"),  # its first output once the engine is up
-        ("bench", signal.SIGINT, None),
+        # allows one engine-up case: each costs an engine start and a job. Without Ray, these
+        # run on the cluster tests' worker (`own_engines`), beside the shared engine's tests.
+        pytest.param("run", signal.SIGTERM, None, marks=pytest.mark.own_engines),
+        pytest.param("eval", signal.SIGTERM, "tasks x", marks=pytest.mark.own_engines),
+        pytest.param("bench", signal.SIGINT, None, marks=pytest.mark.own_engines),
         pytest.param("serve", signal.SIGINT, None, marks=pytest.mark.serving),
     ],
 )
