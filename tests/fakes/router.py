@@ -1,5 +1,5 @@
 """The real router and its HTTP app over fake replicas (`tests/fakes/replicas.py`), and what the
-tests read of it: a metric of its `/metrics` page."""
+tests read of it: a metric of its `/metrics` page, or one of its registry without a scrape."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def metric(client: TestClient, name: str, **labels: str) -> float:
         ):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def counted(router: WiMRouter, name: str, **labels: str) -> float:
+    """A sample of the router's metrics read from its registry, without a scrape (0 if none)."""
+    return router.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 class UnnoticedDeaths(FakeClient):

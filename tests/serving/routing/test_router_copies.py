@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.fake_service import ScriptedClient, ScriptedReplica
+from tests.fakes.router import counted
 from tests.serving.routing.test_router_store import Routers, open_document, query, routers  # noqa: F401
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.routing.router import WiMRouter
@@ -56,10 +57,6 @@ async def ask(router: WiMRouter, document_id: str) -> str:
     assert items[-1][1].type == "done"
     (replica,) = {replica for replica, _ in items}
     return replica
-
-
-def counted(router: WiMRouter, name: str, **labels: str) -> float:
-    return router.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 async def hot(router: WiMRouter, document_id: str, queries: int = 6) -> list[str]:

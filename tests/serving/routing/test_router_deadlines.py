@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi.testclient import TestClient
 
 from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica
+from tests.fakes.router import counted
 from tests.serving.routing.test_router_logic import metric
 from wim_service.serving.http.bodies import DocumentRequest, WiMRequest
 from wim_service.serving.http.responses import Item
@@ -73,10 +74,6 @@ def router_over(*replicas: FakeReplica, **router: object) -> WiMRouter:
     }
     config["router"].update(router)
     return WiMRouter(None, config, client=FakeClient(*replicas), http_host="127.0.0.1")
-
-
-def counted(router: WiMRouter, name: str, **labels: str) -> float:
-    return router.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 async def events_of(router: WiMRouter, document_id: str) -> list[Item]:

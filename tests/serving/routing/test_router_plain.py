@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.fake_service import PLAIN_ANSWER, ScriptedClient, ScriptedReplica
+from tests.fakes.router import counted
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.replica.plain import PlainParams
@@ -32,10 +33,6 @@ async def router_over(
     router = WiMRouter(None, config, client=client(*replicas), http_host="127.0.0.1")
     await router.fleet.refresh_loads()
     return router
-
-
-def counted(router: WiMRouter, name: str, **labels: str) -> float:
-    return router.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 async def test_a_plain_request_streams_from_its_replica_bound_while_it_runs() -> None:

@@ -15,9 +15,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.fakes.replicas import DOCUMENT, FakeClient, FakeReplica, SlowReader, job_events
-from tests.fakes.router import metric
+from tests.fakes.router import counted, metric
 from tests.serving.routing.test_router_access import service
-from tests.serving.routing.test_router_deadlines import counted, router_over
+from tests.serving.routing.test_router_deadlines import router_over
 from wim_service.serving.errors import ServiceError
 from wim_service.serving.http.bodies import WiMRequest
 from wim_service.serving.ingress import build_http_app
