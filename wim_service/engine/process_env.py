@@ -27,6 +27,12 @@ def configure_process_env(config: EngineConfig, rank: int = 0) -> None:
         os.environ[STORE_ENV] = config.kv_store
     if config.kv_store_max_gib is not None:
         os.environ[MAX_GIB_ENV] = str(config.kv_store_max_gib)
+    # OpenMP threads that sleep at once when a parallel region ends, instead of spinning for
+    # GNU OpenMP's default 300,000 rounds: the engine's threads share their cores with its own
+    # scheduler process and often with other engines, and a spinning thread takes the core
+    # the one it waits for needs: engines ran faster with it on 2 cores, alone and more so
+    # side by side (docs/deploy.md). A deployment may set its own.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # vLLM's own usage-stats reporting would try the network.
     os.environ["VLLM_NO_USAGE_STATS"] = "1"
