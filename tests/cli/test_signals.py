@@ -18,8 +18,10 @@ import os
 import signal
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -40,7 +42,12 @@ DOCUMENT = (
 QUERY = "What is the code of the night gate?"
 SERVE_PORT = 8771
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(int(START_TIMEOUT_S + 60))]
+# Ray waits a fixed 30 s for the raylet that `serve run` starts to register with its GCS
+# (ray/_private/node.py, not configurable), and on two cores busy with the cluster's tests that
+# ran out twice: Ray's start, not `wim serve`, failed. Such a start is tried once more.
+RAY_START_TIMED_OUT = "The current node timed out during startup"
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(int(2 * START_TIMEOUT_S + 60))]
 
 
 def _serve_config(path: Path) -> Path:
@@ -55,6 +62,25 @@ def _serve_config(path: Path) -> Path:
             deployment["num_replicas"] = 1
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def _started(
+    name: str, tmp: Path, until: Callable[[ProcessTree, list[psutil.Process]], bool]
+) -> ProcessTree:
+    """The command `name` started in a Ray cluster of its own (even where another one runs on
+    the machine) and run until `until` holds; started twice if Ray's own start timed out."""
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    for attempt in (1, 2):
+        tree = ProcessTree(_command(name, tmp), tmp / f"output-{attempt}.log", env)
+        try:
+            tree.wait_for(lambda running, tree=tree: until(tree, running), START_TIMEOUT_S)
+            return tree
+        except AssertionError:
+            tree.kill()
+            if attempt == 2 or not tree.printed(RAY_START_TIMED_OUT):
+                raise
+            print(f"wim {name}: Ray's start timed out; started again")
+    raise AssertionError("unreachable")
 
 
 def _command(name: str, tmp: Path) -> list[str]:
@@ -90,11 +116,8 @@ def _command(name: str, tmp: Path) -> list[str]:
 def test_signal_ends_the_whole_process_tree(
     command: str, signum: signal.Signals, working: str | None, tmp_path: Path
 ) -> None:
-    # A Ray cluster of its own, even where another one runs on the machine.
-    env = {**os.environ, "RAY_ADDRESS": "local"}
-    tree = ProcessTree(_command(command, tmp_path), tmp_path / "output.log", env)
+    tree = _started(command, tmp_path, lambda _, running: any(map(is_engine_core, running)))
     try:
-        tree.wait_for(lambda running: any(map(is_engine_core, running)), START_TIMEOUT_S)
         if working is not None:
             tree.wait_for(lambda _: tree.printed(working), START_TIMEOUT_S)
         took = tree.stop(signum, WITHIN_S)
@@ -122,17 +145,15 @@ def _get(url: str) -> int:
 
 
 @pytest.mark.serving
-@pytest.mark.timeout(int(3 * START_TIMEOUT_S))  # a start, a request, a stop
+@pytest.mark.timeout(int(4 * START_TIMEOUT_S))  # a start (or two), a request, a stop
 def test_serve_prints_requests_not_its_own_calls_and_ctrl_c_one_line(tmp_path: Path) -> None:
     """What `./run.sh` prints: after its ready line, no line per poll of the router (two per
     engine replica every poll) or per scrape, but the request; and a Ctrl-C that ends with
     `wim: stopped by SIGINT` alone, no thread dump, although Serve's own stop outlasts the
     watchdog's grace (lifecycle.py)."""
-    env = {**os.environ, "RAY_ADDRESS": "local"}
-    tree = ProcessTree(_command("serve", tmp_path), tmp_path / "output.log", env)
+    tree = _started("serve", tmp_path, lambda tree, _: tree.printed("wim_service ready at"))
     url = f"http://127.0.0.1:{SERVE_PORT}"
     try:
-        tree.wait_for(lambda _: tree.printed("wim_service ready at"), START_TIMEOUT_S)
         # Ready means the router had a load report: the replica had answered `load` polls.
         assert _get(url + "/metrics") == 200 and _get(url + "/healthz") == 200
         body = json.dumps({"context": DOCUMENT, "query": QUERY}).encode()
