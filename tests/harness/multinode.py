@@ -265,6 +265,10 @@ class Cluster:
             *("ip", "netns", "exec", node.netns, RAY, "start"),
             *("--node-ip-address", node.ip, "--temp-dir", str(self.ray_dir)),
             *("--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats"),
+            # No log monitor: it streams the node's logs to drivers, and this cluster has none
+            # (the test process talks HTTP), while it scans the log folder every 0.1 s, CPU
+            # that five nodes on two shared cores miss (docs/testing.md).
+            *("--include-log-monitor", "False"),
             *node.ray_args,
         ]
         if node.name == "head":
