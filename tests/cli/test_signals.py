@@ -70,7 +70,8 @@ def _started(
     """The command `name` started in a Ray cluster of its own (even where another one runs on
     the machine) and run until `until` holds; started twice if Ray's own start timed out."""
     env = {**os.environ, "RAY_ADDRESS": "local"}
-    for attempt in (1, 2):
+    attempt = 1
+    while True:
         tree = ProcessTree(_command(name, tmp), tmp / f"output-{attempt}.log", env)
         try:
             tree.wait_for(lambda running, tree=tree: until(tree, running), START_TIMEOUT_S)
@@ -79,8 +80,8 @@ def _started(
             tree.kill()
             if attempt == 2 or not tree.printed(RAY_START_TIMED_OUT):
                 raise
-            print(f"wim {name}: Ray's start timed out; started again")
-    raise AssertionError("unreachable")
+        print(f"wim {name}: Ray's start timed out; started again")
+        attempt += 1
 
 
 def _command(name: str, tmp: Path) -> list[str]:

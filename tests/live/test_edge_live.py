@@ -42,9 +42,8 @@ LIVE_APP = MAIN
 SLOTS = 8
 # Freed by the cancelled reads themselves, not by the orphan reaper, which would take 60 s
 # (`router.orphan_timeout_s`'s default): the bound is half that. How long it takes is a figure
-# the test records, not a bound (machines are shared): 4-6 s alone on two cores, 8-9 s beside
-# two busy engines (docs/reliability.md), up to 2 s of it the metrics' own lag (a load poll
-# and a page render, 1 s each here).
+# the test records, not a bound (machines are shared; the runs are in docs/reliability.md), up
+# to 2 s of it the metrics' own lag (a load poll and a page render, 1 s each here).
 FREED_WITHIN_S = 30.0
 
 
