@@ -120,3 +120,19 @@ async def test_a_running_session_reserves_more_blocks_beyond_the_session_limit()
     assert gate.load() == AdmissionLoad(1, 4, 10, 0)
     gate.release(4)
     assert gate.load() == AdmissionLoad(0, 0, 10, 0)
+
+
+async def test_a_waiter_cancelled_as_its_turn_comes_ends_cancelled_holding_nothing() -> None:
+    """Room comes and the waiting job's client leaves in the same turn of the loop. Python
+    3.11's `asyncio.wait_for` lost such a cancel: the job went on for nobody, holding a
+    session slot and its blocks."""
+    gate = KVAdmission(capacity_blocks=10, max_sessions=1, timeout_s=5)
+    await gate.acquire(1)
+    waiter = asyncio.create_task(gate.acquire(4))
+    await asyncio.sleep(0.01)
+    gate.release(1)
+    await asyncio.sleep(0)  # the room reaches the waiter; its cancel comes next
+    cancelled_while_waiting = waiter.cancel()
+    await asyncio.wait({waiter}, timeout=1)
+    assert waiter.cancelled() is cancelled_while_waiting
+    assert gate.load().sessions == (0 if cancelled_while_waiting else 1)

@@ -82,7 +82,8 @@ class KVAdmission:
                     )
                 turn.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(turn.wait(), remaining)
+                    async with asyncio.timeout(remaining):
+                        await turn.wait()
         finally:
             self._waiters.remove(turn)
             # The next in line may fit now (or may have been blocked only by this one).

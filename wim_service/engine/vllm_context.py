@@ -386,7 +386,8 @@ class VLLMContext:
                 self._inputs.put_nowait(None)
                 if not abort:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(self._spine), CLOSE_TIMEOUT_S)
+                        async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                            await asyncio.shield(self._spine)
                 if not self._spine.done():
                     self._spine.cancel()  # generate() aborts the request on cancellation
                     with contextlib.suppress(asyncio.CancelledError):

@@ -107,7 +107,7 @@ def _lifespan(router: WiMRouter) -> Callable[[FastAPI], AbstractAsyncContextMana
         try:
             yield
         finally:
-            await router.reach.stop()  # its peers stop counting it as a witness
+            await router.reach.withdraw()  # its peers stop counting it as a witness
             router.shutdown()  # Serve runs this when the router replica stops
 
     return lifespan

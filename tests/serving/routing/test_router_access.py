@@ -339,12 +339,12 @@ async def test_nothing_of_a_router_outlives_its_shutdown() -> None:
     _, router = service()
     router.start()
     assert await router.ready_replicas() == ["a"]  # starts the maintenance loop
-    background, monitor = router._background, router.loop_lag._task
-    assert background is not None and monitor is not None
+    background, monitor, probes = router._background, router.loop_lag._task, router.reach._watching
+    assert background is not None and monitor is not None and probes is not None
     router.shutdown()
     for _ in range(3):  # a cancelled task ends on its next turn of the loop
         await asyncio.sleep(0)
-    assert background.cancelled() and monitor.cancelled()
+    assert background.cancelled() and monitor.cancelled() and probes.cancelled()
 
 
 class ReadsPastTheirCancel(FakeReplica):

@@ -18,6 +18,7 @@ from wim_service.serving.routing.store_reach import (
     SERVE_FAILURES,
     SKEW_S,
     StoreCutOff,
+    StoreReach,
     cut_off_alone,
     held,
 )
@@ -269,8 +270,29 @@ def test_a_router_withdraws_its_reach_and_prunes_the_long_gone() -> None:
         while "r1" not in board.reaches:
             await asyncio.sleep(0.01)
         assert set(board.reaches) == {"r1"}
-        await leaving.reach.stop()
+        await leaving.reach.withdraw()
         assert board.reaches == {}
+
+    run(scenario)
+
+
+def test_a_probe_answered_as_the_router_stops_ends_the_probing() -> None:
+    """The probe's answer and the stop's cancel come in the same turn of the loop. Python
+    3.11's `asyncio.wait_for` then returned the answer and lost the cancel: the probes ran on
+    every second for good, and a loop's close waited on them (a test run hung 600 s)."""
+
+    async def scenario() -> None:
+        answer = asyncio.get_running_loop().create_future()
+        reach = StoreReach("r1", lambda: answer, Board())
+        reach.start()
+        while not reach.probed:
+            await asyncio.sleep(0)
+        answer.set_result(None)
+        reach.stop()
+        watching = reach._watching
+        assert watching is not None
+        await asyncio.wait({watching}, timeout=3 * PROBE_EVERY_S)
+        assert watching.cancelled()
 
     run(scenario)
 

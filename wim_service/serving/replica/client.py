@@ -64,7 +64,8 @@ class ServeReplicaClient(CallsByName):
         if not replicas:
             # The pinning router learns the replica set on the handle's first call.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.engine.load.remote(), 10)
+                async with asyncio.timeout(10):
+                    await self.engine.load.remote()
             replicas = live_replicas(ENGINE_DEPLOYMENT)
         return replicas
 

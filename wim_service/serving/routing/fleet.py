@@ -182,7 +182,8 @@ class ReplicaFleet:
                 self.metrics.replica_draining.labels(replica).set(1)
 
     async def _load_of(self, replica: str, mark: int) -> tuple[int, ReplicaLoad]:
-        load = await asyncio.wait_for(self.client.replica(replica).load(), LOAD_TIMEOUT_S)
+        async with asyncio.timeout(LOAD_TIMEOUT_S):
+            load = await self.client.replica(replica).load()
         return mark, ReplicaLoad.model_validate(load)
 
     def stop(self) -> None:

@@ -107,13 +107,7 @@ class WiMRouter:
         sizer.warm_up()
         # Its calls end when the fleet takes their replica for lost (`replica/watch.py`).
         self.dispatcher = Dispatcher(
-            self.fleet.watched,
-            self.fleet,
-            self.documents,
-            sizer,
-            self.config.router,
-            self.metrics,
-            self.gate,
+            self.fleet.watched, self.fleet, self.documents, sizer, router, self.metrics, self.gate
         )
         self.pdf = PdfExtractor(self.config.router)
         self._background: asyncio.Task[None] | None = None
@@ -148,9 +142,10 @@ class WiMRouter:
         self.reach.start()
 
     def shutdown(self) -> None:
-        """Nothing of this router outlives it: its loop monitor, maintenance loop, load calls
-        and PDF workers end."""
+        """Nothing of this router outlives it: its loop monitor, store probes, maintenance
+        loop, load calls and PDF workers end."""
         self.loop_lag.stop()
+        self.reach.stop()
         self.pdf.close()
         self.fleet.stop()
         if self._background is not None:
@@ -231,8 +226,8 @@ class WiMRouter:
             # A claim is answered from memory; one that does not come is retried next turn (a
             # replica reaps only after `orphan_timeout_s`), not waited for. The call is made
             # inside the task, so a turn cancelled before it starts leaves no call unawaited.
-            call = self.client.replica(replica).claim(ids, timeout)
-            return await asyncio.wait_for(call, CLAIM_TIMEOUT_S)
+            async with asyncio.timeout(CLAIM_TIMEOUT_S):
+                return await self.client.replica(replica).claim(ids, timeout)
 
         await asyncio.gather(*(claim(r, ids) for r, ids in held.items()), return_exceptions=True)
 
@@ -414,11 +409,12 @@ class WiMRouter:
         return await asyncio.to_thread(merge_replica_metrics, own, texts)
 
     async def _fetch_replica_metrics(self) -> dict[str, str]:
+        async def text_of(replica: str) -> str:
+            async with asyncio.timeout(10):
+                return await self.client.replica(replica).metrics_text()
+
         replicas = sorted(self.fleet.ledger.loads)
-        texts = await asyncio.gather(
-            *(asyncio.wait_for(self.client.replica(r).metrics_text(), 10) for r in replicas),
-            return_exceptions=True,
-        )
+        texts = await asyncio.gather(*map(text_of, replicas), return_exceptions=True)
         return {r: t for r, t in zip(replicas, texts, strict=True) if isinstance(t, str)}
 
 

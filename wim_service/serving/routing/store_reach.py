@@ -113,9 +113,8 @@ class GcsWitnesses:
         return f"{self.prefix}{name}".encode()
 
     async def _call(self, call: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        return await asyncio.wait_for(
-            call(*args, namespace=self.NAMESPACE, timeout=GCS_TIMEOUT_S), GCS_TIMEOUT_S
-        )
+        async with asyncio.timeout(GCS_TIMEOUT_S):
+            return await call(*args, namespace=self.NAMESPACE, timeout=GCS_TIMEOUT_S)
 
     async def publish(self, name: str, reached_at: float) -> None:
         value = repr(reached_at).encode()
@@ -185,7 +184,8 @@ class StoreReach:
         """Probe the store once; a reach is told to the peers. Whether it was reached."""
         self.probed, started = True, self.clock()
         try:
-            await asyncio.wait_for(self._probe(), PROBE_TIMEOUT_S)
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                await self._probe()
         except Exception as exc:  # any failure is a store this router does not reach
             logger.debug("session store probe failed: %s", exc)
             if self.failing_since is None:
@@ -257,10 +257,14 @@ class StoreReach:
             await self.probe()
             await asyncio.sleep(PROBE_EVERY_S)
 
-    async def stop(self) -> None:
-        """Stop probing and withdraw this router's reach: it is nobody's witness any more."""
+    def stop(self) -> None:
+        """Stop probing."""
         if self._watching is not None:
             self._watching.cancel()
+
+    async def withdraw(self) -> None:
+        """Stop probing and withdraw this router's reach: it is nobody's witness any more."""
+        self.stop()
         with contextlib.suppress(Exception):
             await self.witnesses.withdraw(self.name)
 
