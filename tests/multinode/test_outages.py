@@ -1,7 +1,9 @@
 """Control-plane and store outages of the multi-node cluster (tests/harness/multinode.py) under
-the scenarios' load (tests/harness/faults.py): an engine node lost while the GCS is down, or
-while the head is away for longer than Ray's default reconnect timeout, and Redis restarting
-while an engine node is lost.
+the scenarios' load (tests/harness/faults.py): an engine node lost while the head is away for
+longer than Ray's default reconnect timeout, and Redis restarting while an engine node is
+lost. While the head is away the GCS is down, so nobody tells the routers that the engine's
+actor died until it is back; an engine node lost while the GCS alone is down is no scenario
+of its own any more (docs/reliability.md, "Every scenario").
 
 The head away: its host lost whole (GCS, raylet, dashboard, Serve's controller and the head's
 proxy) and started again with the same `ray start --head` (docs/deploy.md, "What survives
@@ -27,7 +29,6 @@ from tests.harness.multinode import Cluster, Node
 
 pytestmark = [pytest.mark.serving, pytest.mark.multinode, pytest.mark.timeout(1500)]
 
-GCS_BACK_AFTER_S = 30.0
 HEAD_AWAY_S = 300.0 if os.environ.get("WIM_LONG_OUTAGE") == "1" else 90.0
 # Another round of questions this often while the head is away.
 ROUND_EVERY_S = 40.0
@@ -50,33 +51,6 @@ def failed_over(outcome: Outcome, document: dict) -> None:
 
 def rebuild(document: dict) -> str:
     return f"; the session's first read {document['open_s']:.1f} s"
-
-
-@pytest.mark.replica_step(8)
-def test_engine_node_loss_while_the_gcs_is_down(
-    cluster: Cluster,
-    normal_s: float,
-    document: dict,
-    record_property: Callable[[str, object], None],
-) -> None:
-    """The GCS killed, then the engine node holding the session; the GCS started again after
-    30 s. Nobody tells the routers that the engine's actor died until the GCS is back."""
-    node = engine_node(cluster, document)
-    gcs: list[Later] = []
-
-    def fault() -> None:
-        gcs.append(Later(GCS_BACK_AFTER_S, cluster.kill_gcs()))
-        cluster.kill_node(node)
-        gcs[0].start()
-
-    def heal() -> None:
-        gcs[0].wait()
-        cluster.start_node(node)
-
-    outcome = under_fault(cluster, document["document_id"], fault, heal)
-    scenario = f"engine node lost while the GCS is down (GCS back after {GCS_BACK_AFTER_S:.0f} s)"
-    report(record_property, scenario, outcome, normal_s, rebuild(document))
-    failed_over(outcome, document)
 
 
 def through_head_outage(cluster: Cluster, document: dict, also: Node | None) -> tuple[Outcome, int]:
