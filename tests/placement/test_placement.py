@@ -35,13 +35,17 @@ def test_the_shipped_profile_loads_and_costs_grow_with_tokens() -> None:
     assert PROFILE.decode.step_seconds(8, 10_000) > PROFILE.decode.step_seconds(1, 1000)
 
 
-def test_prefix_cache_matches_leading_blocks_and_evicts_the_oldest() -> None:
+def test_prefix_cache_matches_leading_blocks_and_evicts_tails_first() -> None:
+    """Past capacity the least recently used block leaves, and of one prompt its tail before
+    its head, as vLLM frees a request's blocks: what stays of a prompt is still a prefix."""
     cache = PrefixCache(4)
     cache.insert([1, 2, 3])
     assert cache.match([1, 2, 9, 3]) == 2
-    cache.insert([7, 8])  # 5 blocks > 4: block 1 (least recent) leaves
-    assert cache.match([1, 2]) == 0
-    assert cache.match([2, 3]) == 2
+    cache.insert([7, 8])  # 5 blocks > 4: the older prompt's tail, block 3, leaves
+    assert cache.match([1, 2, 3]) == 2 and cache.match([7, 8]) == 2
+    cache.insert([1])  # used again: the most recent block now
+    cache.insert([5, 6])  # two more leave: block 2, then [7, 8]'s tail
+    assert cache.match([1, 2]) == 1 and cache.match([7, 8]) == 1 and len(cache) == 4
 
 
 def test_expected_wait_prefers_a_cached_prefix_unless_its_replica_is_busier() -> None:

@@ -35,8 +35,10 @@ class PrefixCache:
 
     def insert(self, prefix: Sequence[int]) -> None:
         """Record `prefix` as cached and most recently used; evict the least recently used
-        blocks past capacity."""
-        for block in prefix:
+        blocks past capacity. Its blocks are touched tail first, so that its leading blocks
+        outlive its tail, as in vLLM, which frees a request's blocks in reverse order
+        (`vllm/v1/core/kv_cache_manager.py`): a tail without its head is no prefix."""
+        for block in reversed(prefix):
             self._blocks[block] = None
             self._blocks.move_to_end(block)
         while len(self._blocks) > self.capacity_blocks:
