@@ -198,7 +198,7 @@ def under_fault(
     whole."""
     answers, striking, struck = load(cluster, document_id, fault)
     heal()
-    cluster.wait_for(cluster.whole, "the cluster whole again", 600)
+    cluster.wait_whole("the cluster whole again")
     return Outcome(answers, struck - striking, struck, time.monotonic() - striking)
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import httpx
 import psutil
+import pytest
 
 from tests.harness.live_stack import auth, keys_json, wait_for
 from tests.harness.multinode_deploy import ENGINE_HOST, ROUTER_HOST, host_env, serve_config
@@ -59,6 +60,8 @@ HTTP_PORT = 8000
 # The default object store takes 30% of the machine's memory per node; the service passes
 # little through it.
 OBJECT_STORE_BYTES = 100 * 2**20
+# The head's logs whose tails a cluster that is not whole in time shows (`wait_whole`).
+LOGS_SHOWN_ON_FAILURE = ("gcs_server.out", "dashboard.log")
 
 
 def run_ip(*args: str, check: bool = True) -> str:
@@ -145,6 +148,17 @@ def free_subnet() -> str:
         if f" 10.77.{third}." not in used:
             return f"10.77.{third}"
     raise RuntimeError("no free 10.77.x.0/24")
+
+
+def head_log_tails(ray_dir: Path, lines: int = 40) -> str:
+    """The last `lines` of each of the head's `LOGS_SHOWN_ON_FAILURE` under Ray's temp dir."""
+    logs = ray_dir / "session_latest" / "logs"
+    tails = []
+    for name in LOGS_SHOWN_ON_FAILURE:
+        path = logs / name
+        text = path.read_text(errors="replace") if path.is_file() else "(none)"
+        tails.append(f"--- {path}, last {lines} lines:\n" + "\n".join(text.splitlines()[-lines:]))
+    return "\n".join(tails)
 
 
 @dataclass(frozen=True)
@@ -460,6 +474,15 @@ class Cluster:
         with self.client(timeout=10) as client:
             response = client.get("/readyz")
             return response.status_code == 200 and len(response.json()["replicas"]) == 2
+
+    def wait_whole(self, what: str, timeout: float = 600) -> None:
+        """Wait until the cluster is `whole`. A cluster that is not whole in time fails with the
+        tails of the head's GCS and dashboard logs: pytest keeps only its last three runs'
+        temporary directories, and CI keeps none."""
+        try:
+            self.wait_for(self.whole, what, timeout)
+        except pytest.fail.Exception as exc:
+            pytest.fail(f"{exc.msg}\n{head_log_tails(self.ray_dir)}")
 
     def node_of(self, deployment: str, replica_id: str) -> str:
         return dict(self.replicas()[deployment])[replica_id]

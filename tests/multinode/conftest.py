@@ -32,7 +32,7 @@ def cluster(
     try:
         cluster.start(redis_binary())
         cluster.deploy()
-        cluster.wait_for(cluster.whole, "two routers and two engines on their nodes", 600)
+        cluster.wait_whole("two routers and two engines on their nodes")
         yield cluster
     finally:
         cluster.teardown()

@@ -73,7 +73,7 @@ def through_head_outage(cluster: Cluster, document: dict, also: Node | None) -> 
         rounds += 1
     if also is not None:
         cluster.start_node(also)
-    cluster.wait_for(cluster.whole, "the cluster whole again", 600)
+    cluster.wait_whole("the cluster whole again")
     return Outcome(answers, struck - striking, struck, time.monotonic() - striking), rounds
 
 
