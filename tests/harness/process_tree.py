@@ -35,9 +35,25 @@ def ended(process: psutil.Process) -> bool:
 
 
 def _describe(process: psutil.Process) -> str:
-    with contextlib.suppress(psutil.Error):
-        return f"{process.pid} {process.name()} {' '.join(process.cmdline())[:120]}"
+    """Its pid, name, state and command line, and whether a SIGKILL waits for it: a survivor
+    the stop killed but the kernel has not ended yet is told from one it never killed."""
+    with contextlib.suppress(psutil.Error, OSError):
+        state = (
+            f"{process.status()}, SIGKILL {'pending' if _kill_pending(process.pid) else 'not sent'}"
+        )
+        return f"{process.pid} {process.name()} [{state}] {' '.join(process.cmdline())[:120]}"
     return f"{process.pid} (gone)"
+
+
+def _kill_pending(pid: int) -> bool:
+    """Whether SIGKILL is pending for the process: in its own or its group's mask
+    (/proc/PID/status), until the kernel has taken it up."""
+    masks = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        masks[key] = value.strip()
+    pending = int(masks.get("SigPnd", "0"), 16) | int(masks.get("ShdPnd", "0"), 16)
+    return bool(pending & (1 << (signal.SIGKILL - 1)))
 
 
 class ProcessTree:
