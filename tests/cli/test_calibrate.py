@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import TEST_ENGINE
+from wim_service.cli import calibrate as calibrate_command
 from wim_service.cli import main
 from wim_service.engine.calibration.fit import fit_restore
 from wim_service.engine.calibration.restores import QUICK_RESTORE_TOKENS
@@ -32,6 +35,24 @@ def test_bad_input_is_one_line_and_status_2(
     assert err.startswith("wim: ") and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_signal_stops_it_as_every_command_that_starts_an_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It runs under `run_command` (cli/lifecycle.py), whose stop on SIGTERM or SIGINT
+    tests/cli/test_cli.py checks: before, a SIGTERM ended it at once, and an EngineCore still
+    importing (its parent-death signal not yet set) outlived it."""
+    ran: list[str] = []
+
+    def run_command(main: Coroutine[Any, Any, int]) -> int:
+        ran.append(main.__qualname__)
+        main.close()
+        return 0
+
+    monkeypatch.setattr(calibrate_command, "run_command", run_command)
+    assert main(["calibrate", "--out", str(tmp_path / "p.json")]) == 0
+    assert ran == ["calibrate_profile.<locals>.write_profile"]
 
 
 @pytest.mark.engine

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from wim_service.cli.lifecycle import refused
+from wim_service.cli.lifecycle import refused, run_command
 from wim_service.engine.config import EngineConfig
 from wim_service.placement.profile import EngineProfile
 
@@ -56,18 +56,23 @@ def calibrate_profile(args: argparse.Namespace) -> int:
         raise ValueError("--profile is read with --restore-only only")
     try:  # vLLM: imported only when calibrating
         from wim_service.engine.calibration.fit import describe
-        from wim_service.engine.calibration.run import calibrate, calibrate_restore
+        from wim_service.engine.calibration.run import calibrate
     except ImportError as exc:  # a build without the engine's extras (vLLM)
         raise ValueError(f"cannot calibrate here: {exc}") from None
 
     config = EngineConfig.from_cli_args(args)
+    restore_into = None
     if args.restore_only:
         if args.profile is not None and not args.profile.is_file():
             raise ValueError(f"no profile file {args.profile}")
-        profile = calibrate_restore(config, EngineProfile.load(args.profile), quick=args.quick)
-    else:
-        profile = calibrate(config, quick=args.quick)
-    args.out.write_text(profile.model_dump_json(indent=2) + "\n", encoding="utf-8")
-    print("\n".join(describe(profile)))
-    print(f"wrote the engine profile to {args.out}")
-    return 0
+        restore_into = EngineProfile.load(args.profile)
+
+    async def write_profile() -> int:
+        profile = await calibrate(config, quick=args.quick, restore_into=restore_into)
+        args.out.write_text(profile.model_dump_json(indent=2) + "\n", encoding="utf-8")
+        print("\n".join(describe(profile)))
+        print(f"wrote the engine profile to {args.out}")
+        return 0
+
+    # A signal stops it as it stops every command that starts an engine (`cli/lifecycle.py`).
+    return run_command(write_profile())

@@ -1,14 +1,12 @@
 """A calibration run: start one engine, take every kind of sample on it, fit the profile.
 
-`calibrate` measures a profile from scratch (`wim calibrate --out FILE`); `calibrate_restore`
-measures only the restore cost into a profile measured before (`wim calibrate
---restore-only`). The engine runs with a temporary KV store of its own (`restores.py`) and
-always ends with the run.
+`calibrate` measures a profile from scratch (`wim calibrate --out FILE`), or only the restore
+cost into a profile measured before (`restore_into`, `wim calibrate --restore-only`). The
+engine runs with a temporary KV store of its own (`restores.py`) and always ends with the run.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import os
 from collections.abc import Sequence
@@ -107,10 +105,15 @@ async def calibrate_on(backend: VLLMBackend, *, quick: bool = False) -> EnginePr
     return build_profile(backend, samples, _max_load(load, os.getloadavg()))
 
 
-async def calibrate_async(
+async def calibrate(
     config: EngineConfig, *, quick: bool = False, restore_into: EngineProfile | None = None
 ) -> EngineProfile:
-    """`calibrate` inside a running event loop (`calibrate_restore` with `restore_into`)."""
+    """Start one engine with `config`, measure and fit its costs (with `restore_into`, only
+    its restores, into that profile), end the engine.
+
+    `quick` measures fewer sizes once each (for tests); how long each plan takes:
+    docs/routing.md ("wim sim", the calibration).
+    """
     from wim_service.engine.vllm_engine import VLLMBackend
 
     with temporary_kv_store(config) as stored:
@@ -129,20 +132,3 @@ async def calibrate_async(
             return restore_into.model_copy(update=update)
         finally:
             backend.shutdown()
-
-
-def calibrate(config: EngineConfig, *, quick: bool = False) -> EngineProfile:
-    """Start one engine with `config`, measure and fit its costs, end the engine.
-
-    `quick` measures fewer sizes once each (for tests); how long each plan takes:
-    docs/routing.md ("wim sim", the calibration). Call it outside an event loop (it runs its
-    own).
-    """
-    return asyncio.run(calibrate_async(config, quick=quick))
-
-
-def calibrate_restore(
-    config: EngineConfig, profile: EngineProfile, *, quick: bool = False
-) -> EngineProfile:
-    """`profile` with its restore cost measured (again) on an engine started with `config`."""
-    return asyncio.run(calibrate_async(config, quick=quick, restore_into=profile))
