@@ -6,9 +6,12 @@ Each test starts the console script in its own process group on the default mode
 as the command allows, waits for its EngineCore, signals the command's process alone (as
 `kill PID` does) and records every process the tree ever had (tests/harness/process_tree.py). The
 signal reaches `wim run` and `wim serve` while their engine still loads (the command blocked
-in vLLM's start-up), `wim eval` and `wim bench` once their engine works. SIGTERM and SIGINT
-are each sent to two commands. A `wim serve` that answered a request is stopped by Ctrl-C too,
-after what `./run.sh` prints while it runs is checked.
+in vLLM's start-up), `wim eval` once its engine works: SIGINT the first two, SIGTERM the last.
+A `wim serve` that answered a request is stopped by Ctrl-C too, after what `./run.sh` prints
+while it runs is checked. Every other command that starts an engine (`wim bench`,
+`wim calibrate`) stops through the same `run_command` as `wim run` and `wim eval`
+(wim_service/cli/lifecycle.py), whose handling of both signals tests/cli/test_cli.py checks
+without an engine.
 """
 
 from __future__ import annotations
@@ -94,23 +97,17 @@ def _command(name: str, tmp: Path) -> list[str]:
             WIM, "eval", "--lengths", "256", "--samples", "1", "--kinds", "needle",
             "--methods", "plain", "wim_none", "--out", str(tmp / "eval"), *ENGINE_FLAGS,
         ]  # fmt: skip
-    if name == "bench":
-        return [
-            WIM, "bench", "--context", str(document), "--repeat", "1", "--rounds", "1",
-            "--concurrency", "1", "--skip-reference", *ENGINE_FLAGS,
-        ]  # fmt: skip
     return [WIM, "serve", "--config", str(_serve_config(tmp / "serve_config.yaml"))]
 
 
 @pytest.mark.parametrize(
     ("command", "signum", "working"),
     [
-        # While the engine loads (run, bench) and once it is up (eval). The suite's time
-        # allows one engine-up case: each costs an engine start and a job. Without Ray, these
-        # run on the cluster tests' worker (`own_engines`), beside the shared engine's tests.
-        pytest.param("run", signal.SIGTERM, None, marks=pytest.mark.own_engines),
+        # While the engine loads (run) and once it is up (eval). The suite's time allows one
+        # case of each: each costs an engine start. Without Ray, these run on the cluster
+        # tests' worker (`own_engines`), beside the shared engine's tests.
+        pytest.param("run", signal.SIGINT, None, marks=pytest.mark.own_engines),
         pytest.param("eval", signal.SIGTERM, "tasks x", marks=pytest.mark.own_engines),
-        pytest.param("bench", signal.SIGINT, None, marks=pytest.mark.own_engines),
         pytest.param("serve", signal.SIGINT, None, marks=pytest.mark.serving),
     ],
 )
