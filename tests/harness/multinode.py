@@ -475,12 +475,14 @@ class Cluster:
             response = client.get("/readyz")
             return response.status_code == 200 and len(response.json()["replicas"]) == 2
 
-    def wait_whole(self, what: str, timeout: float = 600) -> None:
-        """Wait until the cluster is `whole`. A cluster that is not whole in time fails with the
-        tails of the head's GCS and dashboard logs: pytest keeps only its last three runs'
-        temporary directories, and CI keeps none."""
+    def wait_whole(
+        self, what: str, timeout: float = 600, also: Callable[[], bool] = lambda: True
+    ) -> None:
+        """Wait until the cluster is `whole` (and `also` holds). A cluster that is not in time
+        fails with the tails of the head's GCS and dashboard logs: pytest keeps only its last
+        three runs' temporary directories, and CI keeps none."""
         try:
-            self.wait_for(self.whole, what, timeout)
+            self.wait_for(lambda: self.whole() and also(), what, timeout)
         except pytest.fail.Exception as exc:
             pytest.fail(f"{exc.msg}\n{head_log_tails(self.ray_dir)}")
 

@@ -181,10 +181,10 @@ def test_head_loss_keeps_answering_and_the_cluster_deploys_again(
     assert all(a.attempts == 1 for a in outcome.answers), outcome.answers
     # Afterwards the control plane works again: a new deploy replaces the routers.
     cluster.deploy(router_memory=2**20)
-    cluster.wait_for(
-        lambda: cluster.whole() and not routers & {r for r, _ in cluster.replicas()["WiMRouter"]},
+    cluster.wait_whole(
         "new routers after the GCS restart",
         300,
+        also=lambda: not routers & {r for r, _ in cluster.replicas()["WiMRouter"]},
     )
     answer = ask(cluster, document["document_id"])
     assert answer.status == 200 and answer.attempts == 1, answer
