@@ -21,9 +21,16 @@ from wim_service.engine.config import EngineConfig
 from wim_service.wim.tokenizer import HFTokenizer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# The core each worker group's engines bind their threads to: the shared engine's group the
+# first, the engines the other group starts in processes of their own the last. Side by side,
+# two engines whose threads share both cores took ~1.45x the time and CPU of two on one core
+# each (docs/testing.md), and the two workers' engines run side by side most of the run.
+_CORES = sorted(os.sched_getaffinity(0))
+SHARED_ENGINE_CORE, OWN_ENGINE_CORE = str(_CORES[0]), str(_CORES[-1])
 # fp32: exact-equality tests need it (bf16 results shift with batch shape).
 TEST_ENGINE = EngineConfig(
     dtype="float32",
+    cpu_threads_bind=SHARED_ENGINE_CORE,
     max_model_len=4096,
     kv_cache_gib=1.0,
     max_sessions=12,

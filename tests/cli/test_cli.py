@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import EXAMPLES, TEST_ENGINE
+from tests.conftest import EXAMPLES, OWN_ENGINE_CORE, TEST_ENGINE
 from tests.harness.process_tree import ended
 from wim_service.cli.lifecycle import GRACE_S
 from wim_service.wim.backend import EngineLimits
@@ -44,7 +44,7 @@ def wim(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 def engine_flags(model_dir: Path) -> list[str]:
-    """The test engine's settings, as `wim run` flags."""
+    """The test engine's settings, as `wim run` flags, on the own-process engines' core."""
     return [
         "--model",
         str(model_dir),
@@ -54,6 +54,8 @@ def engine_flags(model_dir: Path) -> list[str]:
         str(TEST_ENGINE.max_model_len),
         "--kv-cache-gib",
         "0.5",
+        "--cpu-threads-bind",
+        OWN_ENGINE_CORE,
     ]
 
 
@@ -100,6 +102,7 @@ def test_a_bad_options_file_is_refused_with_status_2(
 
 
 @pytest.mark.engine
+@pytest.mark.own_engines
 @pytest.mark.timeout(1200)
 def test_run_json_with_model_relevance_and_segment_size(model_dir: Path, tokenizer) -> None:
     """One engine start: every `wim run` flag that shapes the job, checked in its output."""

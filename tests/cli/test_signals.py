@@ -28,6 +28,7 @@ import psutil
 import pytest
 import yaml
 
+from tests.conftest import OWN_ENGINE_CORE
 from tests.harness.process_tree import ProcessTree, is_engine_core
 
 WIM = str(Path(sys.executable).with_name("wim"))
@@ -36,8 +37,11 @@ ROOT = Path(__file__).resolve().parents[2]
 WITHIN_S = 10.0
 # Engines take ~30 s to start on an idle machine; Ray Serve's first replica ~60 s.
 START_TIMEOUT_S = 240.0
-# The smallest engine the default model runs with.
-ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib", "0.25"]
+# The smallest engine the default model runs with, on the own-process engines' core.
+ENGINE_FLAGS = [
+    *("--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib", "0.25"),
+    *("--cpu-threads-bind", OWN_ENGINE_CORE),
+]
 DOCUMENT = (
     "The night gate of the harbour office opens with code 4417. The day gate has no code. "
     "Deliveries arrive on Tuesdays and leave on Thursdays."
@@ -58,7 +62,9 @@ def _serve_config(path: Path) -> Path:
     config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": SERVE_PORT}
     application = config["applications"][0]
-    application["args"]["engine"].update(dtype="float32", max_model_len=2048, kv_cache_gib=0.25)
+    application["args"]["engine"].update(
+        dtype="float32", max_model_len=2048, kv_cache_gib=0.25, cpu_threads_bind=OWN_ENGINE_CORE
+    )
     for deployment in application["deployments"]:
         if deployment["name"] == "EngineReplica":
             deployment.pop("autoscaling_config", None)
@@ -103,12 +109,14 @@ def _command(name: str, tmp: Path) -> list[str]:
 @pytest.mark.parametrize(
     ("command", "signum", "working"),
     [
-        # While the engine loads (run) and once it is up (eval). The suite's time allows one
-        # case of each: each costs an engine start. Without Ray, these run on the cluster
-        # tests' worker (`own_engines`), beside the shared engine's tests.
+        # While the engine loads (run, serve) and once it is up (eval). The suite's time
+        # allows one case of each: each costs an engine start. Each starts what it runs, so
+        # all run on the cluster tests' worker (`own_engines`), beside the shared engine's.
         pytest.param("run", signal.SIGINT, None, marks=pytest.mark.own_engines),
         pytest.param("eval", signal.SIGTERM, "tasks x", marks=pytest.mark.own_engines),
-        pytest.param("serve", signal.SIGINT, None, marks=pytest.mark.serving),
+        pytest.param(
+            "serve", signal.SIGINT, None, marks=[pytest.mark.serving, pytest.mark.own_engines]
+        ),
     ],
 )
 def test_signal_ends_the_whole_process_tree(
@@ -143,6 +151,7 @@ def _get(url: str) -> int:
 
 
 @pytest.mark.serving
+@pytest.mark.own_engines
 @pytest.mark.timeout(int(4 * START_TIMEOUT_S))  # a start (or two), a request, a stop
 def test_serve_prints_requests_not_its_own_calls_and_ctrl_c_one_line(tmp_path: Path) -> None:
     """What `./run.sh` prints: after its ready line, no line per poll of the router (two per

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, OWN_ENGINE_CORE
 from wim_service.engine.config import EngineConfig
 from wim_service.engine.kv_transfer.keys import KVCipher, StoredDocument, master_key_from_env
 from wim_service.wim.backend import GenerationParams, RequestKind
@@ -42,6 +42,7 @@ def engine_config(store: str) -> EngineConfig:
         max_sessions=4,
         max_num_seqs=16,
         kv_store=store,
+        cpu_threads_bind=OWN_ENGINE_CORE,
     )
 
 
