@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import TEST_ENGINE
+from tests.conftest import OWN_ENGINE_CORE, TEST_ENGINE
 from wim_service.cli import calibrate as calibrate_command
 from wim_service.cli import main
 from wim_service.engine.calibration.fit import fit_restore
@@ -56,6 +56,7 @@ def test_a_signal_stops_it_as_every_command_that_starts_an_engine(
 
 
 @pytest.mark.engine
+@pytest.mark.own_engines
 @pytest.mark.timeout(600)
 def test_a_restore_only_calibration_measures_real_restores(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -68,7 +69,9 @@ def test_a_restore_only_calibration_measures_real_restores(
     base = EngineProfile.load().model_copy(update={"dtype": "float32", "restore": None})
     given, out = tmp_path / "base.json", tmp_path / "profile.json"
     given.write_text(base.model_dump_json())
-    flags = shlex.split(" ".join(TEST_ENGINE.cli_argv()))
+    # The tests' engine settings, on the own-process engines' core (tests/conftest.py).
+    engine = TEST_ENGINE.model_copy(update={"cpu_threads_bind": OWN_ENGINE_CORE})
+    flags = shlex.split(" ".join(engine.cli_argv()))
     argv = ["--restore-only", "--quick", "--profile", str(given), "--out", str(out), *flags]
     assert main(["calibrate", *argv]) == 0
     printed = capsys.readouterr().out.splitlines()
