@@ -448,6 +448,34 @@ async def test_streamed_text_stops_at_the_first_stop_string(
         ]
 
 
+async def _merged_chunks(ids: list[int], size: int) -> AsyncIterator[GenerationChunk]:
+    """`ids` in chunks of `size` tokens: what a reader slower than the engine receives."""
+    for start in range(0, len(ids), size):
+        last = start + size >= len(ids)
+        yield GenerationChunk(
+            ids[start : start + size], last, PromptCost(1, 0) if not start else None
+        )
+
+
+@pytest.mark.parametrize("size", [2, 3, 7, 100])
+async def test_where_a_generation_gives_up_does_not_depend_on_how_its_tokens_arrive(
+    tokenizer, size: int
+) -> None:
+    """A margin that names 212,000 stops on the token after it, whether the tokens come one
+    by one or several per chunk; the tokens received after that are still counted."""
+    ids = tokenizer.encode_user_text("The ferry carried 212,000 passengers. It sailed daily.").ids
+
+    def give_up(text: str) -> bool:
+        return "212,000 " in text
+
+    alone = await consume(_chunks(ids), tokenizer, stop=["\n\n"], give_up=give_up)
+    merged = await consume(_merged_chunks(ids, size), tokenizer, stop=["\n\n"], give_up=give_up)
+    assert alone.text.startswith("The ferry carried 212,000 pass") and "." not in alone.text
+    assert merged.text == alone.text
+    assert merged.token_ids == ids[: len(merged.token_ids)]
+    assert len(merged.token_ids) >= len(alone.token_ids)
+
+
 # -- the answer started beside the last margins (answer_early) ---------------------------------
 
 

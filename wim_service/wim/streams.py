@@ -41,34 +41,70 @@ async def consume(
     could still turn out to begin a stop string is held back from `on_text` (and from
     `give_up`) until resolved.
     """
-    ids: list[int] = []
-    text, emitted = "", 0
+    reader = _Reader(tokenizer, stop, give_up, on_text)
     cost: PromptCost | None = None
-    holdback = max((len(s) for s in stop), default=1) - 1
     try:
         async for chunk in stream:
             if cost is None:
                 cost = chunk.cost
-            first = not ids
-            ids.extend(chunk.token_ids)
-            if first and ids and keep_going is not None and not keep_going(ids[0]):
+            first = not reader.ids
+            if first and chunk.token_ids and keep_going and not keep_going(chunk.token_ids[0]):
+                reader.ids.extend(chunk.token_ids)
                 break
-            text = tokenizer.decode(ids)
-            cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-            # A trailing U+FFFD is an incomplete UTF-8 sequence: wait for its next token.
-            stable = len(text) if cut >= 0 or chunk.finished else len(text.rstrip("\ufffd"))
-            limit = stable if cut >= 0 or chunk.finished else max(stable - holdback, emitted)
-            if on_text is not None and limit > emitted:
-                on_text(text[emitted:limit])
-                emitted = limit
-            if cut >= 0 or (give_up is not None and give_up(text[:limit])):
+            if reader.read(chunk):
                 break
     finally:
         # Leaving early (stop string, NO first token, cancellation) aborts the request.
         await stream.aclose()  # type: ignore[attr-defined]
-    return Generated(ids, text, cost)
+    return Generated(reader.ids, reader.text, cost)
+
+
+class _Reader:
+    """The text of one generation so far, read a token at a time.
+
+    A reader slower than the engine gets several tokens in one chunk (vLLM merges the deltas
+    not yet taken). Each is judged as if it had come alone, so that where a generation stops,
+    and so its text, does not depend on the reader's timing.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        give_up: Callable[[str], bool] | None,
+        on_text: Callable[[str], None] | None,
+    ) -> None:
+        self.tokenizer, self.stop, self.give_up, self.on_text = tokenizer, stop, give_up, on_text
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []  # every token received, the text's and any after its stop
+        self.text = ""
+        self.emitted = 0  # how much of `text` went to `on_text`
+
+    def read(self, chunk: GenerationChunk) -> bool:
+        """Take `chunk`'s tokens one by one; True once the generation should stop."""
+        tokens = chunk.token_ids
+        for position in range(max(len(tokens), 1)):
+            self.ids.extend(tokens[position : position + 1])
+            if self._stops(finished=chunk.finished and position >= len(tokens) - 1):
+                # The tokens after the stop were generated (and are paid for) all the same.
+                self.ids.extend(tokens[position + 1 :])
+                return True
+        return False
+
+    def _stops(self, *, finished: bool) -> bool:
+        text = self.tokenizer.decode(self.ids)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text = text[:cut]
+        self.text = text
+        settled = cut >= 0 or finished
+        # A trailing U+FFFD is an incomplete UTF-8 sequence: wait for its next token.
+        stable = len(text) if settled else len(text.rstrip("\ufffd"))
+        limit = stable if settled else max(stable - self.holdback, self.emitted)
+        if self.on_text is not None and limit > self.emitted:
+            self.on_text(text[self.emitted : limit])
+            self.emitted = limit
+        return cut >= 0 or (self.give_up is not None and self.give_up(text[:limit]))
 
 
 async def stop_tasks(tasks: Sequence[asyncio.Task[Any]]) -> None:
