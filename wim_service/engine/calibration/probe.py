@@ -65,12 +65,14 @@ FULL = Plan(
     decode_repeats=1,
     decode_tokens=48,
 )
+# A smoke test of the whole calibration (the tests run it on the shared engine): every kind
+# of sample, two sizes of each, at sizes that take seconds on one core.
 QUICK = Plan(
-    prefill_new=(256, 1024, 2048),
-    prefill_cached=(0, 1024),
+    prefill_new=(256, 768, 1536),
+    prefill_cached=(0, 512),
     prefill_repeats=1,
-    decode_batches=(1, 8),
-    decode_contexts=(200, 1000),
+    decode_batches=(1, 4),
+    decode_contexts=(200, 500),
     decode_repeats=1,
     decode_tokens=24,
     query_documents=(1200,),
