@@ -215,25 +215,27 @@ async def test_purge_forgets_one_session_and_keeps_another(engine, report) -> No
         await b.close()
 
 
-async def test_over_long_input_is_refused_and_the_engine_lives(engine, report) -> None:
+async def test_over_long_input_is_refused_and_the_engine_lives(
+    engine, report, short_report
+) -> None:
     too_long = " ".join([report] * 5)  # ~6,000 tokens > the 4,096-token test window
     events = await run(engine, too_long)
     assert [e.type for e in events] == ["error"]
     assert events[0].code == ErrorCode.TOO_LONG.value and "4096" in events[0].message
     # The engine-level guard: pushes that would outgrow the window are refused before vLLM
-    # sees them (vLLM itself would die with EngineDeadError).
+    # sees them (vLLM itself would die with EngineDeadError). The refused push (~3,600
+    # tokens) fits the window alone: the guard counts what the context already holds.
     ids = engine.tokenizer.encode_user_text(report).ids
     context = await engine.open_context(reserve_blocks=300)
     try:
         await context.extend(ids)
-        await context.extend(ids)
         with pytest.raises(WiMError) as info:
-            await context.extend(ids * 2)
+            await context.extend(ids * 3)
         assert info.value.code is ErrorCode.TOO_LONG
     finally:
         await context.close()
     assert engine.healthy
-    events = await run(engine, report)
+    events = await run(engine, short_report)
     assert events[-1].type == "done"
 
 
