@@ -63,8 +63,9 @@ class _Reader:
     """The text of one generation so far, read a token at a time.
 
     A reader slower than the engine gets several tokens in one chunk (vLLM merges the deltas
-    not yet taken). Each is judged as if it had come alone, so that where a generation stops,
-    and so its text, does not depend on the reader's timing.
+    not yet taken). Where `give_up` may end the generation, each is judged as if it had come
+    alone, so that where a generation stops, and so its text, does not depend on the
+    reader's timing.
     """
 
     def __init__(
@@ -81,13 +82,17 @@ class _Reader:
         self.emitted = 0  # how much of `text` went to `on_text`
 
     def read(self, chunk: GenerationChunk) -> bool:
-        """Take `chunk`'s tokens one by one; True once the generation should stop."""
+        """Take `chunk`'s tokens; True once the generation should stop."""
         tokens = chunk.token_ids
-        for position in range(max(len(tokens), 1)):
-            self.ids.extend(tokens[position : position + 1])
-            if self._stops(finished=chunk.finished and position >= len(tokens) - 1):
+        # Where `give_up` is asked decides where the text ends, so then every token is a step
+        # of its own. Without it a chunk is one step: the same text, in fewer deltas.
+        ends = range(1, len(tokens) + 1) if self.give_up and tokens else [len(tokens)]
+        received = len(self.ids)
+        for end in ends:
+            self.ids[received:] = tokens[:end]
+            if self._stops(finished=chunk.finished and end == len(tokens)):
                 # The tokens after the stop were generated (and are paid for) all the same.
-                self.ids.extend(tokens[position + 1 :])
+                self.ids[received:] = tokens
                 return True
         return False
 
