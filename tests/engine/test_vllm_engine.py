@@ -148,10 +148,15 @@ async def test_margins_hit_every_full_context_block(engine, report) -> None:
         await context.close()
 
 
-async def test_margins_over_the_pinned_context_equal_a_fresh_recompute(engine, report) -> None:
-    """Margins read the spine's KV; recomputing each margin from scratch gives the same tokens."""
+async def test_margins_over_the_pinned_context_equal_a_fresh_recompute(
+    engine, short_report
+) -> None:
+    """Margins read the spine's KV; recomputing each margin from scratch gives the same tokens
+    (a few short segments: each recompute reads the whole context up to its segment again)."""
     builder = PromptBuilder(engine.tokenizer, OPTIONS.prompts)
-    plan = plan_document(builder, report, OPTIONS, engine.limits)
+    options = OPTIONS.model_copy(update={"segment_tokens": 128})
+    plan = plan_document(builder, short_report, options, engine.limits)
+    assert len(plan.segments) >= 3
     suffix = builder.margin_suffix(QUERY, RelevanceMode.FIRST_TOKEN)
     params = margin_params(builder, engine)
     pinned, fresh = [], []
@@ -290,11 +295,11 @@ async def test_cancelled_job_stops_early_and_leaves_nothing_behind(engine, repor
 
 async def test_margins_and_answers_run_ahead_of_queued_context_pushes(engine, report) -> None:
     """Priority scheduling: a parked document's margin and answer do not wait behind other
-    documents' prefill. In arrival order (FCFS) both would finish after all four pushes."""
+    documents' prefill. In arrival order (FCFS) both would finish after both pushes."""
     ids = engine.tokenizer.encode_user_text(f"{report}\n\n{report}").ids
     document, push = ids[:300], ids[:2100]  # a push is longer than one step's token budget
     parked = await engine.open_context(reserve_blocks=40)
-    others = [await engine.open_context(reserve_blocks=80) for _ in range(4)]
+    others = [await engine.open_context(reserve_blocks=80) for _ in range(2)]
     try:
         await parked.extend(document)
         started = time.monotonic()
@@ -310,7 +315,7 @@ async def test_margins_and_answers_run_ahead_of_queued_context_pushes(engine, re
             await context.close()
     spans = spans_since(engine, started)
     push_ends = [span.ended for span in spans if span.kind == "push"]
-    assert len(push_ends) == 4
+    assert len(push_ends) == 2
     for kind in (RequestKind.MARGIN, RequestKind.ANSWER):
         branch = next(span for span in spans if span.kind == kind.value)
         assert branch.finished
