@@ -411,9 +411,14 @@ async def test_document_session_answers_each_query_as_a_branch_with_its_notes(to
     ]
 
 
-async def _chunks(ids: list[int]) -> AsyncIterator[GenerationChunk]:
-    for i, token in enumerate(ids):
-        yield GenerationChunk([token], i == len(ids) - 1, PromptCost(1, 0) if i == 0 else None)
+async def _chunks(ids: list[int], size: int = 1) -> AsyncIterator[GenerationChunk]:
+    """`ids` in chunks of `size` tokens (more than one: what a reader slower than the engine
+    receives)."""
+    for start in range(0, len(ids), size):
+        last = start + size >= len(ids)
+        yield GenerationChunk(
+            ids[start : start + size], last, PromptCost(1, 0) if not start else None
+        )
 
 
 @pytest.mark.parametrize(
@@ -448,15 +453,6 @@ async def test_streamed_text_stops_at_the_first_stop_string(
         ]
 
 
-async def _merged_chunks(ids: list[int], size: int) -> AsyncIterator[GenerationChunk]:
-    """`ids` in chunks of `size` tokens: what a reader slower than the engine receives."""
-    for start in range(0, len(ids), size):
-        last = start + size >= len(ids)
-        yield GenerationChunk(
-            ids[start : start + size], last, PromptCost(1, 0) if not start else None
-        )
-
-
 @pytest.mark.parametrize("size", [2, 3, 7, 100])
 async def test_where_a_generation_gives_up_does_not_depend_on_how_its_tokens_arrive(
     tokenizer, size: int
@@ -469,7 +465,7 @@ async def test_where_a_generation_gives_up_does_not_depend_on_how_its_tokens_arr
         return "212,000 " in text
 
     alone = await consume(_chunks(ids), tokenizer, stop=["\n\n"], give_up=give_up)
-    merged = await consume(_merged_chunks(ids, size), tokenizer, stop=["\n\n"], give_up=give_up)
+    merged = await consume(_chunks(ids, size), tokenizer, stop=["\n\n"], give_up=give_up)
     assert alone.text.startswith("The ferry carried 212,000 pass") and "." not in alone.text
     assert merged.text == alone.text
     assert merged.token_ids == ids[: len(merged.token_ids)]
