@@ -1,6 +1,6 @@
 """Every command that starts an engine ends its whole process tree within 10 s of SIGTERM or
-SIGINT: the command, vLLM's EngineCore and its worker, and for `wim serve` Ray's own processes
-(gcs_server, raylet, its workers and their engines).
+SIGINT: the command, vLLM's EngineCore (its worker in the same process), and for `wim serve`
+Ray's own processes (gcs_server, raylet, its workers and their engines).
 
 Each test starts the console script in its own process group on the default model, as small
 as the command allows, waits for its EngineCore, signals the command's process alone (as

@@ -374,9 +374,10 @@ class Cluster:
 
     @staticmethod
     def engines_ended(node: Node, timeout_s: float) -> bool:
-        """Whether the node's engine replicas (Serve replica workers, vLLM's EngineCore and
-        workers) ended within `timeout_s`, without a kill. (Ray's per-node daemons outside
-        the raylet's tree, such as its log monitor, live on until the node is restarted.)"""
+        """Whether the node's engine replicas (Serve replica workers and vLLM's EngineCore,
+        which runs the model) ended within `timeout_s`, without a kill. (Ray's per-node daemons
+        outside the raylet's tree, such as its log monitor, live on until the node is
+        restarted.)"""
         deadline = time.monotonic() + timeout_s
         while any(map(_is_engine, netns_pids(node.netns))):
             if time.monotonic() > deadline:

@@ -1,11 +1,12 @@
 """Stop a command on SIGTERM or SIGINT: in order when it can, within `GRACE_S` in any case.
 
-A command's engine runs in child processes (vLLM's EngineCore and its worker; for `wim serve`
-a whole local Ray cluster). A command ended by SIGTERM's default action never reaches its
-`finally: backend.shutdown()`, and those processes live on with the model in memory (seen for
-83 minutes after a `pkill` of `wim eval`). asyncio's own way, cancelling the main task, waits
-for the event loop to get control back, and the engine's start blocks it for tens of
-seconds (docs/reliability.md, "Process hygiene: what a signal ends").
+A command's engine runs in child processes (vLLM's EngineCore, which also runs the model on
+a CPU; for `wim serve` a whole local Ray cluster). A command ended by SIGTERM's default
+action never reaches its `finally: backend.shutdown()`, and those processes live on with the
+model in memory (seen for 83 minutes after a `pkill` of `wim eval`). asyncio's own way,
+cancelling the main task, waits for the event loop to get control back, and the engine's
+start blocks it for tens of seconds (docs/reliability.md, "Process hygiene: what a signal
+ends").
 
 So either signal raises `Interrupted` (a KeyboardInterrupt, as Ctrl-C does without asyncio)
 wherever the main thread is: an engine start unwinds at once, and in the event loop

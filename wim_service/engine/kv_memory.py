@@ -20,10 +20,11 @@ from wim_service.engine.lifetime import die_with_multiprocessing_parent
 if TYPE_CHECKING:
     import torch
 
-# vLLM imports this module by name when a worker process starts, before the model loads: the
-# first code of ours there. A worker whose EngineCore was killed outright was seen running
-# for ~3 minutes more (vLLM's death pipe did not end it sooner); from here on the kernel ends
-# it with its EngineCore. A no-op in a main process (the front end, a Ray worker).
+# vLLM imports this module by name when a worker starts, before the model loads: in a worker
+# process of its own (a GPU's) the first code of ours there. A worker whose EngineCore was
+# killed outright was seen running for ~3 minutes more (vLLM's death pipe did not end it
+# sooner); from here on the kernel ends it with its EngineCore. In the EngineCore (a CPU's
+# worker) it repeats what the scheduler asked; a no-op in a main process (a Ray worker).
 die_with_multiprocessing_parent()
 
 EXTENSION = "wim_service.engine.kv_memory.KVMemoryExtension"

@@ -3,8 +3,9 @@
 vLLM starts its EngineCore with multiprocessing and never watches the parent: when the
 parent dies without calling `AsyncLLM.shutdown()` (SIGKILL, the OOM killer, a Ray worker
 whose raylet went away) the EngineCore lives on with parent pid 1 and the model in memory
-(seen for 83 minutes). Its workers watch the EngineCore through vLLM's death pipe, which did
-not end one for ~3 minutes. So each of them asks the kernel for SIGKILL on its parent's
+(seen for 83 minutes). Worker processes (a GPU's; on a CPU the model runs in the EngineCore
+itself, `process_env.start_async_llm`) watch the EngineCore through vLLM's death pipe, which
+did not end one for ~3 minutes. So each of them asks the kernel for SIGKILL on its parent's
 death, from the first code of ours that runs in it: `WiMScheduler.__init__` in the
 EngineCore, the import of `engine/kv_memory.py` (the workers' extension) in a worker.
 

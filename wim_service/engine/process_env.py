@@ -4,9 +4,16 @@ its engine-core process, which inherits it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from wim_service.engine.config import EngineConfig
 from wim_service.engine.kv_transfer.documents import MAX_GIB_ENV, STORE_ENV
+
+if TYPE_CHECKING:
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 
 def threads_bind(setting: str, rank: int = 0) -> str:
@@ -38,7 +45,51 @@ def configure_process_env(config: EngineConfig, rank: int = 0) -> None:
     os.environ["VLLM_NO_USAGE_STATS"] = "1"
     os.environ["DO_NOT_TRACK"] = "1"
     # How long vLLM's shutdown waits for a process to end before it kills it, at each level
-    # (the front end for its EngineCore, the EngineCore for its workers). Its 5 s default,
+    # (the front end for its EngineCore, the EngineCore for any worker processes). Its 5 s default,
     # nested, was the whole of a stopped command's exit time: an EngineCore takes longer than
     # that to end on SIGTERM, and defers it altogether while the model loads.
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "2")
+
+
+def start_async_llm(args: AsyncEngineArgs) -> AsyncLLM:
+    """`AsyncLLM.from_engine_args(args)` with the model run in the engine-core process itself.
+
+    On a CPU vLLM turns the in-process executor ("uni") into a process per worker ("mp"),
+    because OpenMP reads its thread count and binding once, when a process loads it: the
+    worker is spawned with them set. With one worker the engine core can be that process: the
+    same settings, from vLLM's own `OMPProcessManager`, are set while the engine core is
+    spawned. A process fewer per engine: one import of vLLM and one copy of the model's
+    process state fewer, and no shared-memory queue between two processes at every step
+    (docs/deploy.md, "On one machine", has the start time and memory it saves).
+    """
+    from vllm.platforms import current_platform
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if not current_platform.is_cpu() or args.distributed_executor_backend is not None:
+        return AsyncLLM.from_engine_args(args)
+    args.distributed_executor_backend = "uni"
+    with _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0"):  # read only by the platform's check
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
+        return AsyncLLM.from_vllm_config(
+            vllm_config,
+            usage_context=UsageContext.ENGINE_CONTEXT,
+            disable_log_stats=args.disable_log_stats,
+        )
+
+
+@contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """`values` set in this process's environment for the block, then as they were."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

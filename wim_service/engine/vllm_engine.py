@@ -22,7 +22,7 @@ from wim_service.engine.admission import AdmissionLoad, KVAdmission
 from wim_service.engine.config import EngineConfig
 from wim_service.engine.kv_transfer.documents import DocumentKV, store_url
 from wim_service.engine.kv_transfer.keys import StoredDocument
-from wim_service.engine.process_env import configure_process_env
+from wim_service.engine.process_env import configure_process_env, start_async_llm
 from wim_service.engine.request_params import (
     PRIORITY,
     check_window,
@@ -106,7 +106,6 @@ class VLLMBackend:
         from vllm import AsyncEngineArgs
         from vllm.config import KVTransferConfig
         from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         from wim_service.engine.kv_transfer.connector import connector_config
 
@@ -132,7 +131,7 @@ class VLLMBackend:
             # environment `configure_process_env` set.
             kv_transfer_config=KVTransferConfig(**connector_config()) if store_url() else None,
         )
-        engine = AsyncLLM.from_engine_args(args)
+        engine = start_async_llm(args)
         tokenizer = HFTokenizer(model, template_special_tokens=config.template_special_tokens)
         return cls(engine, config, tokenizer)
 
