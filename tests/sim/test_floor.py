@@ -69,6 +69,22 @@ def test_a_documents_first_query_reads_it_and_later_ones_find_it() -> None:
     )
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "sticky", "expected_wait"])
+def test_a_query_that_arrives_mid_read_waits_for_the_rest_of_it(policy: str) -> None:
+    """No replica holds a document's KV before its first read ends, and a read of the query's
+    own would end later: the floor waits, and no policy's replay answers sooner."""
+    trace = Trace("document", (_query(0, "a"), replace(_query(1, "a"), arrival_s=0.4)))
+    floors = ttft_floor(trace, PROFILE, SETTINGS)
+    read = PROFILE.prefill.seconds(3000)
+    assert read > 0.4
+    assert floors[1] == pytest.approx(read - 0.4 + _alone_on_its_copy(3))
+    result = simulate(trace, policy, 2, PROFILE, SETTINGS)
+    ttft = {o.index: o.first_token_s - o.arrival_s for o in result.outcomes}
+    # Within a millionth: the floor decodes its margins over a context rounded to whole tokens
+    # (`EngineProfile.lone_query_seconds`), the replay over the exact one.
+    assert ttft[1] >= floors[1] * (1 - 1e-6)
+
+
 def test_a_query_writes_the_margins_its_row_names() -> None:
     trace = Trace(
         "document", (_query(0, "a"), _query(1, "a", margins=1), _query(2, "a", margins=0))

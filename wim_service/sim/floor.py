@@ -4,6 +4,8 @@ Each request is costed alone on an idle replica that caches every prefix an earl
 of the trace prefilled (a cache without eviction) and, for a WiM query, holds its document if
 an earlier WiM query read it (the first one of each document reads it first, as every policy
 must): only its own prefill and margins remain, as the engine runs them alone (`alone_s`).
+A query that arrives while its document's first read still runs waits for the rest of it: no
+replica holds the document's KV sooner (a read of its own, begun later, would end later).
 No policy at any fleet size serves a request sooner under
 the profile's costs, so this floor tells what placement can still win on a trace: where the
 floor's p95 is above half of a policy's p95, no placement halves that p95.
@@ -30,19 +32,24 @@ def ttft_floor(trace: Trace, profile: EngineProfile, settings: SimSettings) -> d
     seen = PrefixCache(sys.maxsize)
     idle = ReplicaState("floor", free_blocks=0, free_sessions=0, prefix_cache=seen)
     floors: dict[int, float] = {}
-    read: set[str] = set()  # documents an earlier WiM query read
+    read_ends: dict[str, float] = {}  # document -> when its first read ends, at the soonest
     for request in trace.requests:
         work = work_for(request, profile, settings, trace.block_tokens)
         if work.kv_blocks + work.document_blocks > capacity:
             continue
         if request.margins is not None:  # the margins its row says are written
             work = replace(work, margins=request.margins)
-        first_read = work.document is not None and work.document not in read
+        document = work.document
+        first_read = document is not None and document not in read_ends
         if first_read:  # read from its text: nothing of it was saved yet
             work = replace(work, restorable=False)
-        floors[request.index] = alone_s(profile, work, idle, first_read=first_read)
-        if work.document is not None:
-            read.add(work.document)
+        floor = alone_s(profile, work, idle, first_read=first_read)
+        if document is not None and first_read:
+            read_s = profile.read_seconds(work.document_tokens, saved=False)
+            read_ends[document] = request.arrival_s + read_s
+        elif document is not None:  # the rest of its first read, if it still runs
+            floor += max(0.0, read_ends[document] - request.arrival_s)
+        floors[request.index] = floor
         seen.insert(work.prefix)
     return floors
 
