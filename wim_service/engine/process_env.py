@@ -70,7 +70,8 @@ def start_async_llm(args: AsyncEngineArgs) -> AsyncLLM:
     if not current_platform.is_cpu() or args.distributed_executor_backend is not None:
         return AsyncLLM.from_engine_args(args)
     args.distributed_executor_backend = "uni"
-    with _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0"):  # read only by the platform's check
+    with environ_kept("VLLM_ENABLE_V1_MULTIPROCESSING"):  # read only by the platform's check
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
         return AsyncLLM.from_vllm_config(
@@ -81,10 +82,9 @@ def start_async_llm(args: AsyncEngineArgs) -> AsyncLLM:
 
 
 @contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """`values` set in this process's environment for the block, then as they were."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
+def environ_kept(*names: str) -> Iterator[None]:
+    """The environment variables `names`, whatever the block sets, as they were after it."""
+    before = {name: os.environ.get(name) for name in names}
     try:
         yield
     finally:

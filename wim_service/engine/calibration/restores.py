@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from wim_service.engine.config import EngineConfig
 from wim_service.engine.kv_transfer.documents import STORE_ENV
 from wim_service.engine.kv_transfer.keys import MASTER_KEY_ENV
+from wim_service.engine.process_env import environ_kept
 from wim_service.placement.profile import RestoreSample
 from wim_service.wim.backend import KVRestore, StoredDocument
 
@@ -46,17 +47,12 @@ def temporary_kv_store(config: EngineConfig) -> Iterator[EngineConfig]:
     """`config` with a KV store of its own: a temporary directory sealed with a random master
     key, both removed afterwards, and the environment the engine start sets put back (a
     store or key already configured is never written to: it may hold customer KV)."""
-    saved = {name: os.environ.get(name) for name in (STORE_ENV, MASTER_KEY_ENV)}
-    try:
-        with tempfile.TemporaryDirectory(prefix="wim-kv-calibration-") as store:
-            os.environ[MASTER_KEY_ENV] = base64.b64encode(secrets.token_bytes(32)).decode()
-            yield config.model_copy(update={"kv_store": store})
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with (
+        environ_kept(STORE_ENV, MASTER_KEY_ENV),
+        tempfile.TemporaryDirectory(prefix="wim-kv-calibration-") as store,
+    ):
+        os.environ[MASTER_KEY_ENV] = base64.b64encode(secrets.token_bytes(32)).decode()
+        yield config.model_copy(update={"kv_store": store})
 
 
 async def read_document(
