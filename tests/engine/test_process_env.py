@@ -4,14 +4,10 @@ started)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
-from wim_service.engine.calibration.restores import temporary_kv_store
 from wim_service.engine.config import EngineConfig
-from wim_service.engine.kv_transfer.documents import STORE_ENV
-from wim_service.engine.kv_transfer.keys import MASTER_KEY_ENV
 from wim_service.engine.process_env import configure_process_env, environ_kept
 
 
@@ -40,14 +36,3 @@ def test_what_a_block_sets_in_the_environment_is_put_back(environ) -> None:
         raise RuntimeError("the block fails")
     assert environ["WIM_TEST_KEPT"] == "before"
     assert "WIM_TEST_ABSENT" not in environ
-
-
-def test_a_temporary_kv_store_leaves_neither_its_directory_nor_its_key(environ) -> None:
-    environ.pop(STORE_ENV, None)
-    environ[MASTER_KEY_ENV] = "the deployment's key"
-    with temporary_kv_store(EngineConfig()) as config:
-        assert config.kv_store is not None and Path(config.kv_store).is_dir()
-        assert environ[MASTER_KEY_ENV] != "the deployment's key"
-    assert not Path(config.kv_store).exists()
-    assert environ[MASTER_KEY_ENV] == "the deployment's key"
-    assert STORE_ENV not in environ

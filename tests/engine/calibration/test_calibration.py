@@ -4,6 +4,7 @@ every sample of its plan and fits its profile to them."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -24,7 +25,11 @@ from wim_service.engine.calibration.fit import (
 )
 from wim_service.engine.calibration.probe import Probe
 from wim_service.engine.calibration.queries import QUERY_PLACES, query_document
+from wim_service.engine.calibration.restores import temporary_kv_store
 from wim_service.engine.calibration.run import margin_prompt_tokens
+from wim_service.engine.config import EngineConfig
+from wim_service.engine.kv_transfer.documents import STORE_ENV
+from wim_service.engine.kv_transfer.keys import MASTER_KEY_ENV
 from wim_service.placement.profile import (
     DecodeCost,
     DecodeSample,
@@ -188,6 +193,19 @@ def kv_tokens(model_dir: Path, gib: float, block: int) -> int:
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 4
     return (int(gib * 2**30) // (per_token * block) - 1) * block
+
+
+def test_a_temporary_kv_store_leaves_neither_its_directory_nor_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(STORE_ENV, raising=False)
+    monkeypatch.setenv(MASTER_KEY_ENV, "the deployment's key")
+    with temporary_kv_store(EngineConfig()) as config:
+        assert config.kv_store is not None and Path(config.kv_store).is_dir()
+        assert os.environ[MASTER_KEY_ENV] != "the deployment's key"
+    assert not Path(config.kv_store).exists()
+    assert os.environ[MASTER_KEY_ENV] == "the deployment's key"
+    assert STORE_ENV not in os.environ
 
 
 @pytest.mark.engine
