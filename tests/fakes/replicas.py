@@ -33,6 +33,7 @@ from wim_service.wim.events import (
 from wim_service.wim.options import WiMOptions
 
 SEGMENTS = 3
+KV_BLOCK_TOKENS = 32  # vLLM's KV block on a CPU: what an engine saves and restores
 DOCUMENT = "The night gate code is 4417. " * 40
 
 
@@ -117,7 +118,9 @@ class FakeReplica:
         self.documents[document_id] = options
         self.opens.append((tenant, document_id, restore))
         tokens, key = len(document) // 4, (tenant, document_id)
-        restored = tokens if restore and self.kv_store is not None and key in self.kv_store else 0
+        stored = restore and self.kv_store is not None and key in self.kv_store
+        # As an engine restores: the whole blocks it saved, the tail past them computed.
+        restored = tokens // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS if stored else 0
         if self.kv_store is not None:
             self.kv_store.add(key)  # saved as it is read
         return DocumentOpened(context_tokens=tokens, segments=SEGMENTS, restored_tokens=restored)

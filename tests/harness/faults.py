@@ -38,9 +38,6 @@ RETRIES = 4
 # Questions kept in flight through a fault, and sent after it.
 IN_FLIGHT = 4
 AFTER = 4
-# vLLM's KV block on the CPU, in tokens: what the prefix cache and the KV store hold is whole
-# blocks of them.
-KV_BLOCK_TOKENS = 32
 CONNECT_TIMEOUT_S = 2.0
 # The longest the balancer waits for a proxy's next bytes (nginx's `proxy_read_timeout`): four
 # of the routers' heartbeats (`stream_heartbeat_s` in deploy/serve_config_multinode.yaml). A
@@ -271,15 +268,7 @@ def session_on(cluster: Cluster, text: str) -> Iterator[dict]:
 
 def from_pinned_kv(body: dict, document: dict) -> bool:
     """Answered from the session's KV (its whole blocks were cached), not a fresh read."""
-    whole = document["context_tokens"] // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
-    return body["usage"]["prompt_tokens_cached"] >= whole
-
-
-def restore_computes(context_tokens: int) -> int:
-    """The tokens a restore of a whole stored context still computes: the tail that fills no
-    whole block (blocks alone are cached and stored), or the last block when none is left
-    over (vLLM computes at least the last token of a prompt)."""
-    return context_tokens % KV_BLOCK_TOKENS or KV_BLOCK_TOKENS
+    return body["usage"]["prompt_tokens_cached"] >= (document["context_tokens"] // 32) * 32
 
 
 def per_router(client: httpx.Client, name: str, **labels: str) -> dict[str, float]:

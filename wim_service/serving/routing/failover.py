@@ -170,7 +170,10 @@ class SessionFailover:
             await close_unless_held(self.client, self.documents, replica, document_id)
             return
         self.metrics.binding.labels(BindResult.REPIN).inc()
-        # What was computed again; restored KV is not re-read (wim_kv_restored_tokens_total).
-        self.metrics.reprefill_tokens.inc(opened.context_tokens - opened.restored_tokens)
+        # What was read again: nothing if the document's KV was restored. A restore still
+        # computes what its stored blocks do not hold (at least the tail past the last whole
+        # block), and that is the restore's, not a re-read (docs/kv-store.md).
+        if not opened.restored_tokens:
+            self.metrics.reprefill_tokens.inc(opened.context_tokens)
         # Document ids stay out of logs at the default level (they name customers' data).
         logger.info("a document session moved %s -> %s (%s)", old, replica, reason)
