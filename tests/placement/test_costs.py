@@ -148,9 +148,9 @@ def test_a_one_shot_jobs_first_token_prefills_what_the_replica_does_not_cache() 
     assert first_token_s(PROFILE, work, replica) == pytest.approx(expected, rel=1e-12)
 
 
-def test_a_plain_request_is_charged_ten_times_the_prefill_its_replica_does_not_cache() -> None:
+def test_a_plain_request_is_charged_five_times_the_prefill_its_replica_does_not_cache() -> None:
     """Expected wait's cost of a plain request: its wait for the first token, plus
-    `RECOMPUTE_CHARGE` (10) times the prefill of the 1,488 tokens this replica does not
+    `RECOMPUTE_CHARGE` (5) times the prefill of the 1,488 tokens this replica does not
     cache after its 512."""
     work = Work(prompt_tokens=2000, answer_tokens=10, kv_blocks=70, prefix=(7, 8))
     cache = PrefixCache(4)
@@ -160,7 +160,7 @@ def test_a_plain_request_is_charged_ten_times_the_prefill_its_replica_does_not_c
     recompute = _prefill_s(1488, 512)
     assert policy.start_s(work, replica, copy=False) == pytest.approx(3.0 + recompute, rel=1e-12)
     cost = policy.cost_s(work, replica, copy=False)
-    assert cost == pytest.approx(3.0 + recompute + 10 * recompute, rel=1e-12)
+    assert cost == pytest.approx(3.0 + recompute + 5 * recompute, rel=1e-12)
 
 
 def test_a_holder_with_exactly_the_jobs_blocks_free_takes_it() -> None:

@@ -30,10 +30,11 @@ DEFAULT_MAX_COPIES = 64
 # Besides delaying what queues behind it, the recompute caches the prefix a second time,
 # evicting other prompts' blocks, so the next request of that prefix finds less; the prefix
 # holder is left only for one less busy by more than (1 + this) times the recompute. With
-# 1, `wim sim` of generated document traces reused prefixes less than `sticky`; 10 reuses at
-# least as much at about the same p95, and is slightly worse only in overload, where prefix
-# holders stay busier (the runs: docs/routing.md).
-RECOMPUTE_CHARGE = 10
+# 1, `wim sim` of generated document traces reused prefixes less than `sticky`. With 10 and
+# more, requests of Mooncake's trace queued behind busy prefix holders where KV was plenty
+# (400,000 tokens per replica), while 2 to 8 moved them and lowered p95 by 3-4%; elsewhere
+# 5 and 10 place alike or within a replay's own spread (the runs: docs/routing.md).
+RECOMPUTE_CHARGE = 5
 
 
 class PlacementPolicy(Protocol):
