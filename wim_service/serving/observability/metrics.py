@@ -248,8 +248,8 @@ class WiMMetrics:
         )
         self.reprefill_tokens = Counter(
             "wim_reprefill_tokens",
-            "Context tokens computed again to rebuild a session elsewhere (not those restored "
-            "from the KV store).",
+            "Context tokens read again from the document's text to rebuild a session elsewhere "
+            "(none for a rebuild that restored the document's KV from the store).",
             registry=r,
         )
         self.kv_store_bytes = Gauge(
