@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -113,6 +113,9 @@ class Answer:
     body: dict
     router: str
     ended: float  # monotonic seconds
+    # Why each attempt before the last was retried: its status (0: no HTTP answer), the router
+    # that answered it, if any, and its error, so that a failed assertion shows it.
+    retried_for: list[str] = field(default_factory=list)
 
 
 def ask(cluster: Cluster, document_id: str) -> Answer:
@@ -121,6 +124,7 @@ def ask(cluster: Cluster, document_id: str) -> Answer:
     started = time.monotonic()
     status, router, attempts = 0, "", 0
     body: dict = {}
+    retried_for: list[str] = []
     balancer = Balancer(cluster)
     try:
         while attempts < RETRIES:
@@ -130,14 +134,15 @@ def ask(cluster: Cluster, document_id: str) -> Answer:
                     "/wim", {**query_body(document_id), "stream": True}
                 )
             except httpx.TransportError as exc:
-                status, body = 0, {"error": repr(exc)}
+                status, router, body = 0, "", {"error": repr(exc)}
             if status == 200 or 0 < status < 500:
                 break
+            retried_for.append(f"{status} from {router or 'no router'}: {body.get('error')!s:.300}")
             time.sleep(1.0)
     finally:
         balancer.close()
     ended = time.monotonic()
-    return Answer(status, ended - started, attempts, body, router, ended)
+    return Answer(status, ended - started, attempts, body, router, ended, retried_for)
 
 
 @dataclass
