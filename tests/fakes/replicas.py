@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+from wim_service.engine.config import EngineConfig
 from wim_service.serving.replica.client import ReplicaLost
 from wim_service.serving.replica.contracts import DocumentOpened, OpenResult, ReplicaLoad
 from wim_service.serving.replica.plain import PlainParams
@@ -33,7 +34,8 @@ from wim_service.wim.events import (
 from wim_service.wim.options import WiMOptions
 
 SEGMENTS = 3
-KV_BLOCK_TOKENS = 32  # vLLM's KV block on a CPU: what an engine saves and restores
+# An engine's KV block, in tokens: what it saves and restores.
+KV_BLOCK_TOKENS = EngineConfig().block_size
 DOCUMENT = "The night gate code is 4417. " * 40
 
 
