@@ -192,14 +192,21 @@ async def test_a_fault_at_every_await_point_gives_the_reservation_back(
 
 
 async def test_document_planning_leaves_the_event_loop_free(tokenizer, report) -> None:
-    huge = "\n\n".join([report] * 120)  # ~170k tokens: refused as too long, after tokenizing
     builder = PromptBuilder(tokenizer, options().prompts)
     backend = FakeBackend(tokenizer, script)
-    started = time.perf_counter()
-    with pytest.raises(Exception, match="does not fit"):
-        prepare_job(builder, huge, options(), backend.limits, QUERY)
-    planning = time.perf_counter() - started
-    assert planning > 0.3  # long enough for a blocked loop to show
+    # A document big enough that planning it inline would block the loop for 0.3 s or more
+    # on this machine: a fast machine gets a longer one rather than a weaker check.
+    copies = 120  # ~170k tokens: refused as too long, after tokenizing
+    for _ in range(5):
+        huge = "\n\n".join([report] * copies)
+        started = time.perf_counter()
+        with pytest.raises(Exception, match="does not fit"):
+            prepare_job(builder, huge, options(), backend.limits, QUERY)
+        planning = time.perf_counter() - started
+        if planning > 0.3:
+            break
+        copies *= 2
+    assert planning > 0.3, (copies, planning)  # long enough for a blocked loop to show
 
     ticks: list[float] = []
 
