@@ -39,32 +39,29 @@ def ttft_floor(trace: Trace, profile: EngineProfile, settings: SimSettings) -> d
             continue
         if request.margins is not None:  # the margins its row says are written
             work = replace(work, margins=request.margins)
-        document = work.document
-        first_read = document is not None and document not in read_ends
-        if first_read:  # read from its text: nothing of it was saved yet
-            work = replace(work, restorable=False)
-        floor = alone_s(profile, work, idle, first_read=first_read)
-        if document is not None and first_read:
+        document, read_s = work.document, 0.0
+        if document is not None and document not in read_ends:
+            # Its first read, from its text: nothing of it was saved yet.
             read_s = profile.read_seconds(work.document_tokens, saved=False)
             read_ends[document] = request.arrival_s + read_s
-        elif document is not None:  # the rest of its first read, if it still runs
+        floor = read_s + alone_s(profile, work, idle)
+        if document is not None and not read_s:  # the rest of its first read, if it runs
             floor += max(0.0, read_ends[document] - request.arrival_s)
         floors[request.index] = floor
         seen.insert(work.prefix)
     return floors
 
 
-def alone_s(profile: EngineProfile, work: Work, idle: ReplicaState, *, first_read: bool) -> float:
-    """`work`'s first token alone on the idle replica, as its engine gives it: a document query
-    reads its document first if `first_read`, then its margins and its answer's prefill with
-    the margins' notes (`EngineProfile.lone_query_seconds`). The policy's own estimate
-    (`first_token_s`) leaves the notes out, which only shifts every holder alike; a floor
-    that left them out would not be one any placement can reach."""
+def alone_s(profile: EngineProfile, work: Work, idle: ReplicaState) -> float:
+    """`work`'s first token alone on the idle replica, its document (if any) held, as its
+    engine gives it: a document query's margins and its answer's prefill with the margins'
+    notes (`EngineProfile.lone_query_seconds`). The policy's own estimate (`first_token_s`)
+    leaves the notes out, which only shifts every holder alike; a floor that left them out
+    would not be one any placement can reach."""
     if work.document is None:
         return first_token_s(profile, work, idle)
-    read = profile.read_seconds(work.document_tokens, saved=work.restorable) if first_read else 0.0
     query_tokens = work.prompt_tokens - work.document_tokens
-    return read + profile.lone_query_seconds(
+    return profile.lone_query_seconds(
         work.document_tokens, query_tokens, work.margins, work.margin_tokens
     )
 
