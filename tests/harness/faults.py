@@ -31,6 +31,7 @@ import pytest
 
 from tests.harness.live_stack import OPTIONS, auth, metric_in, parse_sse, query_body, settled
 from tests.harness.multinode import HTTP_PORT, Cluster
+from tests.harness.multinode_deploy import serve_config
 from wim_service.serving.errors import status_of
 
 # A request is lost when it has no answer after this many attempts, 1 s apart.
@@ -273,7 +274,8 @@ def session_on(cluster: Cluster, text: str) -> Iterator[dict]:
 
 def from_pinned_kv(body: dict, document: dict) -> bool:
     """Answered from the session's KV (its whole blocks were cached), not a fresh read."""
-    return body["usage"]["prompt_tokens_cached"] >= (document["context_tokens"] // 32) * 32
+    block = serve_config()["applications"][0]["args"]["engine"]["block_size"]  # the cluster's
+    return body["usage"]["prompt_tokens_cached"] >= document["context_tokens"] // block * block
 
 
 def per_router(client: httpx.Client, name: str, **labels: str) -> dict[str, float]:

@@ -29,13 +29,14 @@ import pytest
 from tests.harness.kv_engine_proc import DTYPE_ENV, SEGMENT_TOKENS
 from tests.harness.process_tree import ProcessTree
 from tests.harness.redis_server import RedisServer, redis_binary
+from wim_service.engine.config import EngineConfig
 
 # Four engine starts and several reads of the document: minutes on two busy cores. None uses
 # the shared engine, so they run on the cluster tests' worker, which has time to spare.
 pytestmark = [pytest.mark.engine, pytest.mark.own_engines, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[3]
-BLOCK = 32
+BLOCK = EngineConfig().block_size  # the engine process's (`kv_engine_proc.engine_config`)
 
 
 def _results(tree: ProcessTree) -> dict[str, dict[str, Any]]:
