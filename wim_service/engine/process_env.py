@@ -3,6 +3,7 @@ its engine-core process, which inherits it."""
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,6 +70,7 @@ def start_async_llm(args: AsyncEngineArgs) -> AsyncLLM:
 
     if not current_platform.is_cpu() or args.distributed_executor_backend is not None:
         return AsyncLLM.from_engine_args(args)
+    args = copy.copy(args)  # the caller's stay as given
     args.distributed_executor_backend = "uni"
     with environ_kept("VLLM_ENABLE_V1_MULTIPROCESSING"):  # read only by the platform's check
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
