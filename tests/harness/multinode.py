@@ -410,17 +410,22 @@ class Cluster:
 
     # -- the cluster's state, through the dashboard --------------------------------------
 
-    def alive_nodes(self) -> set[str]:
-        """Names of the nodes the GCS counts alive."""
+    def raylets(self) -> dict[str, str]:
+        """The raylets the GCS counts alive: node id -> node name. A node started again has a
+        new id, and its old raylet counts alive until the GCS finds it gone."""
         response = self.http.get(f"{self.dashboard}/api/v0/nodes", params={"limit": 100})
         if response.status_code != 200:
-            return set()
+            return {}
         by_ip = {node.ip: node.name for node in self.nodes.values()}
         return {
-            by_ip[row["node_ip"]]
+            row["node_id"]: by_ip[row["node_ip"]]
             for row in response.json()["data"]["result"]["result"]
             if row["state"] == "ALIVE" and row["node_ip"] in by_ip
         }
+
+    def alive_nodes(self) -> set[str]:
+        """Names of the nodes the GCS counts alive."""
+        return set(self.raylets().values())
 
     def deploy(self, *, router_memory: int | None = None) -> None:
         """`deploy/serve_config_multinode.yaml`, as `serve deploy` puts it on a cluster;
@@ -430,9 +435,9 @@ class Cluster:
         response = self.http.put(f"{self.dashboard}/api/serve/applications/", json=config)
         assert response.status_code == 200, response.text
 
-    def replicas(self) -> dict[str, list[tuple[str, str]]]:
-        """Deployment -> its RUNNING replicas as (replica id, node name); {} while Serve's
-        state cannot be read (the GCS restarting)."""
+    def running(self) -> dict[str, list[dict[str, Any]]]:
+        """Deployment -> its RUNNING replicas as Serve's controller details them; {} while
+        Serve's state cannot be read (the GCS restarting)."""
         try:
             response = self.http.get(f"{self.dashboard}/api/serve/applications/")
         except httpx.TransportError:
@@ -442,14 +447,23 @@ class Cluster:
         app = response.json().get("applications", {}).get("wim")
         if app is None:
             return {}
+        return {
+            name: [replica for replica in deployment["replicas"] if replica["state"] == "RUNNING"]
+            for name, deployment in app["deployments"].items()
+        }
+
+    def replicas(
+        self, running: dict[str, list[dict[str, Any]]] | None = None
+    ) -> dict[str, list[tuple[str, str]]]:
+        """Deployment -> its RUNNING replicas (`running`, else read now) as (replica id, node
+        name); {} while Serve's state cannot be read (the GCS restarting)."""
         by_ip = {node.ip: node.name for node in self.nodes.values()}
         return {
             name: [
                 (replica["replica_id"], by_ip.get(replica["node_ip"], replica["node_ip"]))
-                for replica in deployment["replicas"]
-                if replica["state"] == "RUNNING"
+                for replica in replicas
             ]
-            for name, deployment in app["deployments"].items()
+            for name, replicas in (self.running() if running is None else running).items()
         }
 
     def proxies(self) -> set[str]:
@@ -463,14 +477,21 @@ class Cluster:
         }
 
     def whole(self) -> bool:
-        """Every node alive with a healthy proxy, two routers on the two router nodes, two
-        engines on the two engine nodes, and the routers see both engines ready."""
-        replicas = self.replicas()
+        """Every node alive, on one raylet, with a healthy proxy; two routers on the two router
+        nodes and two engines on the two engine nodes, each on a raylet alive now; and the
+        routers see both engines ready. Serve lists a replica whose node was killed and
+        started again as running, on the node's old raylet, until its health check fails:
+        counted, the cluster looked whole just before that router was replaced."""
+        running = self.running()
+        replicas = self.replicas(running)
         routers = sorted(node for _, node in replicas.get("WiMRouter", []))
         engines = sorted(node for _, node in replicas.get("EngineReplica", []))
         if routers != ["r1", "r2"] or engines != ["e1", "e2"]:
             return False
-        if self.alive_nodes() != set(self.nodes) or self.proxies() != set(self.nodes):
+        raylets = self.raylets()
+        if sorted(raylets.values()) != sorted(self.nodes) or self.proxies() != set(self.nodes):
+            return False
+        if any(r["node_id"] not in raylets for listed in running.values() for r in listed):
             return False
         with self.client(timeout=10) as client:
             response = client.get("/readyz")
