@@ -44,10 +44,9 @@ def ttft_floor(trace: Trace, profile: EngineProfile, settings: SimSettings) -> d
             # Its first read, from its text: nothing of it was saved yet.
             read_s = profile.read_seconds(work.document_tokens, saved=False)
             read_ends[document] = request.arrival_s + read_s
-        floor = read_s + alone_s(profile, work, idle)
-        if document is not None and not read_s:  # the rest of its first read, if it runs
-            floor += max(0.0, read_ends[document] - request.arrival_s)
-        floors[request.index] = floor
+        elif document is not None:  # the rest of its first read, if it still runs
+            read_s = max(0.0, read_ends[document] - request.arrival_s)
+        floors[request.index] = read_s + alone_s(profile, work, idle)
         seen.insert(work.prefix)
     return floors
 
