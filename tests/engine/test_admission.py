@@ -136,3 +136,15 @@ async def test_a_waiter_cancelled_as_its_turn_comes_ends_cancelled_holding_nothi
     await asyncio.wait({waiter}, timeout=1)
     assert waiter.cancelled() is cancelled_while_waiting
     assert gate.load().sessions == (0 if cancelled_while_waiting else 1)
+
+
+async def test_a_side_by_side_reservation_leaves_the_kept_blocks_to_new_sessions() -> None:
+    # `acquire_now` (a session's query beside the one in turn) leaves `keep_free_blocks` free;
+    # a new session (`acquire`) may take them.
+    gate = KVAdmission(capacity_blocks=100, max_sessions=4, timeout_s=0.1, keep_free_blocks=10)
+    assert gate.acquire_now(90) and not gate.acquire_now(1)
+    await gate.acquire(10)
+    assert gate.load().reserved_blocks == 100 and gate.load().sessions == 1
+    gate.release(10)
+    gate.release(90, session=False)
+    assert not gate.acquire_now(91) and gate.acquire_now(90)

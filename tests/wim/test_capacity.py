@@ -111,12 +111,17 @@ async def test_session_queries_larger_than_reserved_take_more_and_give_it_back(
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("kept_free", [False, True], ids=["kv_free", "kv_kept_free"])
 async def test_session_queries_at_once_run_side_by_side_as_each_alone(
-    engine, short_report, monkeypatch
+    engine, short_report, monkeypatch, kept_free: bool
 ):
     """Three queries at once on one document session: the two the session's own blocks do
     not hold reserve blocks of their own and run beside it, within the reservations, and
-    each answers exactly as it does alone (float32)."""
+    each answers exactly as it does alone (float32). With the engine's KV kept free of
+    side-by-side queries (`side_by_side_kv_reserve`, here all of it), they take turns in the
+    session's own blocks and answer the same."""
+    if kept_free:
+        monkeypatch.setattr(engine.admission, "keep_free_blocks", engine.admission.capacity_blocks)
     spy = _Spy(engine)
     monkeypatch.setattr(engine, "open_context", spy.open_context)
     options = WiMOptions(segment_tokens=64)
@@ -136,7 +141,7 @@ async def test_session_queries_at_once_run_side_by_side_as_each_alone(
         together = await asyncio.gather(*(answer(query) for query in queries))
         assert list(together) == alone
         # The first ran in the session's blocks; the other two, beside it at the same time,
-        # each in the blocks its own shape needs.
+        # each in the blocks its own shape needs (none beside it with the KV kept free).
         limits = engine.limits
         own = [
             session.plan.shape(session.builder, options, q).query_blocks(
@@ -144,7 +149,7 @@ async def test_session_queries_at_once_run_side_by_side_as_each_alone(
             )
             for q in queries[1:]
         ]
-        assert context.most_reserved_blocks == reserved + sum(own)
+        assert context.most_reserved_blocks == reserved + (0 if kept_free else sum(own))
         peak = await engine.peak_blocks(context.salt)
         assert peak <= context.most_reserved_blocks, (peak, context.most_reserved_blocks)
         assert engine.load().reserved_blocks == reserved

@@ -26,10 +26,15 @@ class AdmissionLoad:
 
 
 class KVAdmission:
-    def __init__(self, capacity_blocks: int, max_sessions: int, timeout_s: float) -> None:
+    def __init__(
+        self, capacity_blocks: int, max_sessions: int, timeout_s: float, keep_free_blocks: int = 0
+    ) -> None:
         self.capacity_blocks = capacity_blocks
         self.max_sessions = max_sessions
         self.timeout_s = timeout_s
+        # Blocks `acquire_now` leaves free: a session's side-by-side query takes none of
+        # them (`EngineConfig.side_by_side_kv_reserve`).
+        self.keep_free_blocks = keep_free_blocks
         self.sessions = 0
         self.reserved_blocks = 0
         self._waiters: deque[asyncio.Event] = deque()
@@ -58,9 +63,10 @@ class KVAdmission:
         self.reserved_blocks += blocks
 
     def acquire_now(self, blocks: int) -> bool:
-        """Reserve `blocks` more for a running session if they are free now and nobody waits
-        for room (never ahead of a waiting session); False if not."""
-        if self._waiters or not self._fits(blocks, session=False):
+        """Reserve `blocks` more for a running session if they are free now, with
+        `keep_free_blocks` still free after them, and nobody waits for room (never ahead of a
+        waiting session); False if not."""
+        if self._waiters or not self._fits(blocks + self.keep_free_blocks, session=False):
             return False
         self.reserved_blocks += blocks
         return True

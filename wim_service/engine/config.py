@@ -17,6 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from wim_service.wim.capacity import DEFAULT_SIDE_BY_SIDE_KV_RESERVE
+
 Dtype = Literal["bfloat16", "float32", "float16", "auto"]
 # CPU features that compute bfloat16 in hardware (Linux /proc/cpuinfo flag names). Without them
 # PyTorch emulates bfloat16 matrix products, several times slower than float32 (the run that
@@ -94,6 +96,15 @@ class EngineConfig(BaseModel):
         ge=0,
         description="admission control: how long a new job may wait for KV room before it is "
         "refused with OVERLOADED",
+    )
+    side_by_side_kv_reserve: float = Field(
+        DEFAULT_SIDE_BY_SIDE_KV_RESERVE,
+        ge=0,
+        lt=1,
+        description="a document session's query runs beside the one in its turn, in KV blocks "
+        "of its own, only if this share of the engine's KV stays free after it (0: whenever "
+        "the blocks are free); kept free, new sessions and plain requests find room when the "
+        "fleet is full (docs/routing.md)",
     )
     zero_purged_blocks: bool = Field(
         True,

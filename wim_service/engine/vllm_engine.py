@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -84,7 +85,12 @@ class VLLMBackend:
         )
         # vLLM's block 0 is a null block that never holds KV.
         capacity = (cache.num_gpu_blocks or 0) - 1
-        self.admission = KVAdmission(capacity, config.max_sessions, config.admission_timeout_s)
+        self.admission = KVAdmission(
+            capacity,
+            config.max_sessions,
+            config.admission_timeout_s,
+            keep_free_blocks=math.ceil(capacity * config.side_by_side_kv_reserve),
+        )
         self._ids = itertools.count()
         # Every context request's span, for tests and debugging (a deque append per request).
         self.timeline: deque[RequestSpan] = deque(maxlen=TIMELINE_SPANS)
