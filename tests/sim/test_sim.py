@@ -407,22 +407,22 @@ def test_more_replicas_never_worsen_round_robins_p95_on_a_light_trace() -> None:
     assert p95[0] > p95[-1]
 
 
-@pytest.mark.parametrize("room_beside", [True, False])
+@pytest.mark.parametrize(("all_kv", "reserve"), [(True, 0.0), (False, 0.0), (True, 0.99)])
 def test_queries_on_one_copy_run_beside_each_other_if_the_engine_has_room(
-    tmp_path: Path, room_beside: bool
+    tmp_path: Path, all_kv: bool, reserve: float
 ) -> None:
-    # Three queries of one document at once on one replica, as on a live session: one runs in
-    # the copy's own query blocks, the others beside it in blocks of their own if the engine
-    # has them free; on an engine that holds the copy and nothing more, they take turns.
+    # Three queries of one document at once on one replica, as on a live session: one in the
+    # copy's own blocks, the others beside it in their own if free with `side_by_side_kv_reserve`
+    # of the KV left; if the copy fills the KV, or 99% is kept free, they take turns.
     rows = [doc_row(0.0, "a", wim=True), doc_row(0.0, "a", wim=True), doc_row(0.0, "a", wim=True)]
     trace = document_trace(rows, tmp_path)
-    settings = SimSettings()
+    settings = SimSettings(side_by_side_kv_reserve=reserve)
     copy_blocks = work_for(trace.requests[0], PROFILE, settings, 32).document_blocks
-    tokens = PROFILE.kv_capacity_tokens if room_beside else copy_blocks * PROFILE.block_tokens
+    tokens = PROFILE.kv_capacity_tokens if all_kv else copy_blocks * PROFILE.block_tokens
     profile = PROFILE.model_copy(update={"kv_capacity_tokens": tokens})
     result = simulate(trace, "sticky", 1, profile, settings)
     first, second, third = sorted(result.outcomes, key=lambda o: o.first_token_s)
-    if room_beside:
+    if all_kv and not reserve:
         assert second.first_token_s < first.end_s and third.first_token_s < first.end_s
     else:
         assert second.first_token_s > first.end_s and third.first_token_s > second.end_s

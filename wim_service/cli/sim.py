@@ -111,6 +111,14 @@ def _add_session_arguments(group: argparse._ArgumentGroup) -> None:
         default=d.margin_tokens,
         help="tokens decoded per margin (%(default)s)",
     )
+    group.add_argument(
+        "--side-by-side-kv-reserve",
+        type=float,
+        default=d.side_by_side_kv_reserve,
+        help="a query runs beside the one in its copy's turn only if this share of the "
+        "engine's KV stays free after it, as the engine replicas' side_by_side_kv_reserve "
+        "(%(default)s: whenever free)",
+    )
 
 
 def _add_copy_arguments(group: argparse._ArgumentGroup) -> None:
@@ -265,6 +273,7 @@ def settings_from(args: argparse.Namespace) -> SimSettings:
         retries=args.retries,
         cheapest_first=args.cheapest_first,
         deadline_s=args.deadline_s,
+        side_by_side_kv_reserve=args.side_by_side_kv_reserve,
     )
     settings.check()
     return settings

@@ -13,6 +13,7 @@ steps' costs sum in closed form, so one heap event covers many steps.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,6 +124,8 @@ class Engine:
     prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS  # tokens per prefix hash (the trace's)
     capacity_blocks: int = 0
     free_blocks: int = 0
+    # The share of its KV a query beside the one in turn must leave free (`SimSettings`).
+    side_by_side_kv_reserve: float = 0.0
     copies: dict[str, Copy] = field(default_factory=dict)
     cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     queue: deque[Prefill] = field(default_factory=deque)
@@ -184,9 +187,11 @@ class Engine:
 
     def run_query(self, copy: Copy, blocks: int, start: Callable[[float], None], now: float) -> int:
         """Start a query on `copy`: in its turn (`Copy.take`), or at once beside the query
-        in turn, in `blocks` of its own, if the copy is read and the engine has them free (as
-        a live session does). Returns the blocks it holds beside (0: it runs in turn)."""
-        if copy.running and copy.read and blocks <= self.free_blocks:
+        in turn, in `blocks` of its own, if the copy is read and the engine has them free with
+        `side_by_side_kv_reserve` of its KV still free after (as a live session does, by
+        `KVAdmission.acquire_now`). Returns the blocks it holds beside (0: it runs in turn)."""
+        keep_free = math.ceil(self.capacity_blocks * self.side_by_side_kv_reserve)
+        if copy.running and copy.read and blocks + keep_free <= self.free_blocks:
             self.free_blocks -= blocks
             start(now)
             return blocks

@@ -83,6 +83,7 @@ class Replay:
                 settings.slots,
                 self._schedule,
                 prefix_block_tokens=trace.block_tokens,
+                side_by_side_kv_reserve=settings.side_by_side_kv_reserve,
             )
             for i in range(replicas)
         ]

@@ -10,6 +10,7 @@ from wim_service.placement.copies import DEFAULT_COPY_IDLE_S
 from wim_service.placement.policy import DEFAULT_MAX_COPIES
 from wim_service.placement.polls import DEFAULT_LOAD_POLL_S
 from wim_service.sim.traces import MAX_ARRIVAL_S, MAX_RETRIES, MIN_SEGMENT_TOKENS
+from wim_service.wim.capacity import DEFAULT_SIDE_BY_SIDE_KV_RESERVE
 from wim_service.wim.options import WiMOptions
 
 _OPTIONS = WiMOptions.model_fields
@@ -68,6 +69,9 @@ class SimSettings:
     # Whether `expected_wait` refuses the costliest arrivals first while the fleet is short
     # (`placement/admission.py`; `RouterConfig.cheapest_first`).
     cheapest_first: bool = DEFAULT_CHEAPEST_FIRST
+    # A query runs beside the one in its copy's turn only if this share of the engine's KV
+    # stays free after it, as an engine replica runs it (`EngineConfig.side_by_side_kv_reserve`).
+    side_by_side_kv_reserve: float = DEFAULT_SIDE_BY_SIDE_KV_RESERVE
 
     def check(self) -> None:
         """Within the bounds the live service takes (`WiMOptions`, `RouterConfig`)."""
@@ -81,5 +85,6 @@ class SimSettings:
                 ("load_poll_s", self.load_poll_s, 0.001, MAX_ARRIVAL_S),
                 ("retries", self.retries, 0, MAX_RETRIES),
                 ("deadline_s", self.deadline_s, 0.001, MAX_ARRIVAL_S),
+                ("side_by_side_kv_reserve", self.side_by_side_kv_reserve, 0, 0.99),
             ]
         )
