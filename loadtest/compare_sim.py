@@ -210,7 +210,11 @@ def live(args: argparse.Namespace, policy: str) -> dict[str, Any]:
 def simulated(args: argparse.Namespace, trace: Trace, policy: str) -> dict[str, Any]:
     """The simulator's row for `policy` on the trace, also written to sim-<policy>.json."""
     print(f"[{policy}] simulating {REPLICAS} replicas", flush=True)
-    settings = SimSettings(segment_tokens=SEGMENT_TOKENS, margin_tokens=MARGIN_TOKENS)
+    settings = SimSettings(
+        segment_tokens=SEGMENT_TOKENS,
+        margin_tokens=MARGIN_TOKENS,
+        side_by_side_kv_reserve=live_engine().side_by_side_kv_reserve,
+    )
     scaled = trace.scaled(args.time_scale)
     result = simulate(scaled, policy, REPLICAS, EngineProfile.load(args.profile), settings)
     row = summarise(result)
