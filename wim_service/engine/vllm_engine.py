@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
-import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +32,7 @@ from wim_service.engine.request_params import (
 from wim_service.engine.timeline import TIMELINE_SPANS, RequestSpan
 from wim_service.engine.vllm_context import VLLMContext
 from wim_service.wim.backend import EngineLimits, PromptCost, RequestKind
+from wim_service.wim.capacity import kept_free_blocks
 from wim_service.wim.errors import ErrorCode, WiMError
 from wim_service.wim.tokenizer import HFTokenizer
 
@@ -89,7 +89,7 @@ class VLLMBackend:
             capacity,
             config.max_sessions,
             config.admission_timeout_s,
-            keep_free_blocks=math.ceil(capacity * config.side_by_side_kv_reserve),
+            keep_free_blocks=kept_free_blocks(capacity, config.side_by_side_kv_reserve),
         )
         self._ids = itertools.count()
         # Every context request's span, for tests and debugging (a deque append per request).

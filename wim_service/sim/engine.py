@@ -13,7 +13,6 @@ steps' costs sum in closed form, so one heap event covers many steps.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from wim_service.placement.ledger import LoadReport
 from wim_service.placement.profile import EngineProfile
 from wim_service.placement.state import PrefixCache
 from wim_service.sim.traces import MOONCAKE_BLOCK_TOKENS
+from wim_service.wim.capacity import kept_free_blocks
 
 
 class Prefill(Protocol):
@@ -190,7 +190,7 @@ class Engine:
         in turn, in `blocks` of its own, if the copy is read and the engine has them free with
         `side_by_side_kv_reserve` of its KV still free after (as a live session does, by
         `KVAdmission.acquire_now`). Returns the blocks it holds beside (0: it runs in turn)."""
-        keep_free = math.ceil(self.capacity_blocks * self.side_by_side_kv_reserve)
+        keep_free = kept_free_blocks(self.capacity_blocks, self.side_by_side_kv_reserve)
         if copy.running and copy.read and blocks + keep_free <= self.free_blocks:
             self.free_blocks -= blocks
             start(now)

@@ -40,6 +40,12 @@ DEFAULT_SIDE_BY_SIDE_KV_RESERVE = 0.0
 _EDGE_TOKENS = 4
 
 
+def kept_free_blocks(capacity_blocks: int, side_by_side_kv_reserve: float) -> int:
+    """The KV blocks of an engine of `capacity_blocks` that a side-by-side query must leave
+    free: the reserve's share, rounded up (at least that share stays free)."""
+    return math.ceil(capacity_blocks * side_by_side_kv_reserve)
+
+
 @dataclass(frozen=True)
 class JobShape:
     """The sizes that bound a job, in tokens."""
