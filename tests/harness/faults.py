@@ -34,6 +34,8 @@ from tests.harness.multinode import HTTP_PORT, Cluster
 from tests.harness.multinode_deploy import serve_config
 from wim_service.serving.errors import status_of
 
+# The KV block size of the cluster's engines (`live_stack.from_pinned_kv`).
+CLUSTER_BLOCK_SIZE: int = serve_config()["applications"][0]["args"]["engine"]["block_size"]
 # A request is lost when it has no answer after this many attempts, 1 s apart.
 RETRIES = 4
 # Questions kept in flight through a fault, and sent after it.
@@ -270,12 +272,6 @@ def session_on(cluster: Cluster, text: str) -> Iterator[dict]:
         yield opened
         assert client.delete(f"/documents/{opened['document_id']}").status_code == 204
         cluster.wait_for(lambda: settled(client), "no session or reservation left", 120)
-
-
-def from_pinned_kv(body: dict, document: dict) -> bool:
-    """Answered from the session's KV (its whole blocks were cached), not a fresh read."""
-    block = serve_config()["applications"][0]["args"]["engine"]["block_size"]  # the cluster's
-    return body["usage"]["prompt_tokens_cached"] >= document["context_tokens"] // block * block
 
 
 def per_router(client: httpx.Client, name: str, **labels: str) -> dict[str, float]:

@@ -134,6 +134,13 @@ def query_body(document_id: str) -> dict[str, Any]:
     return {"document_id": document_id, "query": QUERY, "options": OPTIONS}
 
 
+def from_pinned_kv(body: dict, document: dict, block_size: int = ENGINE["block_size"]) -> bool:
+    """Answered from the session's KV (its whole blocks of `block_size` tokens, this stack's
+    engines' by default, were cached), not a fresh read."""
+    whole_blocks = document["context_tokens"] // block_size * block_size
+    return body["usage"]["prompt_tokens_cached"] >= whole_blocks
+
+
 def open_client(tenant: str | None = "alpha", timeout: float = 600) -> httpx.Client:
     return httpx.Client(base_url=BASE, timeout=timeout, headers=auth(tenant))
 

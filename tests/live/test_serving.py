@@ -29,6 +29,7 @@ from tests.harness.live_stack import (
     QUERY,
     LiveStack,
     auth,
+    from_pinned_kv,
     metric,
     open_client,
     parse_sse,
@@ -134,7 +135,7 @@ def test_document_session_is_pinned_and_reuses_its_kv(client: httpx.Client, repo
         # The document is not prefilled again: only margin/final instructions and the partial
         # blocks at segment ends are computed.
         assert usage["prompt_tokens_computed"] - usage["minimal_prompt_tokens"] < 32 * 8
-        assert usage["prompt_tokens_cached"] >= (document["context_tokens"] // 32) * 32
+        assert from_pinned_kv(body, document)
     assert replicas == {document["replica"]}
     assert metric(client, "wim_session_binding_total", result="hit") == hits + 3
     assert client.get(f"/documents/{document['document_id']}").json()["replica"] in replicas

@@ -20,6 +20,7 @@ from tests.harness.live_stack import (
     TWO_ROUTERS,
     LiveStack,
     auth,
+    from_pinned_kv,
     metric,
     open_client,
     parse_sse,
@@ -74,10 +75,6 @@ def ask_until_router(
         if wanted(response.headers["X-WiM-Router"]):
             return response
     pytest.fail("the proxy never chose the wanted router")
-
-
-def from_pinned_kv(body: dict, document: dict) -> bool:
-    return body["usage"]["prompt_tokens_cached"] >= (document["context_tokens"] // 32) * 32
 
 
 def _router_actor(name: str):

@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 
 from tests.harness.faults import (
+    CLUSTER_BLOCK_SIZE,
     IN_FLIGHT,
     ask,
-    from_pinned_kv,
     per_router,
     report,
     under_fault,
 )
-from tests.harness.live_stack import metric_in
+from tests.harness.live_stack import from_pinned_kv, metric_in
 from tests.harness.multinode import Cluster, netns_inode, processes_in
 
 pytestmark = [pytest.mark.serving, pytest.mark.multinode, pytest.mark.timeout(900)]
@@ -51,7 +51,7 @@ def test_routers_and_engines_run_on_their_own_nodes(cluster: Cluster, document: 
         answer = ask(cluster, document["document_id"])
         assert answer.status == 200 and answer.attempts == 1, answer
         assert answer.body["replica"] == document["replica"]
-        assert from_pinned_kv(answer.body, document)
+        assert from_pinned_kv(answer.body, document, CLUSTER_BLOCK_SIZE)
         routers.add(answer.router)
     assert routers <= {replica for replica, _ in replicas["WiMRouter"]}
 
@@ -78,7 +78,9 @@ def test_router_node_loss_loses_no_request(
     # The engines were untouched: every answer came from a KV copy of the session on one of
     # them (its primary, or a copy the policy read for the load: `routing/copies.py`).
     for answer in outcome.answers:
-        assert answer.body["replica"] in engines and from_pinned_kv(answer.body, document)
+        assert answer.body["replica"] in engines and from_pinned_kv(
+            answer.body, document, CLUSTER_BLOCK_SIZE
+        )
     # Those sent after the loss went through the other router (the session is in Redis).
     assert {a.router for a in outcome.answers[IN_FLIGHT:]} == {survivor}
 

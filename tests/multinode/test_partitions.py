@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.harness.faults import Later, Outcome, from_pinned_kv, report, under_fault
+from tests.harness.faults import CLUSTER_BLOCK_SIZE, Later, Outcome, report, under_fault
+from tests.harness.live_stack import from_pinned_kv
 from tests.harness.multinode import Cluster, Node
 
 pytestmark = [pytest.mark.serving, pytest.mark.multinode, pytest.mark.timeout(900)]
@@ -56,7 +57,9 @@ def answered_from(engines: set[str], outcome: Outcome, document: dict) -> None:
     copy the policy read for the load) on the engine replicas that ran before the fault."""
     assert not outcome.lost, outcome.lost
     for answer in outcome.answers:
-        assert answer.body["replica"] in engines and from_pinned_kv(answer.body, document)
+        assert answer.body["replica"] in engines and from_pinned_kv(
+            answer.body, document, CLUSTER_BLOCK_SIZE
+        )
 
 
 @pytest.mark.replica_step(6)
