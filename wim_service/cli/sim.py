@@ -117,7 +117,7 @@ def _add_session_arguments(group: argparse._ArgumentGroup) -> None:
         default=d.side_by_side_kv_reserve,
         help="a query runs beside the one in its copy's turn only if this share of the "
         "engine's KV stays free after it, as the engine replicas' side_by_side_kv_reserve "
-        "(%(default)s: whenever free)",
+        "(%(default)s; 0: whenever free)",
     )
 
 

@@ -32,9 +32,9 @@ QUERY_RESERVE_TOKENS = 256
 # A document session's query runs beside the one in its turn, in KV blocks of its own, only
 # if this share of the engine's KV stays free after it (`EngineConfig.side_by_side_kv_reserve`,
 # `wim sim --side-by-side-kv-reserve`). Blocks taken so at saturation are the blocks a new
-# session or a plain request would have needed: kept free, `wim sim` of hot-document traces
-# at 8 replicas answered more within the deadline (docs/routing.md). 0: whenever free.
-DEFAULT_SIDE_BY_SIDE_KV_RESERVE = 0.0
+# session or a plain request would have needed: with 5% kept free, `wim sim` of hot-document
+# traces at 8 replicas answered more within the deadline (docs/routing.md). 0: whenever free.
+DEFAULT_SIDE_BY_SIDE_KV_RESERVE = 0.05
 # A query's text is tokenized inside its prompt; merges at its edges may differ by a token or
 # two from the query tokenized alone.
 _EDGE_TOKENS = 4
