@@ -34,6 +34,17 @@ async def close(items: AsyncIterator[Item]) -> None:
     await items.aclose()  # type: ignore[attr-defined]
 
 
+async def after_done(items: AsyncIterator[Item]) -> None:
+    """Read a job's events past its `done` to their end, then close them: the replica's call
+    ends as it ran rather than cancelled in its clean-up (Serve would log the answered call
+    `CANCELLED`), and the job's bookkeeping ends before its answer is sent."""
+    try:
+        async for _ in items:
+            pass
+    finally:
+        await close(items)
+
+
 async def first_item(items: AsyncIterator[Item]) -> Item:
     """The job's first event; an error before it (or as it) is raised as a ServiceError."""
     try:
@@ -118,7 +129,7 @@ async def json_response(items: AsyncIterator[Item], session_id: str) -> Response
                 session_id=session_id,
                 replica=replica,
             )
-            await close(items)
+            await after_done(items)
             return JSONResponse(body.model_dump())
     raise ServiceError(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wim_service.serving.errors import ServiceError
-from wim_service.serving.http.responses import Item, close
+from wim_service.serving.http.responses import Item, after_done, close
 from wim_service.serving.openai.errors import OpenAIError
 from wim_service.serving.openai.models import (
     AssistantMessage,
@@ -76,6 +76,7 @@ async def collect(run: Run) -> Outcome:
         elif isinstance(event, ErrorEvent):
             raise ServiceError(event.code, event.message, event.retry_after_s)
         elif isinstance(event, DoneEvent):
+            await after_done(run.items)
             return Outcome(
                 event.answer,
                 "".join(margins[k] for k in sorted(margins)),
