@@ -69,8 +69,8 @@ def one_engine_client(live_stack: LiveStack) -> Iterator[httpx.Client]:
     yield from serving(live_stack, engines=1)
 
 
-def open_document(client: httpx.Client, text: str) -> dict:
-    response = client.post("/documents", json={"context": text, "options": OPTIONS})
+def open_document(client: httpx.Client, text: str, options: dict = OPTIONS) -> dict:
+    response = client.post("/documents", json={"context": text, "options": options})
     assert response.status_code == 201, response.text
     return response.json()
 
@@ -386,11 +386,27 @@ def test_scale_down_drains_and_moves_sessions(
     live_stack: LiveStack, client: httpx.Client, report: str
 ) -> None:
     """Scale to one replica: running work finishes, sessions of the leaving replica move."""
-    documents = [open_document(client, report)]
-    while len({d["replica"] for d in documents}) < 2:  # a session on each replica
-        documents.append(open_document(client, report))
+    # Queries long enough to outlast the scale-down's start (many short segments): the
+    # router shows a replica draining, at its next poll, only while calls of its run there.
+    options = {**OPTIONS, "segment_tokens": 48}
+    documents = [open_document(client, report, options)]
+    try:
+        while len({d["replica"] for d in documents}) < 2:  # a session on each replica
+            documents.append(open_document(client, report, options))
+        _drain_and_move(live_stack, client, documents, options)
+    finally:
+        for document in documents:
+            client.delete(f"/documents/{document['document_id']}")
+
+
+def _drain_and_move(
+    live_stack: LiveStack, client: httpx.Client, documents: list[dict], options: dict
+) -> None:
     moved = metric(client, "wim_session_failover_total", reason="replica_left")
-    streams = [Stream(query_body(d["document_id"])) for d in documents]
+    bodies = [
+        {"document_id": d["document_id"], "query": QUERY, "options": options} for d in documents
+    ]
+    streams = [Stream(body) for body in bodies]
     for stream in streams:
         stream.wait_for_event("margin")
     draining_seen = threading.Event()
@@ -414,14 +430,11 @@ def test_scale_down_drains_and_moves_sessions(
     )
     # Every session still answers, now from the surviving replica; those of the leaving one
     # were moved (counted as replica_left).
-    for document in documents:
-        body = query_body(document["document_id"])
+    for body in bodies:
         response = client.post("/wim", json=body)
         assert response.status_code == 200, response.text
         assert response.json()["replica"] == survivor
     assert metric(client, "wim_session_failover_total", reason="replica_left") > moved
-    for document in documents:
-        client.delete(f"/documents/{document['document_id']}")
 
 
 @pytest.mark.replica_step(4)
