@@ -35,14 +35,11 @@ async def close(items: AsyncIterator[Item]) -> None:
 
 
 async def after_done(items: AsyncIterator[Item]) -> None:
-    """Read a job's events past its `done` to their end, then close them: the replica's call
-    ends as it ran rather than cancelled in its clean-up (Serve would log the answered call
-    `CANCELLED`), and the job's bookkeeping ends before its answer is sent."""
-    try:
-        async for _ in items:
-            pass
-    finally:
-        await close(items)
+    """Read a job's events past its `done` to their end: the replica's call ends as it ran
+    rather than cancelled in its clean-up (Serve would log the answered call `CANCELLED`), and
+    the job's bookkeeping ends before its answer is sent."""
+    async for _ in items:
+        pass
 
 
 async def first_item(items: AsyncIterator[Item]) -> Item:
@@ -113,24 +110,27 @@ async def _late_start(first: asyncio.Task[Item], items: AsyncIterator[Item]) -> 
 
 async def json_response(items: AsyncIterator[Item], session_id: str) -> Response:
     margins: dict[int, MarginOut] = {}
-    async for replica, event in items:
-        if event.type == "margin":
-            margins[event.segment] = MarginOut.model_validate(event, from_attributes=True)
-        elif isinstance(event, ErrorEvent):
-            raise ServiceError(event.code, event.message, event.retry_after_s)
-        elif isinstance(event, DoneEvent):
-            body = WiMResponse(
-                answer=event.answer,
-                margins=[margins[k] for k in sorted(margins)],
-                notes=event.notes,
-                notes_dropped=event.notes_dropped,
-                usage=event.usage,
-                timings=event.timings,
-                session_id=session_id,
-                replica=replica,
-            )
-            await after_done(items)
-            return JSONResponse(body.model_dump())
+    try:
+        async for replica, event in items:
+            if event.type == "margin":
+                margins[event.segment] = MarginOut.model_validate(event, from_attributes=True)
+            elif isinstance(event, ErrorEvent):
+                raise ServiceError(event.code, event.message, event.retry_after_s)
+            elif isinstance(event, DoneEvent):
+                body = WiMResponse(
+                    answer=event.answer,
+                    margins=[margins[k] for k in sorted(margins)],
+                    notes=event.notes,
+                    notes_dropped=event.notes_dropped,
+                    usage=event.usage,
+                    timings=event.timings,
+                    session_id=session_id,
+                    replica=replica,
+                )
+                await after_done(items)
+                return JSONResponse(body.model_dump())
+    finally:
+        await close(items)  # after an error too: the job's books end now, not when collected
     raise ServiceError(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
 
 

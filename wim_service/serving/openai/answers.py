@@ -70,19 +70,22 @@ class Outcome:
 
 async def collect(run: Run) -> Outcome:
     margins: dict[int, str] = {}
-    async for _, event in run.items:
-        if isinstance(event, MarginEvent) and (line := margin_line(event)):
-            margins[event.segment] = line
-        elif isinstance(event, ErrorEvent):
-            raise ServiceError(event.code, event.message, event.retry_after_s)
-        elif isinstance(event, DoneEvent):
-            await after_done(run.items)
-            return Outcome(
-                event.answer,
-                "".join(margins[k] for k in sorted(margins)),
-                openai_usage(event.usage),
-                run.finish_reason(event),
-            )
+    try:
+        async for _, event in run.items:
+            if isinstance(event, MarginEvent) and (line := margin_line(event)):
+                margins[event.segment] = line
+            elif isinstance(event, ErrorEvent):
+                raise ServiceError(event.code, event.message, event.retry_after_s)
+            elif isinstance(event, DoneEvent):
+                await after_done(run.items)
+                return Outcome(
+                    event.answer,
+                    "".join(margins[k] for k in sorted(margins)),
+                    openai_usage(event.usage),
+                    run.finish_reason(event),
+                )
+    finally:
+        await close(run.items)  # as in `json_response`
     raise ServiceError(ErrorCode.ENGINE_ERROR, "the job ended without an answer")
 
 
