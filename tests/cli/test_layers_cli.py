@@ -244,9 +244,7 @@ def _other_value(name: str) -> tuple[list[str], object]:
         choice = next(c for c in get_args(field.annotation) if c != default)
         return [flag, choice], choice
     if isinstance(default, int | float):
-        # Doubling keeps every bound and rule; a zero default is a share: half of it all.
-        other = 2 * default if default else 0.5
-        return [flag, str(other)], other
+        return [flag, str(2 * default)], 2 * default  # doubling keeps every bound and rule
     if default is None and float in get_args(field.annotation):  # an optional number
         return [flag, "2.5"], 2.5
     if default is None or isinstance(default, str):
