@@ -34,6 +34,17 @@ def ended(process: psutil.Process) -> bool:
         return True
 
 
+def survivors(processes: Sequence[psutil.Process], deadline: float) -> list[str]:
+    """Those of `processes` still running at `deadline` (`time.monotonic()`), described. A
+    process sent SIGKILL runs until the kernel schedules it: on a busy machine it can still
+    be running for a moment after the command that killed it has exited."""
+    while True:
+        alive = [p for p in processes if not ended(p)]
+        if not alive or time.monotonic() >= deadline:
+            return [_describe(p) for p in alive]
+        time.sleep(0.05)
+
+
 def _describe(process: psutil.Process) -> str:
     """Its pid, name, state and command line, and whether a SIGKILL waits for it: a survivor
     the stop killed but the kernel has not ended yet is told from one it never killed."""
