@@ -92,7 +92,7 @@ def test_an_idle_replica_is_healthy_undrained_unloaded_with_a_slot_free() -> Non
 def test_the_defaults_are_the_documented_window_shortness_and_slack() -> None:
     # The module's doc and the router's configuration state these figures.
     assert AdmissionRule() == AdmissionRule(
-        window_s=120.0, short_s=60.0, slack=1.5, window_arrivals=240, short_arrivals=120
+        window_s=120.0, short_s=60.0, slack=1.4, window_arrivals=240, short_arrivals=120
     )
     assert DEFAULT_CHEAPEST_FIRST is True
 
