@@ -48,6 +48,39 @@ def test_prefix_cache_matches_leading_blocks_and_evicts_tails_first() -> None:
     assert cache.match([1, 2]) == 1 and cache.match([7, 8]) == 1 and len(cache) == 4
 
 
+def test_prefix_cache_tells_what_a_prompt_would_evict() -> None:
+    """Nothing while the prompt's new blocks fit; else the touch that last used the first
+    other block it would evict, one sequence across caches: the lower, the longer ago it was
+    used. The prompt's own cached blocks are touched, not evicted."""
+    older, newer = PrefixCache(4), PrefixCache(4)
+    older.insert([1, 2, 3])
+    newer.insert([5, 6, 7])
+    assert older.eviction([1, 2, 3, 4]) == (False, 0)
+    assert older.eviction([8, 9])[0] and newer.eviction([8, 9])[0]
+    assert older.eviction([8, 9]) < newer.eviction([8, 9])
+    two = PrefixCache(2)
+    two.insert([1])
+    two.insert([2])
+    assert two.eviction([3]) < two.eviction([1, 3])  # [1, 3] keeps block 1 and evicts 2
+    assert two.eviction([1, 2, 3]) == (False, 0)  # only its own blocks would leave
+
+
+def test_expected_wait_sends_a_cold_prompt_where_the_fleets_oldest_blocks_go() -> None:
+    """Between replicas alike in cost and free KV, a prompt no replica caches goes where
+    caching it evicts nothing, else where the block it evicts was used longest ago: the
+    fleet's caches evict as one LRU cache would, not the first replica's by name."""
+    fleet = replicas(0.0, 0.0, 0.0)
+    for replica, prompt in zip(fleet, ([1] * 0, range(100, 200), range(200, 300)), strict=True):
+        replica.prefix_cache.insert(prompt)  # type: ignore[union-attr]
+    cold = Work(prompt_tokens=8192, answer_tokens=4, prefix=tuple(range(1000, 1016)))
+    policy = ExpectedWait(PROFILE)
+    assert policy.place(cold, fleet).replica == "r0"  # its cache has room: nothing evicted
+    fleet[0].prefix_cache.insert(range(300, 400))  # type: ignore[union-attr]
+    assert policy.place(cold, fleet).replica == "r1"  # its blocks were used longest ago
+    fleet[1].prefix_cache.insert(range(400, 500))  # type: ignore[union-attr]
+    assert policy.place(cold, fleet).replica == "r2"
+
+
 def test_expected_wait_prefers_a_cached_prefix_unless_its_replica_is_busier() -> None:
     work = Work(prompt_tokens=4096, answer_tokens=16, prefix=tuple(range(8)))
     fleet = replicas(0.0, 0.0)

@@ -149,7 +149,8 @@ class ExpectedWait:
     def place(self, work: Work, replicas: Sequence[ReplicaState]) -> Placement:
         held = holders(work, replicas)
         # (cost, whether a copy is read first, replica): a holder wins a tie, then the replica
-        # with the most free KV (idle replicas tie: new sessions still spread).
+        # with the most free KV (idle replicas tie: new sessions still spread), then the one
+        # whose prefix cache the job's prompt evicts least recently used blocks from.
         options = [
             (self.cost_s(work, r, copy=False), False, r) for r in held if fits_holder(work, r)
         ]
@@ -167,7 +168,14 @@ class ExpectedWait:
         # `wim sim`: replicas that had run work won every tie against idle ones, and at 32
         # replicas new sessions piled onto a few of them while others stood empty.
         _, copy, best = min(
-            options, key=lambda o: (round(o[0], 3), o[1], -o[2].free_blocks, o[2].replica)
+            options,
+            key=lambda o: (
+                round(o[0], 3),
+                o[1],
+                -o[2].free_blocks,
+                o[2].eviction(work),
+                o[2].replica,
+            ),
         )
         seconds = self.start_s(work, best, copy=copy)
         if work.document is not None:

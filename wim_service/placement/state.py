@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# Inserts into every prefix cache of the process, counted in one sequence, so that which of two
+# replicas' blocks was used longer ago can be told (`PrefixCache.eviction`).
+_TOUCHES = itertools.count(1)
 
 
 class PrefixCache:
@@ -19,7 +24,8 @@ class PrefixCache:
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        # Each block with the touch (`_TOUCHES`) that last used it, least recent first.
+        self._blocks: OrderedDict[int, int] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -38,11 +44,27 @@ class PrefixCache:
         blocks past capacity. Its blocks are touched tail first, so that its leading blocks
         outlive its tail, as in vLLM, which frees a request's blocks in reverse order
         (`vllm/v1/core/kv_cache_manager.py`): a tail without its head is no prefix."""
+        touch = next(_TOUCHES)
         for block in reversed(prefix):
-            self._blocks[block] = None
+            self._blocks[block] = touch
             self._blocks.move_to_end(block)
         while len(self._blocks) > self.capacity_blocks:
             self._blocks.popitem(last=False)
+
+    def eviction(self, prefix: Sequence[int]) -> tuple[bool, int]:
+        """What caching `prefix` here would evict, to rank replicas that are otherwise alike:
+        whether it evicts other prompts' blocks, then the touch that last used the first of
+        them it would evict (lower: used longer ago, in any cache of the process). Sent where
+        the block used longest ago goes, work makes the fleet's caches evict as one LRU cache
+        of all their blocks would. Placed by replica name instead, it churned a few replicas'
+        caches while others stood empty: on Mooncake's synthetic trace with 400,000 KV tokens
+        per replica at 32 replicas `wim sim` gave a p95 TTFT 0.77x sticky's, against 0.48x so
+        (docs/routing.md)."""
+        prompt = set(prefix)
+        if len(self._blocks) + len(prompt.difference(self._blocks)) <= self.capacity_blocks:
+            return (False, 0)
+        oldest = next((t for b, t in self._blocks.items() if b not in prompt), None)
+        return (False, 0) if oldest is None else (True, oldest)
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,12 @@ class ReplicaState:
     def cached_tokens(self, work: Work) -> int:
         """The job's prompt tokens this replica is believed to serve from its cache."""
         return work.cached_tokens(self.cached_blocks(work))
+
+    def eviction(self, work: Work) -> tuple[bool, int]:
+        """What caching the job's prompt here would evict (`PrefixCache.eviction`)."""
+        return (
+            self.prefix_cache.eviction(work.prefix) if self.prefix_cache is not None else (False, 0)
+        )
 
 
 @dataclass(frozen=True)
