@@ -70,7 +70,7 @@ def test_expected_wait_sends_a_cold_prompt_where_the_fleets_oldest_blocks_go() -
     caching it evicts nothing, else where the block it evicts was used longest ago: the
     fleet's caches evict as one LRU cache would, not the first replica's by name."""
     fleet = replicas(0.0, 0.0, 0.0)
-    for replica, prompt in zip(fleet, ([1] * 0, range(100, 200), range(200, 300)), strict=True):
+    for replica, prompt in zip(fleet, ((), range(100, 200), range(200, 300)), strict=True):
         replica.prefix_cache.insert(prompt)  # type: ignore[union-attr]
     cold = Work(prompt_tokens=8192, answer_tokens=4, prefix=tuple(range(1000, 1016)))
     policy = ExpectedWait(PROFILE)
