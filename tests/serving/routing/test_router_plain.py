@@ -149,3 +149,16 @@ async def test_a_repeated_long_prefix_goes_back_to_its_replica_unless_it_is_busi
     a.backlog_s = 5.0
     assert await sent_to(router, LONG_PROMPT, PARAMS) == "b"
     assert [len(s[1][0]) for s in a.streams] == [320, 322]
+
+
+async def test_a_new_prompt_goes_where_the_fleets_least_recently_used_blocks_are() -> None:
+    """Replicas alike in load: a prompt no replica caches goes where the router's estimate of
+    the caches has room for it, else where the block it evicts was used longest ago, so that
+    one replica's cache does not churn while another's stands empty."""
+    a, b = ScriptedReplica("a", capacity=30), ScriptedReplica("b", capacity=30)
+    router = await router_over(a, b, placement="expected_wait")
+    first, second, third = (list(range(n, n + 320)) for n in (10_000, 20_000, 30_000))
+    assert await sent_to(router, first, PARAMS) == "a"  # both empty: the first by name
+    assert await sent_to(router, second, PARAMS) == "b"  # a's 30 blocks cannot take 20 more
+    assert await sent_to(router, third, PARAMS) == "a"  # both full: a's blocks are older
+    assert await sent_to(router, [*second, 7, 8], PARAMS) == "b"  # b still holds second
