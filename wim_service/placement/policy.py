@@ -163,19 +163,19 @@ class ExpectedWait:
             ]
         if not options:
             raise NoRoom(work, len(replicas))
+
         # Costs are compared to the millisecond: below that they are float residue (a backlog
         # summed and subtracted back to -1e-16 s), and residue must not break ties. It did in
         # `wim sim`: replicas that had run work won every tie against idle ones, and at 32
         # replicas new sessions piled onto a few of them while others stood empty.
+        def rank(option: tuple[float, bool, ReplicaState]) -> tuple[float, bool, int]:
+            return (round(option[0], 3), option[1], -option[2].free_blocks)
+
+        first = min(rank(o) for o in options)
+        # What a prompt would evict is asked of the tied options only: it reads each cache.
         _, copy, best = min(
-            options,
-            key=lambda o: (
-                round(o[0], 3),
-                o[1],
-                -o[2].free_blocks,
-                o[2].eviction(work),
-                o[2].replica,
-            ),
+            (o for o in options if rank(o) == first),
+            key=lambda o: (o[2].eviction(work), o[2].replica),
         )
         seconds = self.start_s(work, best, copy=copy)
         if work.document is not None:
