@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from wim_service.cli import main
+from wim_service.engine.config import EngineConfig
 from wim_service.placement.profile import MAX_PROFILE_CHARS, EngineProfile, ProfileError
 from wim_service.sim import generate as generator
 from wim_service.sim import traces
@@ -208,6 +209,11 @@ def test_a_generated_trace_is_one_the_reader_takes(monkeypatch: pytest.MonkeyPat
         ({"load_poll_s": 0.0}, "load_poll_s must be within 0.001-1e+09, not 0"),
         ({"retries": -1}, "retries must be within 0-"),
         ({"deadline_s": 0.0005}, "deadline_s must be within 0.001-1e+09, not 0.0005"),
+        (
+            {"side_by_side_kv_reserve": 1.0},
+            "side_by_side_kv_reserve must be at least 0 and below 1",
+        ),
+        ({"side_by_side_kv_reserve": math.nan}, "side_by_side_kv_reserve must be at least 0 and"),
     ],
 )
 def test_simulator_settings_are_bounded_as_the_service_is(
@@ -220,6 +226,13 @@ def test_simulator_settings_are_bounded_as_the_service_is(
 
 def test_simulator_settings_take_subsecond_polls_and_deadlines() -> None:
     SimSettings(load_poll_s=0.5, deadline_s=0.5, retries=0).check()
+
+
+def test_simulator_settings_take_every_reserve_the_engines_take() -> None:
+    # `EngineConfig.side_by_side_kv_reserve`: at least 0, below 1.
+    for reserve in (0.0, 0.995):
+        EngineConfig(side_by_side_kv_reserve=reserve)
+        SimSettings(side_by_side_kv_reserve=reserve).check()
 
 
 # -- the engine profile -------------------------------------------------------------------

@@ -85,6 +85,10 @@ class SimSettings:
                 ("load_poll_s", self.load_poll_s, 0.001, MAX_ARRIVAL_S),
                 ("retries", self.retries, 0, MAX_RETRIES),
                 ("deadline_s", self.deadline_s, 0.001, MAX_ARRIVAL_S),
-                ("side_by_side_kv_reserve", self.side_by_side_kv_reserve, 0, 0.99),
             ]
         )
+        # A share below 1, as the engines take it (`EngineConfig`): the inclusive bounds above
+        # cannot say so.
+        if not 0 <= self.side_by_side_kv_reserve < 1:
+            value = _number(self.side_by_side_kv_reserve)
+            raise ValueError(f"side_by_side_kv_reserve must be at least 0 and below 1, not {value}")
