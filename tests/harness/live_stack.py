@@ -341,6 +341,19 @@ class LiveStack:
         self.deploy(app, engines)
 
     @staticmethod
+    def engines_settled(engines: int) -> bool:
+        """Whether Serve runs exactly `engines` engine replicas and starts or stops none. A
+        deploy that came while Serve still replaced a killed replica once failed in its
+        controller ("Failed to update the deployments"), and the engines' autoscaler never
+        acted again: a test that deploys after a fixture's deploy waits for this first."""
+        from ray import serve
+
+        status = serve.status().applications.get("wim")
+        if status is None or "EngineReplica" not in status.deployments:
+            return False
+        return status.deployments["EngineReplica"].replica_states == {"RUNNING": engines}
+
+    @staticmethod
     def _routers_settled(app: LiveApp) -> bool:
         from ray import serve
 

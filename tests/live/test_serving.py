@@ -51,6 +51,7 @@ MARKER = "Zebulon Quartermaine hid the brass key under the ninth flagstone."
 def serving(live_stack: LiveStack, engines: int) -> Iterator[httpx.Client]:
     """`engines` ready replicas, nothing left over from an earlier test."""
     live_stack.deploy(MAIN, engines=engines)
+    wait_for(lambda: live_stack.engines_settled(engines), f"Serve to run {engines} engines only")
     with open_client() as service:
         wait_for(lambda: len(ready_replicas(service)) == engines, f"{engines} ready replicas")
         wait_for(lambda: settled(service), "no session or reservation left over", timeout=120)
