@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from wim_service.sim.report import figures, table
+from wim_service.sim.report import figures, summarise, table
+from wim_service.sim.result import Outcome, RunResult
 
 
 def test_each_figure_from_the_completed_requests() -> None:
@@ -38,3 +39,20 @@ def test_the_table_puts_names_left_and_numbers_right() -> None:
         "| expected_wait |       16 |       0.50 |",
         "| rr            |        2 |      12.25 |",
     ]
+
+
+def _result(ttfts: list[float], requests: int, too_large: int) -> RunResult:
+    result = RunResult("sticky", 1, requests, too_large=too_large)
+    result.outcomes = [Outcome(i, 0.0, ttft, ttft + 1.0, 10, 0, 0) for i, ttft in enumerate(ttfts)]
+    return result
+
+
+def test_p95_of_all_counts_an_unanswered_request_as_never_answered() -> None:
+    answered = [float(t) for t in range(1, 41)]  # 40 answers, 1-40 s
+    # Every request that fits answered: the p95 of the answers, 38 + (39 - 38) x 0.05.
+    assert summarise(_result(answered, 42, too_large=2))["ttft_p95_all_s"] == 38.05
+    # One of 41 unanswered: rank 38 of 0-40 is the 39th answer, 39 s; the answers' own p95 stays.
+    row = summarise(_result(answered, 43, too_large=2))
+    assert (row["ttft_p95_all_s"], row["ttft_p95_s"]) == (39.0, 38.05)
+    # Three of 43 unanswered: the p95 falls among them.
+    assert summarise(_result(answered, 45, too_large=2))["ttft_p95_all_s"] is None
