@@ -34,8 +34,6 @@ from tests.harness.multinode import HTTP_PORT, Cluster
 from tests.harness.multinode_deploy import serve_config
 from wim_service.serving.errors import status_of
 
-# The KV block size of the cluster's engines (`live_stack.from_pinned_kv`).
-CLUSTER_BLOCK_SIZE: int = serve_config()["applications"][0]["args"]["engine"]["block_size"]
 # A request is lost when it has no answer after this many attempts, 1 s apart.
 RETRIES = 4
 # Questions kept in flight through a fault, and sent after it.
@@ -54,6 +52,12 @@ BALANCED_HOSTS = ("r1", "r2", "e1", "e2")
 # view of its upstreams is.
 _failed_at: dict[str, float] = {}
 _failed_lock = threading.Lock()
+
+
+def cluster_block_size() -> int:
+    """The KV block size of the cluster's engines (`live_stack.from_pinned_kv`), read from
+    its serve config when a test asks, not when this module is imported."""
+    return int(serve_config()["applications"][0]["args"]["engine"]["block_size"])
 
 
 class Balancer:

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from tests.harness.faults import (
-    CLUSTER_BLOCK_SIZE,
     IN_FLIGHT,
     ask,
+    cluster_block_size,
     per_router,
     report,
     under_fault,
@@ -51,7 +51,7 @@ def test_routers_and_engines_run_on_their_own_nodes(cluster: Cluster, document: 
         answer = ask(cluster, document["document_id"])
         assert answer.status == 200 and answer.attempts == 1, answer
         assert answer.body["replica"] == document["replica"]
-        assert from_pinned_kv(answer.body, document, CLUSTER_BLOCK_SIZE)
+        assert from_pinned_kv(answer.body, document, cluster_block_size())
         routers.add(answer.router)
     assert routers <= {replica for replica, _ in replicas["WiMRouter"]}
 
@@ -79,7 +79,7 @@ def test_router_node_loss_loses_no_request(
     # them (its primary, or a copy the policy read for the load: `routing/copies.py`).
     for answer in outcome.answers:
         assert answer.body["replica"] in engines and from_pinned_kv(
-            answer.body, document, CLUSTER_BLOCK_SIZE
+            answer.body, document, cluster_block_size()
         )
     # Those sent after the loss went through the other router (the session is in Redis).
     assert {a.router for a in outcome.answers[IN_FLIGHT:]} == {survivor}

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.harness.faults import CLUSTER_BLOCK_SIZE, Later, Outcome, report, under_fault
+from tests.harness.faults import Later, Outcome, cluster_block_size, report, under_fault
 from tests.harness.live_stack import from_pinned_kv
 from tests.harness.multinode import Cluster, Node
 
@@ -58,7 +58,7 @@ def answered_from(engines: set[str], outcome: Outcome, document: dict) -> None:
     assert not outcome.lost, outcome.lost
     for answer in outcome.answers:
         assert answer.body["replica"] in engines and from_pinned_kv(
-            answer.body, document, CLUSTER_BLOCK_SIZE
+            answer.body, document, cluster_block_size()
         )
 
 
