@@ -54,5 +54,7 @@ def test_p95_of_all_counts_an_unanswered_request_as_never_answered() -> None:
     # One of 41 unanswered: rank 38 of 0-40 is the 39th answer, 39 s; the answers' own p95 stays.
     row = summarise(_result(answered, 43, too_large=2))
     assert (row["ttft_p95_all_s"], row["ttft_p95_s"]) == (39.0, 38.05)
+    # 20 answers and one unanswered: rank 19 of 0-20 falls on the 20th answer, beside it.
+    assert summarise(_result(answered[:20], 21, too_large=0))["ttft_p95_all_s"] == 20.0
     # Three of 43 unanswered: the p95 falls among them.
     assert summarise(_result(answered, 45, too_large=2))["ttft_p95_all_s"] is None

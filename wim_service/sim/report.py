@@ -53,6 +53,8 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     ordered = sorted(values)
     rank = (len(ordered) - 1) * q / 100
     low = math.floor(rank)
+    if rank == low:  # on a rank: its value, even beside an infinite one (`_p95_of_all`)
+        return ordered[low]
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
