@@ -346,21 +346,24 @@ class LiveStack:
         deploy that came while Serve still replaced a killed replica once failed in its
         controller ("Failed to update the deployments"), and the engines' autoscaler never
         acted again: a test that deploys after a fixture's deploy waits for this first."""
-        from ray import serve
-
-        status = serve.status().applications.get("wim")
-        if status is None or "EngineReplica" not in status.deployments:
-            return False
-        return status.deployments["EngineReplica"].replica_states == {"RUNNING": engines}
+        return LiveStack._runs_exactly("EngineReplica", engines)
 
     @staticmethod
     def _routers_settled(app: LiveApp) -> bool:
+        return LiveStack._runs_exactly("WiMRouter", app.routers, app_running=True)
+
+    @staticmethod
+    def _runs_exactly(deployment: str, replicas: int, *, app_running: bool = False) -> bool:
+        """Whether the `wim` application runs exactly `replicas` of `deployment`, starting or
+        stopping none; with `app_running`, also whether Serve calls the application RUNNING."""
         from ray import serve
 
         status = serve.status().applications.get("wim")
-        if status is None or status.status != "RUNNING":
+        if status is None or deployment not in status.deployments:
             return False
-        return status.deployments["WiMRouter"].replica_states == {"RUNNING": app.routers}
+        if app_running and status.status != "RUNNING":
+            return False
+        return status.deployments[deployment].replica_states == {"RUNNING": replicas}
 
     def shutdown(self) -> None:
         import ray
