@@ -98,9 +98,10 @@ def summarise(result: RunResult) -> dict[str, Any]:
     span = max((o.end_s for o in outcomes), default=0.0) - min(
         (o.arrival_s for o in outcomes), default=0.0
     )
+    ttft = [o.first_token_s - o.arrival_s for o in outcomes]
     row: dict[str, Any] = {"policy": result.policy, "replicas": result.replicas}
     row |= figures(
-        [o.first_token_s - o.arrival_s for o in outcomes],
+        ttft,
         [o.end_s - o.arrival_s for o in outcomes],
         prompt_tokens=sum(o.prompt_tokens for o in outcomes),
         cached_tokens=sum(o.cached_tokens for o in outcomes),
@@ -109,19 +110,18 @@ def summarise(result: RunResult) -> dict[str, Any]:
         offered_s=result.offered_s,
     )
     row.update({key: getattr(result, key) for key in EXTRA_KEYS})
-    row["ttft_p95_all_s"] = _p95_of_all(result)
+    unanswered = result.requests - result.too_large - len(outcomes)
+    row["ttft_p95_all_s"] = _p95_of_all(ttft, unanswered)
     return row
 
 
-def _p95_of_all(result: RunResult) -> float | None:
-    """TTFT p95 over every request that fits a replica, one left unanswered (refused, stopped
-    at the deadline, failed) counting as never answered; None where the 95th percentile falls
-    among those. A row's `ttft_p95_s` is over its own answers, so a policy that answers a slow
-    request another refuses raises its own p95 by it: this one compares policies over the
-    same requests."""
-    unanswered = result.requests - result.too_large - len(result.outcomes)
-    ttft = [o.first_token_s - o.arrival_s for o in result.outcomes] + [math.inf] * unanswered
-    p95 = percentile(ttft, 95)
+def _p95_of_all(ttft: list[float], unanswered: int) -> float | None:
+    """TTFT p95 over every request that fits a replica: the answers' `ttft`, and `unanswered`
+    requests (refused, stopped at the deadline, failed) counting as never answered; None where
+    the 95th percentile falls among those. A row's `ttft_p95_s` is over its own answers, so a
+    policy that answers a slow request another refuses raises its own p95 by it: this one
+    compares policies over the same requests."""
+    p95 = percentile(ttft + [math.inf] * unanswered, 95)
     return _rounded(p95) if p95 is not None and math.isfinite(p95) else None
 
 
